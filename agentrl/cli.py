@@ -1,0 +1,50 @@
+"""The ``agentrl`` command line.
+
+Each sub-command lives in its own module, which exposes ``add_arguments(parser)`` and
+``run(args) -> int``; only the chosen command's module is imported, so ``agentrl --help``
+stays fast and ``agentrl tiny-model`` never imports a server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "tiny-model": ("agentrl.inference.tiny_model", "build a tiny Qwen2 model and tokenizer"),
+    "serve-model": ("agentrl.inference.server", "serve a model over the vLLM-compatible HTTP API"),
+}
+
+
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentrl",
+        description="Asynchronous multi-turn RL for tool-using LLM agents.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser = _top_parser()
+        if argv and argv[0] not in ("-h", "--help"):
+            parser.error(f"unknown command {argv[0]!r}; choose one of: {', '.join(COMMANDS)}")
+        parser.print_help()
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    module_name, help_text = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"agentrl {name}", description=help_text)
+    module.add_arguments(parser)
+    args = parser.parse_args(rest)
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

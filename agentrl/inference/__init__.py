@@ -1,0 +1,1 @@
+"""agentrl inference: tiny-model builder, embedded engine and server, vLLM backend, PolicyClient, ServerPool."""

@@ -1,0 +1,1 @@
+"""agentrl rollout: the AgentLoopManager, streaming rewards, datasets and the recording proxy."""

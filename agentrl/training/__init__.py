@@ -1,0 +1,1 @@
+"""agentrl training: trainer, actor/critic, trajectory buffer, checkpoint engine, tracking."""

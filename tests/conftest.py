@@ -1,0 +1,1 @@
+"""Shared pytest configuration. Scripted fakes live in ``tests/fakes.py`` (one place)."""
