@@ -1,0 +1,127 @@
+"""StalenessBudget (AReaL's admission rule) and TrajectoryBuffer accounting."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from agentrl.training.buffer import BufferClosed, StalenessBudget, TrajectoryBuffer
+from agentrl.types import StopReason, Trajectory
+
+
+def _traj(uid: str, version: int, reward: float = 0.0, index: int = 0) -> Trajectory:
+    return Trajectory(
+        prompt_ids=[1],
+        response_ids=[5, 6],
+        loss_mask=[1, 1],
+        rollout_logprobs=[-0.5, -0.5],
+        policy_version=[version, version],
+        uid=uid,
+        index=index,
+        reward=reward,
+        stop_reason=StopReason.EOS,
+    )
+
+
+def test_budget_rule_matches_areal_formula() -> None:
+    b = StalenessBudget(max_staleness=1, batch_size=4)
+    # (η + v + 1) · B = 8 slots at version 0
+    assert b.capacity == 8
+    assert b.try_admit(4) and b.try_admit(4)
+    assert not b.try_admit(1)
+    for _ in range(8):
+        b.on_finished(accepted=True)
+    assert b.capacity == 0  # 8 accepted, nothing consumed yet: still full
+    b.set_version(1)
+    assert b.capacity == 4
+    # a dropped episode frees its slot
+    assert b.try_admit(4)
+    b.on_finished(accepted=False)
+    assert b.capacity == 1
+
+
+def test_budget_rejects_bad_config() -> None:
+    with pytest.raises(ValueError, match="max_staleness"):
+        StalenessBudget(max_staleness=-1, batch_size=4)
+    with pytest.raises(ValueError, match="batch size"):
+        StalenessBudget(max_staleness=0, batch_size=0)
+
+
+def test_budget_state_round_trip_drops_running() -> None:
+    b = StalenessBudget(max_staleness=2, batch_size=2)
+    assert b.try_admit(2)
+    b.on_finished()
+    b.set_version(3)
+    c = StalenessBudget(max_staleness=2, batch_size=2)
+    c.load_state_dict(b.state_dict())
+    assert (c.version, c.accepted, c.running) == (3, 1, 0)
+
+
+async def test_admit_waits_for_version() -> None:
+    b = StalenessBudget(max_staleness=0, batch_size=2)
+    await b.admit(2)
+    waiter = asyncio.create_task(b.admit(2))
+    await asyncio.sleep(0.01)
+    assert not waiter.done()
+    b.on_finished()
+    b.on_finished()
+    b.set_version(1)
+    await asyncio.wait_for(waiter, 1.0)
+    assert b.running == 2
+
+
+async def test_buffer_groups_and_drops_stale() -> None:
+    buf = TrajectoryBuffer(group_size=2, max_staleness=1)
+    await buf.put(_traj("a", 0))
+    assert buf.ready_groups() == 0
+    await buf.put(_traj("a", 0, index=1))
+    await buf.put(_traj("b", 2))
+    await buf.put(_traj("b", 2, index=1))
+    groups = await buf.get_groups(1, current_version=2)
+    # group "a" (version 0) is 2 versions old at version 2 > η = 1: dropped and counted
+    assert [g[0].uid for g in groups] == ["b"]
+    assert buf.dropped["stale"] == 2
+    assert buf.consumed == 2
+
+
+async def test_buffer_dynamic_sampling_drops_uniform_groups() -> None:
+    buf = TrajectoryBuffer(group_size=2, max_staleness=0, drop_uniform_reward_groups=True)
+    for uid, rewards in (("same", (1.0, 1.0)), ("diff", (0.0, 1.0))):
+        for i, r in enumerate(rewards):
+            await buf.put(_traj(uid, 0, reward=r, index=i))
+    groups = await buf.get_groups(1, current_version=0)
+    assert groups[0][0].uid == "diff"
+    assert buf.dropped["uniform_reward"] == 2
+
+
+async def test_buffer_close_wakes_waiter() -> None:
+    buf = TrajectoryBuffer(group_size=1, max_staleness=0)
+    getter = asyncio.create_task(buf.get_groups(1, 0))
+    await asyncio.sleep(0.01)
+    await buf.close()
+    with pytest.raises(BufferClosed):
+        await asyncio.wait_for(getter, 1.0)
+
+
+async def test_every_trajectory_is_consumed_or_dropped_once() -> None:
+    rng = random.Random(0)
+    buf = TrajectoryBuffer(group_size=3, max_staleness=1, drop_uniform_reward_groups=True)
+    n_groups = 40
+    for g in range(n_groups):
+        version = rng.randint(0, 4)
+        for i in range(3):
+            await buf.put(_traj(f"g{g}", version, reward=float(rng.randint(0, 1)), index=i))
+    await buf.close()
+    seen = 0
+    version = 4
+    while True:
+        try:
+            groups = await buf.get_groups(1, version)
+        except BufferClosed:
+            break
+        for g in groups:
+            assert all(t.staleness(version) <= 1 for t in g)
+            seen += len(g)
+    assert seen + sum(buf.dropped.values()) == buf.put_count == n_groups * 3
