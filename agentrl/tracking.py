@@ -1,0 +1,210 @@
+"""Experiment tracking: one MLflow run per experiment (DESIGN section 7).
+
+A :class:`Tracker` has four verbs (params, metrics, artifacts, finish) so the trainer never
+touches MLflow directly. :class:`MlflowTracker` logs to ``MLFLOW_TRACKING_URI`` when it is set,
+else to a local SQLite store under the output directory that ``mlflow ui
+--backend-store-uri sqlite:///...`` opens with no server. A resumed experiment passes the
+saved ``run_id`` and continues the same run (same metric history, steps continue).
+
+Guarantees: metric keys are sanitized the way MLflow requires (``rollout_corr/kl`` stays as is;
+characters MLflow rejects become ``_``); non-finite values are skipped and counted, never sent
+(MLflow rejects NaN in some stores); ``finish`` is idempotent.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import tempfile
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+__all__ = ["MlflowTracker", "NullTracker", "Tracker", "make_tracker", "sanitize_key"]
+
+_BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
+
+
+def sanitize_key(key: str) -> str:
+    """MLflow accepts letters, digits, ``_ - . space / :``; everything else becomes ``_``."""
+    return _BAD_KEY_CHARS.sub("_", key)
+
+
+class Tracker(ABC):
+    """The trainer's view of experiment tracking."""
+
+    run_id: str | None = None
+
+    @abstractmethod
+    def log_params(self, params: dict[str, Any]) -> None: ...
+
+    @abstractmethod
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+
+    @abstractmethod
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        """Log JSON-able data as an artifact file (e.g. ``trajectories/step_10.json``)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / Path(artifact_file).name
+            path.write_text(json.dumps(data, indent=2, default=str))
+            parent = str(Path(artifact_file).parent)
+            self.log_artifact(path, None if parent == "." else parent)
+
+    @abstractmethod
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+    @property
+    def location(self) -> str:
+        """Where a person finds the run (printed by the quickstart)."""
+        return ""
+
+
+class NullTracker(Tracker):
+    """Tracking disabled: keeps the metric history in memory (tests and plots still use it)."""
+
+    def __init__(self) -> None:
+        self.params: dict[str, Any] = {}
+        self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        self.params.update(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        for k, v in metrics.items():
+            self.history[k].append((step, float(v)))
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        return None
+
+    def finish(self, status: str = "FINISHED") -> None:
+        return None
+
+
+class MlflowTracker(Tracker):
+    """One MLflow run; ``run_id`` continues an earlier run (resume)."""
+
+    def __init__(
+        self,
+        *,
+        tracking_uri: str | None,
+        experiment: str,
+        run_name: str | None = None,
+        run_id: str | None = None,
+        local_dir: str | Path = "mlruns",
+    ) -> None:
+        import mlflow
+
+        self._mlflow = mlflow
+        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+        if not uri:
+            local = Path(local_dir).resolve()
+            local.mkdir(parents=True, exist_ok=True)
+            uri = f"sqlite:///{local / 'mlflow.db'}"
+            os.environ.setdefault("MLFLOW_ARTIFACT_ROOT", str(local / "artifacts"))
+        self.tracking_uri = uri
+        mlflow.set_tracking_uri(uri)
+        if mlflow.get_experiment_by_name(experiment) is None:
+            artifact_root = None
+            if uri.startswith("sqlite:///"):
+                artifact_root = (Path(uri[len("sqlite:///") :]).parent / "artifacts").as_uri()
+            mlflow.create_experiment(experiment, artifact_location=artifact_root)
+        mlflow.set_experiment(experiment)
+        self._run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
+        self.run_id = self._run.info.run_id
+        self.experiment = experiment
+        self.skipped_non_finite = 0
+        self._finished = False
+        self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        clean = {sanitize_key(k): str(v)[:6000] for k, v in params.items()}
+        items = list(clean.items())
+        client = self._mlflow.MlflowClient()
+        existing = client.get_run(self.run_id).data.params if self.run_id else {}
+        # A resumed run already holds its params; MLflow refuses to change a logged value.
+        fresh = [(k, v) for k, v in items if k not in existing]
+        for i in range(0, len(fresh), 100):
+            self._mlflow.log_params(dict(fresh[i : i + 100]))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        clean: dict[str, float] = {}
+        for k, v in metrics.items():
+            value = float(v)
+            if not math.isfinite(value):
+                self.skipped_non_finite += 1
+                continue
+            clean[sanitize_key(k)] = value
+            self.history[k].append((step, value))
+        if clean:
+            self._mlflow.log_metrics(clean, step=step)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        p = Path(path)
+        if p.is_dir():
+            self._mlflow.log_artifacts(str(p), artifact_path=artifact_path)
+        else:
+            self._mlflow.log_artifact(str(p), artifact_path=artifact_path)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        if not self._finished:
+            self._finished = True
+            self._mlflow.end_run(status=status)
+
+    @property
+    def location(self) -> str:
+        return f"{self.tracking_uri} (experiment {self.experiment!r}, run {self.run_id})"
+
+
+def make_tracker(
+    *,
+    enabled: bool,
+    backend: str,
+    tracking_uri: str | None,
+    experiment: str,
+    run_name: str | None,
+    run_id: str | None,
+    local_dir: str | Path,
+) -> Tracker:
+    """Build the configured tracker (``tracking.backend``: ``mlflow`` or ``none``)."""
+    if not enabled or backend == "none":
+        return NullTracker()
+    if backend == "mlflow":
+        return MlflowTracker(
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            run_name=run_name,
+            run_id=run_id,
+            local_dir=local_dir,
+        )
+    raise ValueError(f"tracking.backend must be 'mlflow' or 'none' (got {backend!r})")
+
+
+def plot_metric_history(
+    history: dict[str, list[tuple[int, float]]], keys: list[str], out_path: str | Path
+) -> Path | None:
+    """Plot the given metric keys (one panel each) to a PNG; None if none has data."""
+    present = [k for k in keys if history.get(k)]
+    if not present:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(present), 1, figsize=(7, 2.4 * len(present)), squeeze=False)
+    for ax, key in zip(axes[:, 0], present, strict=True):
+        steps, values = zip(*history[key], strict=True)
+        ax.plot(steps, values, marker=".")
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out = Path(out_path)
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
