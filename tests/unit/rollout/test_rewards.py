@@ -1,0 +1,397 @@
+"""Reward functions and the RewardManager: built-ins, sync/async/path/per-source/per-turn,
+bounded concurrency, executors, and errors that never lose a trajectory."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+from fractions import Fraction
+
+import pytest
+
+from agentrl.rollout.rewards import (
+    BUILTIN_REWARDS,
+    RewardConfigError,
+    RewardManager,
+    calculator_reward,
+    exact_match,
+    extract_answer,
+    final_answer_text,
+    numeric_match,
+    parse_number,
+    resolve_reward_fn,
+    tool_format,
+)
+from agentrl.types import Task, Trajectory
+
+
+def make_traj(answer: str | None = "", *, num_turns: int = 1, tool_calls=None, messages=None):
+    if messages is None:
+        messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]
+    return Trajectory(
+        prompt_ids=[1, 2],
+        response_ids=[3, 4],
+        loss_mask=[1, 0],
+        rollout_logprobs=[-0.5, 0.0],
+        policy_version=[0, -1],
+        uid="u",
+        num_turns=num_turns,
+        tool_calls=tool_calls or {},
+        messages=messages,
+        timings={"generate": 0.1},
+    )
+
+
+def make_task(gt="42", data_source="default", **spec) -> Task:
+    return Task(
+        id="t0", prompt="q", data_source=data_source, reward_spec={"ground_truth": gt, **spec}
+    )
+
+
+# ---- module-level reward functions (importable, so they work by path and in processes) -----
+def const_half(traj: Trajectory, task: Task) -> float:
+    return 0.5
+
+
+async def async_len_reward(traj: Trajectory, task: Task) -> dict:
+    await asyncio.sleep(0)
+    return {"score": float(len(final_answer_text(traj))), "judge": "len"}
+
+
+def per_turn_reward(traj: Trajectory, task: Task) -> dict:
+    return {"score": 1.0, "turn_rewards": [0.25] * traj.num_turns}
+
+
+def pid_reward(traj: Trajectory, task: Task) -> dict:
+    return {"score": 1.0, "pid": os.getpid()}
+
+
+async def async_pid_reward(traj: Trajectory, task: Task) -> dict:
+    return {"score": 2.0, "pid": os.getpid()}
+
+
+def raising_reward(traj: Trajectory, task: Task) -> float:
+    raise RuntimeError("grader crashed")
+
+
+# ---- extraction ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("so the total is\n#### 1,234", "1,234"),
+        ("The answer is \\boxed{\\frac{1}{2}} done", "\\frac{1}{2}"),
+        ("first \\boxed{1} then \\boxed{2}", "2"),
+        ("no marker 17", None),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("42", Fraction(42)),
+        ("-1,234.5", Fraction("-1234.5")),
+        ("$12", Fraction(12)),
+        ("50%", Fraction(50)),
+        ("3/4", Fraction(3, 4)),
+        ("\\frac{3}{4}", Fraction(3, 4)),
+        ("1e3", Fraction(1000)),
+        ("12.", Fraction(12)),
+        ("twelve", None),
+        ("1 2", None),
+    ],
+)
+def test_parse_number(text, value):
+    assert parse_number(text) == value
+
+
+def test_final_answer_text_uses_last_assistant_message_and_content_parts():
+    msgs = [
+        {"role": "assistant", "content": "first"},
+        {"role": "tool", "content": "9"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+        },
+        {"role": "user", "content": "later user turn"},
+    ]
+    assert final_answer_text(make_traj(messages=msgs)) == "ab"
+    assert final_answer_text(make_traj(messages=[{"role": "user", "content": "x"}])) == ""
+    assert final_answer_text(make_traj(None)) == ""
+
+
+# ---- built-ins ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("answer", "gt", "score"),
+    [
+        ("#### 42", "42", 1.0),
+        ("The answer is \\boxed{42}.", "42", 1.0),
+        ("I think 40 + 2 = 42", "42", 1.0),  # last number
+        ("I think 42 is not it, 41", "42", 0.0),
+        ("\\boxed{1,234}", "1234", 1.0),
+        ("\\boxed{1234.0000000001}", "1234", 1.0),  # tolerant
+        ("\\boxed{1235}", "1234", 0.0),
+        ("\\boxed{0.5}", "1/2", 1.0),
+        ("#### 7", "Natalia sold 48/2 = 24 ... #### 7", 1.0),  # GSM8K-form ground truth
+        ("no number at all", "3", 0.0),
+        ("\\boxed{-12}", "-12", 1.0),
+    ],
+)
+def test_numeric_match(answer, gt, score):
+    assert numeric_match(make_traj(answer), make_task(gt))["score"] == score
+
+
+def test_numeric_match_tolerance_from_reward_spec():
+    traj = make_traj("\\boxed{3.14}")
+    assert numeric_match(traj, make_task("3.14159"))["score"] == 0.0
+    assert numeric_match(traj, make_task("3.14159", rel_tol=1e-3))["score"] == 1.0
+
+
+def test_numeric_match_rejects_non_numeric_ground_truth():
+    with pytest.raises(ValueError, match="ground_truth"):
+        numeric_match(make_traj("1"), make_task("Paris"))
+
+
+@pytest.mark.parametrize(
+    ("answer", "gt", "score"),
+    [
+        ("  Paris. ", "paris", 1.0),
+        ("The capital is \\boxed{Paris}", "Paris", 1.0),
+        ("The capital is Paris", "Paris", 0.0),
+        ("Lyon", ["Paris", "Lyon"], 1.0),
+    ],
+)
+def test_exact_match(answer, gt, score):
+    assert exact_match(make_traj(answer), make_task(gt))["score"] == score
+
+
+def test_missing_ground_truth_names_the_field():
+    task = Task(id="x", prompt="q", reward_spec={})
+    with pytest.raises(ValueError, match=r"reward_spec\['ground_truth'\]"):
+        exact_match(make_traj("1"), task)
+
+
+def test_calculator_reward_scores_correct_answer_and_reports_format():
+    task = make_task("178377", data_source="calculator")
+    good = calculator_reward(make_traj("\\boxed{178377}", tool_calls={"calculator": 1}), task)
+    assert good["score"] == 1.0
+    assert good["boxed"] and good["used_tool"] and good["invalid_tool_calls"] == 0
+    unboxed = calculator_reward(make_traj("it is 178377"), task)
+    assert unboxed["score"] == 1.0 and not unboxed["boxed"] and not unboxed["used_tool"]
+    wrong = calculator_reward(make_traj("\\boxed{178378}", tool_calls={"<invalid>": 2}), task)
+    assert wrong["score"] == 0.0 and wrong["invalid_tool_calls"] == 2
+
+
+def test_tool_format_from_counts_and_from_text():
+    task = make_task()
+    assert tool_format(make_traj(tool_calls={"calculator": 3}), task)["score"] == 1.0
+    assert (
+        tool_format(make_traj(tool_calls={"calculator": 1, "<invalid>": 1}), task)["score"] == 0.5
+    )
+    assert tool_format(make_traj(), task)["score"] == 0.0
+    restricted = Task(id="t", prompt="q", reward_spec={"tools": ["calculator"]})
+    assert (
+        tool_format(make_traj(tool_calls={"calculator": 1, "search": 1}), restricted)["score"]
+        == 0.5
+    )
+    msgs = [
+        {
+            "role": "assistant",
+            "content": '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1+1"}}\n</tool_call>',
+        },
+        {"role": "tool", "content": "2"},
+        {"role": "assistant", "content": '<tool_call>\n{"name": "calculator", "arguments": {'},
+    ]
+    info = tool_format(make_traj(messages=msgs), task)
+    assert (info["valid_calls"], info["invalid_calls"], info["score"]) == (1, 1, 0.5)
+
+
+# ---- resolving --------------------------------------------------------------------------
+def test_resolve_by_name_path_and_callable():
+    assert resolve_reward_fn("numeric_match") is numeric_match
+    assert resolve_reward_fn("tests.unit.rollout.test_rewards:const_half") is const_half
+    assert resolve_reward_fn(const_half) is const_half
+
+
+def test_unknown_name_lists_builtins():
+    with pytest.raises(RewardConfigError) as err:
+        resolve_reward_fn("exact_mtch")
+    for name in BUILTIN_REWARDS:
+        assert name in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
+        ("tests.unit.rollout.test_rewards:missing", "has no attribute 'missing'"),
+        ("tests.unit.rollout.test_rewards:BUILTIN_REWARDS", "not callable"),
+    ],
+)
+def test_bad_paths_say_what_is_wrong(spec, match):
+    with pytest.raises(RewardConfigError, match=match):
+        resolve_reward_fn(spec)
+
+
+# ---- the manager ----------------------------------------------------------------------------
+async def test_manager_picks_reward_per_data_source_sync_async_and_path():
+    mgr = RewardManager(
+        sources={
+            "math": "numeric_match",
+            "judge": "tests.unit.rollout.test_rewards:async_len_reward",
+            "half": const_half,
+        }
+    )
+    traj = make_traj("\\boxed{42}")
+    math_scored = await mgr.score(traj, make_task("42", data_source="math"))
+    assert math_scored.reward == 1.0 and math_scored.reward_info["correct"] is True
+    judged = await mgr.score(traj, make_task("42", data_source="judge"))
+    assert judged.reward == float(len("\\boxed{42}")) and judged.reward_info["judge"] == "len"
+    assert (await mgr.score(traj, make_task(data_source="half"))).reward == 0.5
+    # a data source named like a built-in uses that built-in when no default is set
+    calc = await mgr.score(traj, make_task("42", data_source="calculator"))
+    assert calc.reward == 1.0 and "boxed" in calc.reward_info
+    with pytest.raises(RewardConfigError, match="no reward function for data_source 'other'"):
+        await mgr.score(traj, make_task(data_source="other"))
+    assert mgr.metrics()["reward/scored"] == 4.0
+
+
+async def test_score_returns_a_copy_with_timings_and_keeps_the_original():
+    mgr = RewardManager(default="numeric_match")
+    traj = make_traj("\\boxed{42}")
+    scored = await mgr.score(traj, make_task("42"))
+    assert traj.reward == 0.0 and "reward" not in traj.timings
+    assert scored.reward == 1.0
+    assert scored.timings["generate"] == 0.1 and scored.timings["reward"] >= 0.0
+    assert scored.response_ids == traj.response_ids
+
+
+async def test_per_turn_rewards():
+    mgr = RewardManager(default=per_turn_reward)
+    scored = await mgr.score(make_traj("x", num_turns=3), make_task())
+    assert scored.turn_rewards == [0.25, 0.25, 0.25]
+
+    def wrong_length(traj, task):
+        return {"score": 1.0, "turn_rewards": [1.0]}
+
+    bad = await RewardManager(default=wrong_length).score(make_traj("x", num_turns=2), make_task())
+    assert bad.reward == 0.0 and "one per model turn" in bad.reward_info["error"]
+
+
+async def test_raising_reward_scores_zero_with_error_and_is_counted(caplog):
+    mgr = RewardManager(default=raising_reward)
+    with caplog.at_level(logging.WARNING, logger="agentrl.rollout.rewards"):
+        scored = await mgr.score(make_traj("x"), make_task())
+    assert scored.reward == 0.0
+    assert scored.reward_info["error"] == "RuntimeError: grader crashed"
+    assert mgr.metrics()["reward/errors"] == 1.0
+    assert "grader crashed" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("result", "match"),
+    [
+        ({"value": 1.0}, "no 'score'"),
+        ("1.0", "return a float or a dict"),
+        (float("nan"), "must be finite"),
+        ({"score": "high"}, "not a number"),
+    ],
+)
+async def test_malformed_results_are_errors(result, match):
+    mgr = RewardManager(default=lambda traj, task: result)
+    scored = await mgr.score(make_traj("x"), make_task())
+    assert scored.reward == 0.0 and match in scored.reward_info["error"]
+    assert mgr.metrics()["reward/errors"] == 1.0
+
+
+async def test_timeout_scores_zero():
+    async def slow(traj, task):
+        await asyncio.sleep(5)
+        return 1.0
+
+    mgr = RewardManager(default=slow, timeout_s=0.05)
+    scored = await mgr.score(make_traj("x"), make_task())
+    assert scored.reward == 0.0 and "timed out" in scored.reward_info["error"]
+    assert mgr.metrics()["reward/timeouts"] == 1.0
+
+
+@pytest.mark.parametrize("executor", ["async", "thread"])
+async def test_concurrency_is_bounded(executor):
+    active = 0
+    peak = 0
+
+    async def tracked_async(traj, task):
+        nonlocal active, peak
+        active += 1
+        peak = max(peak, active)
+        await asyncio.sleep(0.01)
+        active -= 1
+        return 1.0
+
+    mgr = RewardManager(default=tracked_async, executor=executor, max_workers=3)
+    results = await asyncio.gather(*(mgr.score(make_traj("x"), make_task()) for _ in range(20)))
+    assert all(r.reward == 1.0 for r in results)
+    assert peak == 3
+    mgr.close()
+
+
+async def test_thread_executor_runs_sync_functions_off_the_event_loop():
+    import threading
+
+    loop_thread = threading.get_ident()
+    seen = []
+
+    def where(traj, task):
+        seen.append(threading.get_ident())
+        return 1.0
+
+    async with RewardManager(default=where, executor="thread", max_workers=2) as mgr:
+        await mgr.score(make_traj("x"), make_task())
+    assert seen and seen[0] != loop_thread
+
+
+async def test_process_executor_runs_sync_and_async_functions_in_workers():
+    mgr = RewardManager(
+        sources={
+            "sync": "tests.unit.rollout.test_rewards:pid_reward",
+            "async": async_pid_reward,
+            "boom": raising_reward,
+        },
+        executor="process",
+        max_workers=1,
+    )
+    try:
+        s = await mgr.score(make_traj("x"), make_task(data_source="sync"))
+        a = await mgr.score(make_traj("x"), make_task(data_source="async"))
+        b = await mgr.score(make_traj("x"), make_task(data_source="boom"))
+    finally:
+        mgr.close()
+    assert s.reward == 1.0 and s.reward_info["pid"] != os.getpid()
+    assert a.reward == 2.0 and a.reward_info["pid"] == s.reward_info["pid"]
+    assert b.reward == 0.0 and "grader crashed" in b.reward_info["error"]
+
+
+def test_process_executor_rejects_unpicklable_functions_clearly():
+    with pytest.raises(RewardConfigError, match=r"cannot be sent to a process pool.*module level"):
+        RewardManager(sources={"x": lambda traj, task: 1.0}, executor="process")
+
+
+def test_bad_executor_and_workers():
+    with pytest.raises(RewardConfigError, match="executor"):
+        RewardManager(executor="gpu")  # type: ignore[arg-type]
+    with pytest.raises(RewardConfigError, match="max_workers"):
+        RewardManager(max_workers=0)
+
+
+async def test_manager_pickles_after_use():
+    mgr = RewardManager(sources={"math": "numeric_match"}, executor="thread")
+    await mgr.score(make_traj("\\boxed{42}"), make_task("42", data_source="math"))
+    clone = pickle.loads(pickle.dumps(mgr))
+    scored = await clone.score(make_traj("\\boxed{42}"), make_task("42", data_source="math"))
+    assert scored.reward == 1.0
+    mgr.close()
+    clone.close()
