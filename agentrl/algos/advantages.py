@@ -1,0 +1,357 @@
+"""Advantage estimators, registered by name (verl's names), all with one signature.
+
+Every estimator is ``fn(token_level_rewards [B, T], response_mask [B, T], *, index=None,
+values=None, **options) -> (advantages [B, T], returns [B, T])`` and is looked up with
+:func:`compute_advantage`. Guarantees, for every built-in estimator:
+
+- computed in float32 under ``torch.no_grad()`` (advantages are targets, not graph nodes);
+- advantages are 0 wherever ``response_mask`` is 0 (padding, tool and user tokens);
+- group estimators (``grpo``, ``rloo``, ``opo``, ``gpg``, ``reinforce_plus_plus_baseline``)
+  need ``index`` (one group id per row, e.g. the batch's ``uid``) and give a group of one
+  sequence advantage 0: with nothing to compare against there is no learning signal
+  (verl instead lets such a row keep its raw score);
+- outcome estimators use the sequence score ``Σ_t token_level_rewards`` and spread it over
+  every sampled token.
+
+Multi-turn responses contain tool/user tokens (mask 0) between model turns. The
+token-level estimators (``gae``, ``reinforce_plus_plus``, ``remax``) skip those tokens: values
+and TD errors of masked tokens are ignored and returns flow through them undiscounted, so a
+reward on the last turn reaches the first turn.
+
+Register your own with :func:`register_advantage`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from agentrl.algos.registry import Registry, check_kwargs
+from agentrl.algos.utils import group_ids, group_stats, masked_whiten
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "AdvantageFn",
+    "compute_advantage",
+    "register_advantage",
+]
+
+AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+GroupIndex = Sequence[Any] | torch.Tensor
+
+
+def register_advantage(name: str, *aliases: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator registering a user estimator under ``name``.
+
+    The function takes ``(token_level_rewards, response_mask, **options)`` plus ``index`` and/or
+    ``values`` keywords if it uses them (they are passed only when the caller gives them), and
+    returns ``(advantages, returns)``, both ``[B, T]``.
+
+    Example::
+
+        @register_advantage("sign")
+        def sign_advantage(token_level_rewards, response_mask, *, index=None, values=None):
+            adv = torch.sign(token_level_rewards.sum(-1, keepdim=True)) * response_mask
+            return adv, adv
+    """
+    return ADVANTAGE_ESTIMATORS.register(name, *aliases)
+
+
+def compute_advantage(
+    name: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    **cfg: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the estimator registered as ``name``.
+
+    Args:
+        name: a registered name (``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``,
+            ``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``gpg`` or your own).
+        token_level_rewards: ``[B, T]`` rewards (outcome rewards sit on the last sampled token).
+        response_mask: ``[B, T]`` 1 for policy-sampled tokens.
+        index: length-B group ids (the prompt ``uid``) for group estimators.
+        values: ``[B, T]`` critic values, for ``gae``.
+        **cfg: the estimator's own options (e.g. ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``);
+            an option the estimator does not take raises ``ValueError`` naming it.
+
+    Returns:
+        ``(advantages [B, T], returns [B, T])`` in float32.
+    """
+    fn = ADVANTAGE_ESTIMATORS.get(name)
+    # index/values go only where given, so user estimators that need neither can omit them.
+    kwargs: dict[str, Any] = dict(cfg)
+    if index is not None:
+        kwargs["index"] = index
+    if values is not None:
+        kwargs["values"] = values
+    check_kwargs("advantage estimator", name, fn, kwargs)
+    if token_level_rewards.shape != response_mask.shape:
+        raise ValueError(
+            f"token_level_rewards {tuple(token_level_rewards.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must both be [B, T]"
+        )
+    return fn(token_level_rewards, response_mask, **kwargs)
+
+
+def _require_index(
+    name: str, index: GroupIndex | None, batch_size: int
+) -> tuple[torch.Tensor, int]:
+    if index is None:
+        raise ValueError(
+            f"advantage estimator {name!r} compares sequences within a group and needs "
+            "`index`: one group id per row (the batch's `uid`)"
+        )
+    return group_ids(index, batch_size)
+
+
+def _outcome(
+    scores: torch.Tensor, response_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    adv = scores.unsqueeze(-1) * response_mask.float()
+    return adv, adv
+
+
+@register_advantage("gae")
+@torch.no_grad()
+def gae_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438), as in PPO.
+
+    δ_t = r_t + γ V_{t'} − V_t and A_t = δ_t + γλ A_{t'}, where t' is the next *sampled*
+    token (masked tool/user tokens are skipped). ``returns = A + V`` (before whitening);
+    advantages are whitened over the sampled tokens of the batch when ``whiten``.
+    Needs ``values`` ``[B, T]`` from a critic.
+    """
+    if values is None:
+        raise ValueError("advantage estimator 'gae' needs `values` [B, T] from a critic")
+    rewards = token_level_rewards.float()
+    vals = values.float()
+    mask = response_mask.float()
+    next_value = torch.zeros_like(rewards[:, 0])
+    last_gae = torch.zeros_like(rewards[:, 0])
+    steps = []
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        gae_t = delta + gamma * lam * last_gae
+        next_value = m * vals[:, t] + (1 - m) * next_value
+        last_gae = m * gae_t + (1 - m) * last_gae
+        steps.append(last_gae)
+    advantages = torch.stack(steps[::-1], dim=1)
+    returns = (advantages + vals) * mask
+    advantages = masked_whiten(advantages, mask) if whiten else advantages * mask
+    return advantages, returns
+
+
+def _grpo(
+    name: str,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex | None,
+    epsilon: float,
+    norm_by_std: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, n = _require_index(name, index, token_level_rewards.shape[0])
+    scores = token_level_rewards.float().sum(dim=-1)
+    count, mean, std = group_stats(scores, ids, n)
+    adv = scores - mean
+    if norm_by_std:
+        adv = adv / (std + epsilon)
+    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    return _outcome(adv, response_mask)
+
+
+@register_advantage("grpo")
+@torch.no_grad()
+def grpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+    norm_adv_by_std: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300): A_i = (s_i − mean_g) / (std_g + ε).
+
+    ``std_g`` is the unbiased std of the group's scores. With ``norm_adv_by_std_in_grpo=False``
+    this is Dr.GRPO (Liu et al. 2025, arXiv:2503.20783): A_i = s_i − mean_g, which removes the
+    difficulty bias of dividing by the std. ``norm_adv_by_std`` is accepted as an alias.
+    """
+    if norm_adv_by_std is not None:
+        norm_adv_by_std_in_grpo = norm_adv_by_std
+    return _grpo(
+        "grpo", token_level_rewards, response_mask, index, epsilon, norm_adv_by_std_in_grpo
+    )
+
+
+@register_advantage("rloo")
+@torch.no_grad()
+def rloo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024, arXiv:2402.14740): A_i = s_i − mean_{j≠i} s_j.
+
+    The leave-one-out baseline makes the estimator unbiased; equivalently
+    A_i = n/(n−1) · (s_i − mean_g).
+    """
+    ids, n = _require_index("rloo", index, token_level_rewards.shape[0])
+    scores = token_level_rewards.float().sum(dim=-1)
+    count, mean, _ = group_stats(scores, ids, n)
+    adv = (scores - mean) * count / (count - 1).clamp(min=1.0)
+    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    return _outcome(adv, response_mask)
+
+
+def _discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """G_t = r_t + γ G_{t'} over sampled tokens; masked tokens pass the return through undiscounted."""
+    running = torch.zeros_like(rewards[:, 0])
+    out = torch.zeros_like(rewards)
+    for t in reversed(range(rewards.shape[1])):
+        m = mask[:, t]
+        running = rewards[:, t] + (m * gamma + (1 - m)) * running
+        out[:, t] = running * m
+    return out
+
+
+@register_advantage("reinforce_plus_plus")
+@torch.no_grad()
+def reinforce_plus_plus_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, arXiv:2501.03262): discounted return G_t, whitened over the batch.
+
+    No critic and no groups: the batch-wide whitening is the baseline. ``returns`` are the raw
+    discounted returns.
+    """
+    mask = response_mask.float()
+    returns = _discounted_returns(token_level_rewards.float(), mask, gamma)
+    return masked_whiten(returns, mask), returns
+
+
+@register_advantage("reinforce_plus_plus_baseline")
+@torch.no_grad()
+def reinforce_plus_plus_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++-baseline (Hu 2025, arXiv:2501.03262): s_i − mean_g, then whitened over the batch.
+
+    The whitening statistics use only the sampled tokens of rows whose group has at least two
+    sequences; singleton groups get advantage 0.
+    """
+    ids, n = _require_index("reinforce_plus_plus_baseline", index, token_level_rewards.shape[0])
+    scores = token_level_rewards.float().sum(dim=-1)
+    count, mean, _ = group_stats(scores, ids, n)
+    mask = response_mask.float() * (count > 1).float().unsqueeze(-1)
+    centered = (scores - mean).unsqueeze(-1) * mask
+    adv = masked_whiten(centered, mask)
+    return adv, adv
+
+
+@register_advantage("remax")
+@torch.no_grad()
+def remax_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_baselines: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, arXiv:2310.10505): A_t = G_t − b, with b the greedy response's reward.
+
+    ``G_t`` is the undiscounted reward-to-go over the masked rewards; ``reward_baselines`` ``[B]``
+    is the score of a greedy (temperature 0) response to the same prompt.
+    """
+    if reward_baselines is None:
+        raise ValueError(
+            "advantage estimator 'remax' needs `reward_baselines` [B]: the reward of a greedy "
+            "response to each prompt"
+        )
+    mask = response_mask.float()
+    returns = (token_level_rewards.float() * mask).flip(-1).cumsum(-1).flip(-1) * mask
+    baseline = reward_baselines.float().reshape(-1).to(returns.device)
+    if baseline.shape[0] != returns.shape[0]:
+        raise ValueError(
+            f"reward_baselines has {baseline.shape[0]} entries but the batch has {returns.shape[0]} rows"
+        )
+    return returns - baseline.unsqueeze(-1) * mask, returns
+
+
+@register_advantage("opo")
+@torch.no_grad()
+def opo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025, On-Policy RL with Optimal reward baseline, arXiv:2505.23585).
+
+    A_i = s_i − b_g with the length-weighted baseline b_g = Σ_j |o_j| s_j / Σ_j |o_j|, the
+    variance-optimal baseline when gradient norms grow with length.
+    """
+    ids, n = _require_index("opo", index, token_level_rewards.shape[0])
+    scores = token_level_rewards.float().sum(dim=-1)
+    lengths = response_mask.float().sum(dim=-1)
+    dev = scores.device
+    ids = ids.to(dev)
+    weighted = torch.zeros(n, device=dev).index_add_(0, ids, lengths * scores)
+    total_len = torch.zeros(n, device=dev).index_add_(0, ids, lengths)
+    count = torch.zeros(n, device=dev).index_add_(0, ids, torch.ones_like(scores))
+    baseline = (weighted / total_len.clamp(min=1.0))[ids]
+    adv = torch.where(count[ids] > 1, scores - baseline, torch.zeros_like(scores))
+    return _outcome(adv, response_mask)
+
+
+@register_advantage("gpg")
+@torch.no_grad()
+def gpg_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    f_norm: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025, Group Policy Gradient, arXiv:2504.02546): A_i = α (s_i − mean_g) / F_norm.
+
+    α = B / #(rows with a non-zero score) rescales the gradient so that batches where most
+    groups are all-zero do not shrink it. Pair with the ``reinforce`` loss (no ratio, no clip).
+    """
+    ids, n = _require_index("gpg", index, token_level_rewards.shape[0])
+    scores = token_level_rewards.float().sum(dim=-1)
+    count, mean, _ = group_stats(scores, ids, n)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).float()
+    adv = alpha * (scores - mean) / f_norm
+    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    return _outcome(adv, response_mask)
