@@ -1,0 +1,230 @@
+"""OpenAI function schemas from Python signatures, and argument validation with pydantic.
+
+Why this module exists: a tool author writes a typed function and a docstring; the model
+must see a JSON schema (OpenAI function-calling format) and the tool must receive arguments
+that match its type hints. Both come from one pydantic model built from the signature, so the
+schema the model sees and the validation the tool gets can never disagree.
+
+Guarantees:
+
+- :func:`arguments_model` turns a signature into a pydantic model (``extra="forbid"``, lax
+  coercion such as ``"3" -> 3``); parameters without a default are required.
+- :func:`clean_schema` returns a self-contained JSON schema: ``$ref``/``$defs`` are inlined,
+  pydantic's ``title`` keys are dropped, and ``Optional[X] = None`` shows as plain ``X``
+  (not required), which small models handle better than ``anyOf``.
+- :func:`parse_docstring` reads Google style (``Args:`` / ``Arguments:`` / ``Parameters:``
+  followed by ``name (type): text``) and NumPy style (``Parameters`` + dashes, then
+  ``name : type`` and an indented description) docstrings.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+from collections.abc import Callable
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+
+__all__ = ["arguments_model", "clean_schema", "format_validation_error", "parse_docstring"]
+
+_GOOGLE_SECTIONS = {
+    "args",
+    "arguments",
+    "parameters",
+    "params",
+    "returns",
+    "return",
+    "yields",
+    "raises",
+    "examples",
+    "example",
+    "notes",
+    "note",
+    "see also",
+    "attributes",
+}
+_GOOGLE_ARG_SECTIONS = {"args", "arguments", "parameters", "params"}
+_GOOGLE_ARG = re.compile(r"^(\*{0,2}\w+)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$")
+_NUMPY_ARG = re.compile(r"^(\*{0,2}\w+)\s*(?::\s*(.*))?$")
+
+
+def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
+    """Split a docstring into (description, {argument name: argument description}).
+
+    The description is the text before the first section header (``Args:``, ``Returns:``,
+    a NumPy header underlined with dashes, ...), paragraphs joined by a blank line.
+    """
+    if not doc:
+        return "", {}
+    lines = inspect.cleandoc(doc).splitlines()
+    desc_lines: list[str] = []
+    args: dict[str, str] = {}
+    i = 0
+    n = len(lines)
+
+    def is_numpy_header(k: int) -> bool:
+        return (
+            k + 1 < n
+            and lines[k].strip() != ""
+            and re.fullmatch(r"-{3,}", lines[k + 1].strip()) is not None
+        )
+
+    def is_google_header(k: int) -> bool:
+        s = lines[k].strip()
+        return s.endswith(":") and s[:-1].strip().lower() in _GOOGLE_SECTIONS
+
+    while i < n and not is_numpy_header(i) and not is_google_header(i):
+        desc_lines.append(lines[i])
+        i += 1
+
+    while i < n:
+        if is_google_header(i):
+            section = lines[i].strip()[:-1].strip().lower()
+            header_indent = len(lines[i]) - len(lines[i].lstrip())
+            i += 1
+            current: str | None = None
+            item_indent: int | None = None
+            while i < n:
+                line = lines[i]
+                if line.strip() == "":
+                    i += 1
+                    continue
+                indent = len(line) - len(line.lstrip())
+                if indent <= header_indent:
+                    break
+                if item_indent is None:
+                    item_indent = indent
+                if section in _GOOGLE_ARG_SECTIONS:
+                    m = _GOOGLE_ARG.match(line.strip())
+                    if indent == item_indent and m:
+                        current = m.group(1).lstrip("*")
+                        args[current] = m.group(3).strip()
+                    elif current is not None:
+                        args[current] = (args[current] + " " + line.strip()).strip()
+                i += 1
+        elif is_numpy_header(i):
+            section = lines[i].strip().lower()
+            i += 2
+            np_current: str | None = None
+            while i < n and not is_numpy_header(i):
+                line = lines[i]
+                if line.strip() == "":
+                    i += 1
+                    continue
+                indent = len(line) - len(line.lstrip())
+                if section in ("parameters", "other parameters") and indent == 0:
+                    m = _NUMPY_ARG.match(line.strip())
+                    np_current = m.group(1).lstrip("*") if m else None
+                    if np_current is not None:
+                        args[np_current] = ""
+                elif section in ("parameters", "other parameters") and np_current is not None:
+                    args[np_current] = (args[np_current] + " " + line.strip()).strip()
+                i += 1
+        else:
+            i += 1
+
+    description = "\n".join(desc_lines).strip()
+    description = re.sub(r"\n{3,}", "\n\n", description)
+    return description, args
+
+
+def arguments_model(
+    fn: Callable[..., Any],
+    arg_docs: dict[str, str] | None = None,
+    *,
+    model_name: str | None = None,
+) -> type[BaseModel]:
+    """A pydantic model of ``fn``'s parameters (type hints, defaults, docstring descriptions).
+
+    ``*args``/``**kwargs`` are not allowed (a tool's arguments are a JSON object with named
+    fields); a parameter without a type hint is typed ``Any``.
+    """
+    arg_docs = arg_docs or {}
+    sig = inspect.signature(fn)
+    try:
+        hints = _type_hints(fn)
+    except Exception as exc:  # a forward reference that cannot be resolved
+        raise TypeError(
+            f"tool {getattr(fn, '__name__', fn)!r}: cannot resolve type hints ({exc}); "
+            "import the types the signature names at module level"
+        ) from exc
+    fields: dict[str, Any] = {}
+    for pname, param in sig.parameters.items():
+        if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+            raise TypeError(
+                f"tool {fn.__name__!r}: parameter {pname!r} is *args/**kwargs; a tool takes "
+                "named arguments only (declare each one with a type hint)"
+            )
+        annotation = hints.get(pname, Any)
+        default = ... if param.default is inspect.Parameter.empty else param.default
+        desc = arg_docs.get(pname)
+        fields[pname] = (annotation, Field(default, description=desc or None))
+    name = model_name or f"{fn.__name__}_arguments"
+    return create_model(name, __config__=ConfigDict(extra="forbid"), **fields)
+
+
+def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
+    import typing
+
+    return typing.get_type_hints(fn, include_extras=True)
+
+
+def clean_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """A self-contained JSON schema for ``model``: refs inlined, titles dropped."""
+    raw = model.model_json_schema()
+    defs = raw.pop("$defs", {})
+    schema = _inline(raw, defs, depth=0)
+    schema.setdefault("properties", {})
+    schema["type"] = "object"
+    required = set(schema.get("required", []))
+    for pname, prop in list(schema["properties"].items()):
+        if pname not in required:
+            schema["properties"][pname] = _drop_null_branch(prop)
+    if not schema.get("required"):
+        schema.pop("required", None)
+    return schema
+
+
+def _inline(node: Any, defs: dict[str, Any], depth: int) -> Any:
+    if depth > 32:
+        raise TypeError("tool argument types nest too deeply (recursive model?) for a schema")
+    if isinstance(node, dict):
+        if "$ref" in node:
+            ref = node["$ref"].split("/")[-1]
+            target = copy.deepcopy(defs[ref])
+            extra = {k: v for k, v in node.items() if k != "$ref"}
+            target.update(extra)
+            return _inline(target, defs, depth + 1)
+        return {k: _inline(v, defs, depth) for k, v in node.items() if k != "title"}
+    if isinstance(node, list):
+        return [_inline(v, defs, depth) for v in node]
+    return node
+
+
+def _drop_null_branch(prop: dict[str, Any]) -> dict[str, Any]:
+    """``{"anyOf": [X, {"type": "null"}], "default": None}`` -> ``X`` (the field is optional)."""
+    branches = prop.get("anyOf")
+    if not isinstance(branches, list):
+        return prop
+    non_null = [b for b in branches if b != {"type": "null"}]
+    if len(non_null) != 1 or len(non_null) == len(branches):
+        return prop
+    out = {k: v for k, v in prop.items() if k != "anyOf"}
+    merged = dict(non_null[0])
+    merged.update(out)
+    if merged.get("default", 0) is None:
+        merged.pop("default")
+    return merged
+
+
+def format_validation_error(exc: Exception) -> str:
+    """``field: problem; other.0: problem`` for a pydantic ValidationError, else ``str(exc)``."""
+    if not isinstance(exc, ValidationError):
+        return str(exc)
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ())) or "arguments"
+        parts.append(f"{loc}: {err.get('msg', 'invalid')}")
+    return "; ".join(parts)
