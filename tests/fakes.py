@@ -1,0 +1,136 @@
+"""Scripted fakes shared by the test suite (one place, so tests agree on how fakes behave)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+
+# ---- FakeInferenceServer (PolicyClient / ServerPool unit tests) -------------------------------
+
+
+class FakeInferenceServer:
+    """A scripted in-process inference server speaking the completions + control subset.
+
+    Use ``PolicyClient(fake.url, transport=fake.transport())``. It answers like the embedded
+    server (``version_in_body=True``: int versions, ``weight_version`` in every completion body)
+    or like vLLM (``version_in_body=False``: string versions, ``"default"`` at start). Script
+    failures with ``fail_next`` (an int status code, ``"connect"`` for a refused connection or
+    ``"drop"`` for a connection dropped mid-request), set ``alive = False`` to make every call
+    fail to connect, or close ``gate`` to hold generate requests in flight.
+
+    The generated tokens are a function of the prompt (``prompt[-1] + 1 + i``) with logprob
+    ``-0.5``, so tests can check which request got which answer.
+    """
+
+    def __init__(
+        self,
+        url: str = "http://fake",
+        *,
+        version: int = 0,
+        version_in_body: bool = True,
+        model: str = "fake-model",
+    ) -> None:
+        self.url = url
+        self.version = version
+        self.version_in_body = version_in_body
+        self.model = model
+        self.alive = True
+        self.paused = False
+        self.fail_next: list[int | str] = []
+        self.generate_requests: list[dict[str, Any]] = []
+        self.completed: list[dict[str, Any]] = []
+        self.control_calls: list[tuple[str, Any]] = []
+        self.gate = asyncio.Event()
+        self.gate.set()
+        self.bump_version_during_generate = False
+
+    def transport(self) -> httpx.MockTransport:
+        return httpx.MockTransport(self._handle)
+
+    def _version_value(self) -> Any:
+        if self.version_in_body:
+            return self.version
+        return "default" if self.version == 0 else str(self.version)
+
+    @staticmethod
+    def _error(status: int, message: str) -> httpx.Response:
+        return httpx.Response(
+            status, json={"error": {"message": message, "type": "invalid_request_error"}}
+        )
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        if not self.alive:
+            raise httpx.ConnectError("connection refused (fake server is down)", request=request)
+        path = request.url.path
+        body: Any = json.loads(request.content) if request.content else None
+        if path == "/health":
+            return httpx.Response(200)
+        if path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": self.model}]})
+        if path == "/weight_info":
+            return httpx.Response(200, json={"weight_version": self._version_value()})
+        if path == "/v1/completions":
+            return await self._complete(request, body)
+        self.control_calls.append((path, body if body is not None else dict(request.url.params)))
+        if path == "/pause":
+            self.paused = True
+            return httpx.Response(200, json={"status": "paused"})
+        if path == "/resume":
+            self.paused = False
+            return httpx.Response(200, json={"status": "resumed"})
+        if path == "/is_paused":
+            return httpx.Response(200, json={"is_paused": self.paused})
+        if path == "/abort_requests":
+            return httpx.Response(200, json={"status": "aborted", "aborted": 0})
+        if path == "/reset_prefix_cache":
+            return httpx.Response(200, json={"success": True})
+        if path == "/collective_rpc":
+            return httpx.Response(200, json={"results": [None]})
+        if path == "/update_weight_version":
+            raw = body.get("version", body.get("new_version"))
+            self.version = 0 if raw == "default" else int(raw)
+            return httpx.Response(200, json={"success": True})
+        if path == "/update_weights":
+            self.version = int(request.headers["x-weight-version"])
+            return httpx.Response(200, json={"success": True})
+        return self._error(404, f"no route {path}")
+
+    async def _complete(self, request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
+        self.generate_requests.append(
+            {"body": body, "headers": dict(request.headers), "server": self.url}
+        )
+        if self.fail_next:
+            failure = self.fail_next.pop(0)
+            if failure == "connect":
+                raise httpx.ConnectError("connection refused (scripted)", request=request)
+            if failure == "drop":
+                raise httpx.RemoteProtocolError("server disconnected (scripted)", request=request)
+            assert isinstance(failure, int)
+            return self._error(failure, f"scripted HTTP {failure}")
+        await self.gate.wait()
+        if not self.alive:  # died while the request was held
+            raise httpx.RemoteProtocolError("server disconnected", request=request)
+        if self.bump_version_during_generate:
+            self.version += 1
+        prompt = body["prompt"]
+        n = body["max_tokens"]
+        tokens = [prompt[-1] + 1 + i for i in range(n)]
+        payload: dict[str, Any] = {
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "length",
+                    "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in tokens],
+                        "token_logprobs": [-0.5] * n,
+                    },
+                }
+            ]
+        }
+        if self.version_in_body:
+            payload["weight_version"] = self.version
+        self.completed.append({"prompt": prompt, "tokens": tokens, "server": self.url})
+        return httpx.Response(200, json=payload)
