@@ -1,8 +1,47 @@
-"""Off-policy correction math for asynchronous RL (torch only).
+"""Off-policy correction for asynchronous RL: IS weights, RS masks, bypass losses, diagnostics.
 
-See ``docs/correction.md`` for the formulas. This package imports nothing but torch (and numpy).
+The trainer samples with π_rollout (the inference server, possibly a few versions stale) and trains
+π_θ. This package holds the pure math that corrects for that gap; see ``docs/correction.md`` for
+every formula, metric name and preset. It imports only torch (and the standard library), so it can be
+used and tested alone.
+
+Typical use::
+
+    import correction
+    cfg = correction.preset("decoupled_token_is")
+    out = correction.apply_correction(cfg, old_log_probs - rollout_log_probs, response_mask,
+                                      rollout_log_probs=rollout_log_probs)
+    # out.weights [B, T] multiplies the per-token policy loss; out.response_mask replaces the mask.
 """
 
 from correction._agg import LOSS_AGG_MODES, LossAggMode, agg_loss
+from correction._common import LOG_RATIO_BOUND, check_finite
+from correction.apply import CorrectionOutput, apply_correction
+from correction.bypass import bypass_ppo_clip_loss, bypass_reinforce_loss
+from correction.config import PRESETS, CorrectionConfig, LossType, preset
+from correction.diagnostics import DIAGNOSTIC_NAMES, offpolicy_metrics
+from correction.rejection import RejectionRule, RSOption, rejection_mask
+from correction.weights import ISLevel, is_weights
 
-__all__ = ["LOSS_AGG_MODES", "LossAggMode", "agg_loss"]
+__all__ = [
+    "DIAGNOSTIC_NAMES",
+    "LOG_RATIO_BOUND",
+    "LOSS_AGG_MODES",
+    "PRESETS",
+    "CorrectionConfig",
+    "CorrectionOutput",
+    "ISLevel",
+    "LossAggMode",
+    "LossType",
+    "RSOption",
+    "RejectionRule",
+    "agg_loss",
+    "apply_correction",
+    "bypass_ppo_clip_loss",
+    "bypass_reinforce_loss",
+    "check_finite",
+    "is_weights",
+    "offpolicy_metrics",
+    "preset",
+    "rejection_mask",
+]

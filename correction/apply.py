@@ -1,0 +1,75 @@
+"""The one call the trainer makes per batch: IS weights + RS mask + diagnostics from one config.
+
+All three share a single set of batch statistics (see ``correction._common._Stats``), so the full
+correction pass reads the ``[B, T]`` tensors a small, fixed number of times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from correction._common import _Stats, check_pair, metrics_to_floats
+from correction.config import CorrectionConfig
+from correction.diagnostics import diagnostics_from_stats
+from correction.rejection import rejection_from_stats
+from correction.weights import is_weights_from_stats
+
+__all__ = ["CorrectionOutput", "apply_correction"]
+
+
+@dataclass(frozen=True)
+class CorrectionOutput:
+    """What :func:`apply_correction` returns.
+
+    Attributes:
+        weights: ``[B, T]`` detached IS weights (0 on padding and on rejected tokens), or None when
+            the config has no IS level.
+        response_mask: ``[B, T]`` the response mask after RS, in the input mask's dtype.
+        metrics: flat ``dict[str, float]`` without prefix (the trainer adds ``rollout_corr/``).
+    """
+
+    weights: torch.Tensor | None
+    response_mask: torch.Tensor
+    metrics: dict[str, float]
+
+
+def apply_correction(
+    config: CorrectionConfig,
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None = None,
+) -> CorrectionOutput:
+    """Compute IS weights, the RS mask and their metrics for one batch.
+
+    Args:
+        config: what to do (see :class:`correction.CorrectionConfig` and :func:`correction.preset`).
+        log_ratio: ``[B, T]`` log π_old − log π_rollout (decoupled) or log π_θ.detach() −
+            log π_rollout (bypass). Padding values are ignored.
+        response_mask: ``[B, T]`` 0/1.
+        rollout_log_probs: ``[B, T]`` log π_rollout. When given, the off-policy diagnostics
+            (``kl``, ``k3_kl``, perplexities, χ²; see ``DIAGNOSTIC_NAMES``) are added to the metrics,
+            computed from the same statistics (π_train = π_rollout · exp ℓ).
+
+    Returns:
+        :class:`CorrectionOutput`. IS is computed on the original response mask (its statistics
+        and batch normalization cover every response token), then zeroed where RS rejected.
+    """
+    stats = _Stats(log_ratio, response_mask)
+    metrics: dict[str, torch.Tensor | float] = {}
+    keep, rs_metrics = rejection_from_stats(stats, config.rs_rules)
+    weights: torch.Tensor | None = None
+    if config.is_level is not None:
+        weights, is_metrics = is_weights_from_stats(
+            stats, config.is_level, config.is_threshold, config.is_batch_normalize
+        )
+        metrics.update(is_metrics)
+        if config.rs_rules:
+            weights = weights.mul_(keep)
+    metrics.update(rs_metrics)
+    if rollout_log_probs is not None:
+        check_pair("rollout_log_probs", rollout_log_probs, response_mask)
+        metrics.update(diagnostics_from_stats(stats, rollout_log_probs))
+    new_mask = response_mask if not config.rs_rules else keep.to(response_mask.dtype)
+    return CorrectionOutput(weights, new_mask, metrics_to_floats(metrics))
