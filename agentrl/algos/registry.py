@@ -78,14 +78,15 @@ def check_kwargs(
     params = inspect.signature(fn).parameters
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
-    accepted = {
-        n
-        for n, p in params.items()
-        if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    }
+    keyword_kinds = (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    accepted = {n for n, p in params.items() if p.kind in keyword_kinds}
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
+        # Options are the parameters with defaults; the required ones are the tensors.
+        options = sorted(
+            n for n, p in params.items() if p.kind in keyword_kinds and p.default is not p.empty
+        )
         raise ValueError(
             f"{kind} {name!r} does not take option(s) {', '.join(unknown)}; "
-            f"it takes: {', '.join(sorted(accepted))}"
+            f"its options are: {', '.join(options)}"
         )
