@@ -65,7 +65,8 @@ class FakeInferenceServer:
         if not self.alive:
             raise httpx.ConnectError("connection refused (fake server is down)", request=request)
         path = request.url.path
-        body: Any = json.loads(request.content) if request.content else None
+        is_json = request.headers.get("content-type", "").startswith("application/json")
+        body: Any = json.loads(request.content) if request.content and is_json else None
         if path == "/health":
             return httpx.Response(200)
         if path == "/v1/models":

@@ -1,0 +1,443 @@
+"""PolicyClient: one async HTTP client for the embedded server and for vLLM.
+
+Agents call :meth:`PolicyClient.generate` (token ids in; token ids, per-token logprobs and the
+weight version out); the CheckpointEngine calls the control methods (pause, resume, weight
+updates, versions). Both servers speak the same subset of vLLM's OpenAI-compatible API
+(DESIGN section 3), so the only backend-specific parts are small and live here:
+
+- **Weight version of a generation.** The embedded server puts ``weight_version`` in every
+  completion body. vLLM 0.32's ``/v1/completions`` does not (its per-token
+  ``weight_versions`` spans only exist on the separate ``--enable-scale-out``
+  ``/inference/v1/generate`` endpoint). For vLLM the client reads ``GET /weight_info`` right
+  before and right after the request. Guarantee: if both reads agree (the normal case: weights
+  change only while the server is paused, and the version is set before resuming), every token
+  of the generation was produced by that version. If they differ, the request straddled a
+  weight update (a ``keep``-mode pause resumed it with new weights); the client then reports
+  the *older* version, so staleness is over-estimated, never under-estimated, and counts the
+  event in :attr:`PolicyClient.version_straddles`.
+- **Version type.** vLLM stores the version as a string (``"default"`` at start-up); the
+  client writes ``str(int)`` and reads ``"default"`` as version 0. Any other non-integer string
+  is an error that names the fix (set a version through :meth:`set_weight_version`).
+
+Failure handling: connection errors, dropped connections, timeouts and 5xx answers are retried
+with jittered exponential backoff (``max_retries`` times), then raise
+:class:`InferenceServerError`; a 4xx is never retried and raises :class:`InferenceRequestError`
+carrying the server's own message. Weight loads are never retried (not idempotent in time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from pathlib import Path
+from typing import Any, Literal, cast
+
+import httpx
+
+from agentrl.types import Generation, SamplingParams
+
+__all__ = [
+    "InferenceError",
+    "InferenceRequestError",
+    "InferenceServerError",
+    "PauseMode",
+    "PolicyClient",
+    "parse_completion",
+    "parse_weight_version",
+]
+
+logger = logging.getLogger(__name__)
+
+PauseMode = Literal["keep", "wait", "abort"]
+"""How a pause treats in-flight requests: ``keep`` parks them (they continue after resume),
+``wait`` lets them finish first, ``abort`` ends them at once with ``finish_reason="abort"``."""
+
+Backend = Literal["auto", "embedded", "vllm"]
+
+
+class InferenceError(RuntimeError):
+    """Base class of every error the client raises."""
+
+
+class InferenceRequestError(InferenceError):
+    """The server rejected the request (HTTP 4xx); retrying the same request cannot help."""
+
+    def __init__(self, url: str, status_code: int, message: str) -> None:
+        super().__init__(f"{url} rejected the request (HTTP {status_code}): {message}")
+        self.url = url
+        self.status_code = status_code
+        self.message = message
+
+
+class InferenceServerError(InferenceError):
+    """The server failed or could not be reached (connection error, dropped connection, 5xx).
+
+    ``connection_failed`` is True when the server was unreachable or the connection dropped
+    (the server is probably gone), False for an HTTP 5xx answer (the server is up).
+    """
+
+    def __init__(
+        self, url: str, message: str, *, status_code: int | None = None, connection_failed: bool
+    ) -> None:
+        super().__init__(f"{url}: {message}")
+        self.url = url
+        self.status_code = status_code
+        self.connection_failed = connection_failed
+
+
+def _error_message(response: httpx.Response) -> str:
+    """The server's own error text: OpenAI-style ``{"error": {"message"}}``, FastAPI's
+    ``{"detail"}``, vLLM's ``{"error": "..."}`` or the raw body."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text.strip()[:2000] or response.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if "detail" in body:
+            return str(body["detail"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:2000]
+
+
+def parse_weight_version(value: Any, url: str = "") -> int:
+    """Turn a server's weight version (int, ``"7"``, or vLLM's initial ``"default"``) into an int."""
+    if isinstance(value, bool):
+        raise InferenceError(f"{url}: weight_version {value!r} is not a version number")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        if value == "default":
+            return 0
+        try:
+            return int(value)
+        except ValueError:
+            pass
+    raise InferenceError(
+        f"{url}: server reports weight_version {value!r}, which is not an integer; agentrl "
+        "numbers versions 0, 1, 2, ...: set one with PolicyClient.set_weight_version(v)"
+    )
+
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+def parse_completion(
+    body: dict[str, Any], url: str = ""
+) -> tuple[list[int], list[float], FinishReason]:
+    """Token ids, their logprobs and the finish reason from a ``/v1/completions`` body.
+
+    Token ids come from ``logprobs.tokens`` (``"token_id:123"`` strings, as written with
+    ``return_tokens_as_token_ids``); a choice-level ``token_ids`` list is preferred when present.
+    """
+    choices = body.get("choices")
+    if not isinstance(choices, list) or not choices:
+        raise InferenceError(f"{url}: completion response has no choices: {str(body)[:500]}")
+    choice = choices[0]
+    logprobs = choice.get("logprobs") or {}
+    token_logprobs = logprobs.get("token_logprobs") or []
+    token_ids = choice.get("token_ids")
+    if not isinstance(token_ids, list):
+        token_ids = []
+        for tok in logprobs.get("tokens") or []:
+            if not (isinstance(tok, str) and tok.startswith("token_id:")):
+                raise InferenceError(
+                    f"{url}: logprobs.tokens entry {tok!r} is not 'token_id:N'; the request must "
+                    "set return_tokens_as_token_ids=true"
+                )
+            token_ids.append(int(tok.removeprefix("token_id:")))
+    lps = [float(x) if x is not None else 0.0 for x in token_logprobs]
+    if len(lps) != len(token_ids):
+        raise InferenceError(
+            f"{url}: completion has {len(token_ids)} tokens but {len(lps)} logprobs; the request "
+            "must set logprobs=0"
+        )
+    finish = choice.get("finish_reason") or "stop"
+    if finish not in ("stop", "length", "abort"):
+        # vLLM reports e.g. "error" for an internal failure of one request.
+        raise InferenceServerError(
+            url, f"generation ended with finish_reason={finish!r}", connection_failed=False
+        )
+    return [int(t) for t in token_ids], lps, cast(FinishReason, finish)
+
+
+class PolicyClient:
+    """Async client for one inference server (embedded or vLLM), by base URL.
+
+    Example::
+
+        async with PolicyClient("http://127.0.0.1:8000") as client:
+            gen = await client.generate([1, 2, 3], SamplingParams(max_tokens=8), session_id="ep-1")
+            gen.token_ids, gen.logprobs, gen.weight_version
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        model: str | None = None,
+        backend: Backend = "auto",
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 4.0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        """``backend="auto"`` learns from the first ``/weight_info`` answer whether the server
+        reports versions in completion bodies (embedded, int versions) or not (vLLM, string
+        versions). ``transport`` lets tests pass an in-process ASGI app."""
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        self.base_url = base_url.rstrip("/")
+        self.model = model
+        self.backend: Backend = backend
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.version_straddles = 0
+        """Generations whose weight version changed while they ran (vLLM only; see module doc)."""
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url,
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            transport=transport,
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> PolicyClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"PolicyClient({self.base_url!r}, backend={self.backend!r})"
+
+    # ---- transport ----------------------------------------------------------------------
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        retries: int | None = None,
+        **kwargs: Any,
+    ) -> httpx.Response:
+        """One HTTP call with retries on connection errors and 502/503/504; raises on >= 400."""
+        retries = self.max_retries if retries is None else retries
+        url = self.base_url + path
+        attempt = 0
+        while True:
+            try:
+                response = await self._http.request(method, path, **kwargs)
+            except (httpx.TransportError, httpx.StreamError) as exc:
+                # Connection refused/reset or dropped mid-response: the server is probably gone.
+                # A read timeout is different: the server may still be working on it.
+                slow = isinstance(exc, httpx.TimeoutException) and not isinstance(
+                    exc, httpx.ConnectTimeout
+                )
+                error: InferenceServerError = InferenceServerError(
+                    url, f"{type(exc).__name__}: {exc}", connection_failed=not slow
+                )
+                error.__cause__ = exc
+            else:
+                if response.status_code < 400:
+                    return response
+                message = _error_message(response)
+                if response.status_code < 500:
+                    raise InferenceRequestError(url, response.status_code, message)
+                error = InferenceServerError(
+                    url,
+                    f"HTTP {response.status_code}: {message}",
+                    status_code=response.status_code,
+                    connection_failed=False,
+                )
+            if attempt >= retries:
+                raise error
+            delay = min(self.max_backoff_s, self.backoff_s * 2**attempt)
+            delay *= 0.5 + random.random() / 2  # jitter: retries from many agents don't align
+            logger.debug("retrying %s %s in %.2fs after: %s", method, url, delay, error)
+            await asyncio.sleep(delay)
+            attempt += 1
+
+    async def _json(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self._request(method, path, **kwargs)
+        if not response.content:
+            return {}
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise InferenceError(
+                f"{self.base_url}{path}: expected JSON, got {response.text[:200]!r}"
+            ) from exc
+
+    # ---- generation ---------------------------------------------------------------------
+    async def _model_name(self) -> str:
+        if self.model is None:
+            body = await self._json("GET", "/v1/models")
+            data = body.get("data") or []
+            if not data:
+                raise InferenceError(f"{self.base_url}/v1/models lists no model")
+            self.model = str(data[0]["id"])
+        return self.model
+
+    async def _resolve_backend(self) -> Backend:
+        if self.backend == "auto":
+            raw = (await self._json("GET", "/weight_info")).get("weight_version")
+            # The embedded server numbers versions with ints; vLLM stores a string.
+            self.backend = "embedded" if isinstance(raw, int) else "vllm"
+        return self.backend
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+        *,
+        request_id: str | None = None,
+    ) -> Generation:
+        """Sample a continuation of ``prompt_ids``; see the module doc for the version guarantee.
+
+        ``session_id`` travels as the ``x-session-id`` header (the embedded server logs it; vLLM
+        ignores it); ``request_id`` as ``x-request-id`` (both servers use it as the request id).
+        """
+        model = await self._model_name()
+        backend = await self._resolve_backend()
+        payload: dict[str, Any] = {
+            "model": model,
+            "prompt": list(prompt_ids),
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+        }
+        if sampling.top_k > 0:
+            payload["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            payload["seed"] = sampling.seed
+        if sampling.stop_token_ids:
+            payload["stop_token_ids"] = list(sampling.stop_token_ids)
+        headers = {}
+        if session_id is not None:
+            headers["x-session-id"] = session_id
+        if request_id is not None:
+            headers["x-request-id"] = request_id
+
+        before = await self.weight_version() if backend == "vllm" else None
+        response = await self._request("POST", "/v1/completions", json=payload, headers=headers)
+        body = response.json()
+        token_ids, logprobs, finish = parse_completion(body, self.base_url)
+        if "weight_version" in body:
+            version = parse_weight_version(body["weight_version"], self.base_url)
+        elif before is not None:
+            after = await self.weight_version()
+            if after != before:
+                self.version_straddles += 1
+                logger.warning(
+                    "%s: generation straddled weight versions %d -> %d; reporting %d",
+                    self.base_url,
+                    before,
+                    after,
+                    before,
+                )
+            version = before
+        else:
+            raise InferenceError(
+                f"{self.base_url}/v1/completions returned no weight_version; pass "
+                "backend='vllm' to read it from /weight_info instead"
+            )
+        return Generation(
+            token_ids=token_ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            weight_version=version,
+            server=self.base_url,
+        )
+
+    # ---- control ------------------------------------------------------------------------
+    async def health(self) -> bool:
+        """True when ``GET /health`` answers 200; never raises (one try, no retries)."""
+        try:
+            response = await self._http.get("/health", timeout=10.0)
+        except (httpx.TransportError, httpx.StreamError):
+            return False
+        return response.status_code == 200
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Stop scheduling generation; ``mode`` says what happens to in-flight requests."""
+        if mode not in ("keep", "wait", "abort"):
+            raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
+        await self._request("POST", "/pause", params={"mode": mode}, json={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._json("GET", "/is_paused"))["is_paused"])
+
+    async def abort_requests(self) -> int | None:
+        """Abort every in-flight request (they finish with ``finish_reason="abort"``).
+
+        Returns how many were aborted when the server says so."""
+        body = await self._json("POST", "/abort_requests", json={})
+        n = body.get("aborted") if isinstance(body, dict) else None
+        return int(n) if isinstance(n, int) else None
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop cached prefixes (do it after a weight update). False when the server could not
+        (vLLM refuses while running requests hold cache blocks; pause first)."""
+        body = await self._json("POST", "/reset_prefix_cache")
+        return bool(body.get("success", True)) if isinstance(body, dict) else True
+
+    async def weight_info(self) -> dict[str, Any]:
+        """The server's ``/weight_info`` body with ``weight_version`` normalized to an int."""
+        body = dict(await self._json("GET", "/weight_info"))
+        body["weight_version"] = parse_weight_version(body.get("weight_version"), self.base_url)
+        return body
+
+    async def weight_version(self) -> int:
+        return (await self.weight_info())["weight_version"]
+
+    async def set_weight_version(self, version: int) -> None:
+        """Label the server's current weights with ``version``."""
+        backend = await self._resolve_backend()
+        body: dict[str, Any] = (
+            {"version": int(version)} if backend == "embedded" else {"new_version": str(version)}
+        )
+        await self._request("POST", "/update_weight_version", json=body)
+
+    async def update_weights_from_path(self, path: str | Path, version: int) -> None:
+        """Load the safetensors weights in directory ``path`` (a path on the server's machine),
+        then set ``version``. Uses vLLM's ``/collective_rpc`` ``reload_weights``, which the
+        embedded server also speaks. Pause the server first when requests are in flight."""
+        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        await self._request("POST", "/collective_rpc", json=body, retries=0)
+        await self.set_weight_version(version)
+
+    async def update_weights_from_bytes(self, data: bytes, version: int) -> None:
+        """Stream a safetensors file to the server (embedded server only)."""
+        if await self._resolve_backend() == "vllm":
+            raise NotImplementedError(
+                f"{self.base_url} is a vLLM server, which cannot receive weights in an HTTP body; "
+                "use the shared-directory transport (update_weights_from_path) or NCCL on GPUs"
+            )
+        await self._request(
+            "POST",
+            "/update_weights",
+            content=data,
+            headers={
+                "content-type": "application/octet-stream",
+                "x-weight-version": str(version),
+            },
+            retries=0,
+        )

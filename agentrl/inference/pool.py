@@ -1,0 +1,330 @@
+"""ServerPool: many inference servers behind the one ``generate`` call agents already use.
+
+Routing: a request with a ``session_id`` that the pool has seen goes back to the server that
+served that session (its prefix cache holds the earlier turns) as long as that server is
+alive; otherwise the pool picks the live server with the fewest outstanding requests (ties go
+to the server that has completed fewer) and remembers the choice. The session map is an LRU
+bounded by ``max_sessions``.
+
+Invariants:
+
+- every ``generate`` call returns exactly one :class:`~agentrl.types.Generation` or raises
+  exactly one error; a request is re-sent to another server only when its server could not
+  have delivered an answer (connection refused/dropped: the server is marked dead) or answered
+  with a 5xx; a 4xx is raised at once and never retried;
+- a server's ``outstanding`` count goes up when a request is sent to it and down when that
+  request ends, whatever the outcome (``completed`` or ``failures`` goes up by one);
+- a dead server gets no new requests until a health check finds it healthy again; the
+  background health loop (``health_check_interval_s``) probes every server, dead or alive.
+
+Broadcast helpers (pause, resume, weight updates, versions, prefix cache) run on every server
+concurrently and return a per-server report ``{url: Ok | exception}``; they never raise for a
+single server's failure, so the CheckpointEngine can tell exactly which server is in which
+state.
+
+Shutdown: :meth:`ServerPool.aclose` stops the health loop, then closes the clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+from agentrl.inference.client import (
+    InferenceRequestError,
+    InferenceServerError,
+    PauseMode,
+    PolicyClient,
+)
+from agentrl.types import Generation, SamplingParams
+
+__all__ = ["BroadcastReport", "Ok", "ServerPool", "ServerStats"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Ok:
+    """A broadcast step that succeeded on one server; ``value`` is what the call returned."""
+
+    value: Any = None
+
+
+BroadcastReport = dict[str, "Ok | BaseException"]
+"""Per-server outcome of a broadcast: ``{url: Ok(value) | the exception it raised}``."""
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """A snapshot of one server's counters."""
+
+    url: str
+    alive: bool
+    outstanding: int
+    completed: int
+    failures: int
+    sessions: int
+
+
+@dataclass
+class _Server:
+    url: str
+    client: PolicyClient
+    alive: bool = True
+    outstanding: int = 0
+    completed: int = 0
+    failures: int = 0
+
+
+class ServerPool:
+    """Least-outstanding-requests routing with sticky sessions over several servers.
+
+    Example::
+
+        async with ServerPool(["http://127.0.0.1:8001", "http://127.0.0.1:8002"]) as pool:
+            gen = await pool.generate(prompt_ids, SamplingParams(), session_id="episode-7")
+            report = await pool.pause("keep")   # {url: Ok(None) | error}
+    """
+
+    def __init__(
+        self,
+        urls: Sequence[str],
+        *,
+        health_check_interval_s: float | None = 5.0,
+        max_sessions: int = 10_000,
+        max_attempts: int | None = None,
+        retry_backoff_s: float = 0.1,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        model: str | None = None,
+        client_factory: Callable[[str], PolicyClient] | None = None,
+    ) -> None:
+        """``health_check_interval_s=None`` disables the background loop (call
+        :meth:`check_health` yourself). ``max_attempts`` bounds how many servers one request
+        may try (default: twice the number of servers). ``client_factory(url)`` builds the
+        per-server client (tests pass in-process transports)."""
+        if not urls:
+            raise ValueError("ServerPool needs at least one server URL in 'urls'")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"ServerPool 'urls' has duplicates: {list(urls)}")
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+
+        def default_factory(url: str) -> PolicyClient:
+            # The pool retries on other servers itself; each client tries once.
+            return PolicyClient(
+                url,
+                model=model,
+                timeout_s=timeout_s,
+                connect_timeout_s=connect_timeout_s,
+                max_retries=0,
+            )
+
+        factory = client_factory or default_factory
+        self._servers: dict[str, _Server] = {}
+        for url in urls:
+            client = factory(url)
+            self._servers[client.base_url] = _Server(client.base_url, client)
+        self.health_check_interval_s = health_check_interval_s
+        self.max_sessions = max_sessions
+        self.max_attempts = max_attempts or 2 * len(urls)
+        self.retry_backoff_s = retry_backoff_s
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._health_task: asyncio.Task[None] | None = None
+        self._tiebreak = 0
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    @property
+    def urls(self) -> list[str]:
+        return list(self._servers)
+
+    def start(self) -> None:
+        """Start the background health loop (idempotent; needs a running event loop)."""
+        if self.health_check_interval_s is None or self._health_task is not None:
+            return
+        self._health_task = asyncio.get_running_loop().create_task(self._health_loop())
+
+    async def aclose(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        await asyncio.gather(*(s.client.aclose() for s in self._servers.values()))
+
+    async def __aenter__(self) -> ServerPool:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def _health_loop(self) -> None:
+        assert self.health_check_interval_s is not None
+        while True:
+            await asyncio.sleep(self.health_check_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # the loop must survive anything one probe does
+                logger.exception("health check failed")
+
+    async def check_health(self) -> dict[str, bool]:
+        """Probe every server's ``/health`` now; mark each alive or dead accordingly."""
+        servers = list(self._servers.values())
+        results = await asyncio.gather(*(s.client.health() for s in servers))
+        for server, ok in zip(servers, results, strict=True):
+            if ok and not server.alive:
+                logger.info("server %s is healthy again", server.url)
+            elif not ok and server.alive:
+                logger.warning("server %s failed its health check; marking it dead", server.url)
+            server.alive = ok
+        return {s.url: ok for s, ok in zip(servers, results, strict=True)}
+
+    # ---- reporting ----------------------------------------------------------------------
+    def dead_servers(self) -> list[str]:
+        return [s.url for s in self._servers.values() if not s.alive]
+
+    def stats(self) -> dict[str, ServerStats]:
+        per_server: dict[str, int] = dict.fromkeys(self._servers, 0)
+        for url in self._sessions.values():
+            per_server[url] += 1
+        return {
+            s.url: ServerStats(
+                url=s.url,
+                alive=s.alive,
+                outstanding=s.outstanding,
+                completed=s.completed,
+                failures=s.failures,
+                sessions=per_server[s.url],
+            )
+            for s in self._servers.values()
+        }
+
+    def session_server(self, session_id: str) -> str | None:
+        """The server a session is pinned to (None if unknown); does not touch the LRU order."""
+        return self._sessions.get(session_id)
+
+    # ---- routing ------------------------------------------------------------------------
+    def _pick(self, session_id: str | None, exclude: set[str]) -> _Server | None:
+        if session_id is not None:
+            url = self._sessions.get(session_id)
+            if url is not None:
+                server = self._servers[url]
+                if server.alive and url not in exclude:
+                    self._sessions.move_to_end(session_id)
+                    return server
+        candidates = [s for s in self._servers.values() if s.alive and s.url not in exclude]
+        if not candidates:
+            return None
+        # Rotate the start so equal servers share load instead of the first taking all ties.
+        self._tiebreak = (self._tiebreak + 1) % len(candidates)
+        rotated = candidates[self._tiebreak :] + candidates[: self._tiebreak]
+        best = min(rotated, key=lambda s: (s.outstanding, s.completed))
+        if session_id is not None:
+            self._sessions[session_id] = best.url
+            self._sessions.move_to_end(session_id)
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return best
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        session_id: str | None = None,
+    ) -> Generation:
+        """Same contract as :meth:`PolicyClient.generate`; routes and fails over (module doc)."""
+        request_id = uuid.uuid4().hex
+        tried: set[str] = set()
+        last_error: BaseException | None = None
+        for attempt in range(self.max_attempts):
+            server = self._pick(session_id, tried)
+            if server is None and tried:
+                # Every live server failed this request once; allow a second round.
+                tried.clear()
+                server = self._pick(session_id, tried)
+            if server is None:
+                break
+            server.outstanding += 1
+            try:
+                gen = await server.client.generate(
+                    prompt_ids, sampling, session_id, request_id=f"{request_id}-{attempt}"
+                )
+            except InferenceRequestError:
+                server.failures += 1
+                raise
+            except InferenceServerError as exc:
+                server.failures += 1
+                last_error = exc
+                tried.add(server.url)
+                if exc.connection_failed and server.alive:
+                    logger.warning(
+                        "server %s is unreachable (%s); marking it dead", server.url, exc
+                    )
+                    server.alive = False
+                await asyncio.sleep(self.retry_backoff_s * attempt)
+                continue
+            finally:
+                server.outstanding -= 1
+            server.completed += 1
+            return gen
+        raise InferenceServerError(
+            ",".join(self._servers),
+            f"no server could serve the request after {len(tried) or 0} failed server(s); "
+            f"dead servers: {self.dead_servers()}; last error: {last_error}",
+            connection_failed=True,
+        )
+
+    # ---- broadcasts ---------------------------------------------------------------------
+    async def _broadcast(
+        self, call: Callable[[PolicyClient], Awaitable[Any]], *, alive_only: bool = False
+    ) -> BroadcastReport:
+        servers = [s for s in self._servers.values() if s.alive or not alive_only]
+
+        async def one(server: _Server) -> Ok | BaseException:
+            try:
+                return Ok(await call(server.client))
+            except Exception as exc:  # reported per server, never raised: see the module doc
+                if isinstance(exc, InferenceServerError) and exc.connection_failed:
+                    server.alive = False
+                return exc
+
+        results = await asyncio.gather(*(one(s) for s in servers))
+        return {s.url: r for s, r in zip(servers, results, strict=True)}
+
+    async def pause(self, mode: PauseMode = "keep") -> BroadcastReport:
+        return await self._broadcast(lambda c: c.pause(mode))
+
+    async def resume(self) -> BroadcastReport:
+        return await self._broadcast(lambda c: c.resume())
+
+    async def abort_requests(self) -> BroadcastReport:
+        return await self._broadcast(lambda c: c.abort_requests())
+
+    async def reset_prefix_cache(self) -> BroadcastReport:
+        return await self._broadcast(lambda c: c.reset_prefix_cache())
+
+    async def set_weight_version(self, version: int) -> BroadcastReport:
+        return await self._broadcast(lambda c: c.set_weight_version(version))
+
+    async def weight_info(self) -> BroadcastReport:
+        return await self._broadcast(lambda c: c.weight_info())
+
+    async def update_weights_from_path(self, path: str | Path, version: int) -> BroadcastReport:
+        return await self._broadcast(lambda c: c.update_weights_from_path(path, version))
+
+    async def update_weights_from_bytes(self, data: bytes, version: int) -> BroadcastReport:
+        return await self._broadcast(lambda c: c.update_weights_from_bytes(data, version))
+
+    async def broadcast(self, call: Callable[[PolicyClient], Awaitable[T]]) -> BroadcastReport:
+        """Run any client call on every server (e.g. a custom control endpoint)."""
+        return await self._broadcast(call)

