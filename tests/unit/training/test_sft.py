@@ -1,0 +1,95 @@
+"""Supervised warm start: assistant-only masks from the chat template, and the loss goes down."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.training.sft import SFTSettings, load_conversations, tokenize_conversation, train_sft
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "calculator",
+            "description": "Evaluate arithmetic.",
+            "parameters": {
+                "type": "object",
+                "properties": {"expression": {"type": "string"}},
+                "required": ["expression"],
+            },
+        },
+    }
+]
+
+
+def _conversation(a: int, b: int) -> list[dict]:
+    return [
+        {"role": "user", "content": f"What is {a} * {b}?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": f"{a} * {b}"}},
+                }
+            ],
+        },
+        {"role": "tool", "content": str(a * b)},
+        {"role": "assistant", "content": f"The answer is {a * b}."},
+    ]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_model_dir))
+
+
+def test_mask_covers_exactly_the_assistant_turns(tokenizer) -> None:
+    ex = tokenize_conversation(tokenizer, _conversation(12, 34), TOOLS)
+    assert len(ex.input_ids) == len(ex.loss_mask)
+    spans: list[list[int]] = []
+    for tok, m in zip(ex.input_ids, ex.loss_mask, strict=True):
+        if m and (not spans or spans[-1][-1] is None):
+            spans.append([tok])
+        elif m:
+            spans[-1].append(tok)
+        elif spans and spans[-1][-1] is not None:
+            spans[-1].append(None)  # close the span
+    texts = [tokenizer.decode([t for t in s if t is not None]) for s in spans]
+    assert texts == [
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "12 * 34"}}\n</tool_call><|im_end|>',
+        "The answer is 408.<|im_end|>",
+    ]
+
+
+def test_load_conversations_names_file_and_line(tmp_path: Path) -> None:
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"messages": [{"role": "user", "content": "x"}]}\n{"messages": 3}\n')
+    with pytest.raises(ValueError, match=r"d\.jsonl:2: column 'messages'"):
+        load_conversations(p)
+    with pytest.raises(FileNotFoundError, match=r"data\.train_files"):
+        load_conversations(tmp_path / "missing.jsonl")
+
+
+def test_sft_loss_decreases(tiny_model_dir: Path, tokenizer) -> None:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    convs = [{"messages": _conversation(a, a + 1), "tools": TOOLS} for a in (3, 5, 7, 9)]
+    seen: list[float] = []
+    train_sft(
+        model,
+        tokenizer,
+        convs,
+        SFTSettings(steps=40, batch_size=4, lr=3e-3, warmup_steps=5, log_every=5),
+        on_log=lambda step, m: seen.append(m["sft/loss"]),
+    )
+    assert len(seen) == 8
+    assert seen[-1] < 0.5 * seen[0], seen
