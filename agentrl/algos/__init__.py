@@ -24,7 +24,7 @@ from agentrl.algos.advantages import (
     compute_advantage,
     register_advantage,
 )
-from agentrl.algos.aggregation import AGG_MODES, AggMode, agg_loss, loss_normalizers
+from agentrl.algos.aggregation import AGG_MODES, LossAggMode, agg_loss, loss_normalizers
 from agentrl.algos.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -45,9 +45,9 @@ __all__ = [
     "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "AdaptiveKLController",
-    "AggMode",
     "FixedKLController",
     "KLController",
+    "LossAggMode",
     "Registry",
     "agg_loss",
     "apply_kl_penalty",

@@ -2,7 +2,7 @@
 
 Every loss is ``fn(old_log_prob [B, T], log_prob [B, T], advantages [B, T], response_mask
 [B, T], *, loss_agg_mode, rollout_is_weights=None, global_tokens=None, global_seqs=None,
-norm_length=None, **options) -> (scalar loss, dict[str, float])`` and is called through
+loss_scale_factor=None, **options) -> (scalar loss, dict[str, float])`` and is called through
 :func:`policy_loss`. Guarantees for the built-in losses:
 
 - math in float32 whatever the input dtype; the scalar is aggregated by
@@ -45,7 +45,7 @@ def register_policy_loss(name: str, *aliases: str) -> Callable[[PolicyLossFn], P
     """Decorator registering a user policy loss under ``name``.
 
     The function takes ``(old_log_prob, log_prob, advantages, response_mask, *, loss_agg_mode,
-    rollout_is_weights=None, global_tokens=None, global_seqs=None, norm_length=None,
+    rollout_is_weights=None, global_tokens=None, global_seqs=None, loss_scale_factor=None,
     **your_options)`` and returns ``(loss, metrics)``; aggregate with
     :func:`agentrl.algos.agg_loss` and forward the global counts to stay correct under gradient
     accumulation.
@@ -73,7 +73,7 @@ def policy_loss(
         response_mask: ``[B, T]`` 0/1 (after any rejection-sampling mask).
         loss_agg_mode: an aggregation mode of :func:`agentrl.algos.agg_loss`.
         **cfg: clip knobs, ``rollout_is_weights`` ``[B, T]``, ``global_tokens``,
-            ``global_seqs``, ``norm_length``; unknown options raise ``ValueError``.
+            ``global_seqs``, ``loss_scale_factor``; unknown options raise ``ValueError``.
     """
     fn = POLICY_LOSSES.get(name)
     check_kwargs("policy loss", name, fn, cfg)
@@ -125,7 +125,7 @@ def _ppo_clip(
     rollout_is_weights: torch.Tensor | None,
     global_tokens: Any,
     global_seqs: Any,
-    norm_length: Any,
+    loss_scale_factor: Any,
     clip_ratio: float | None,
     clip_ratio_low: float | None,
     clip_ratio_high: float | None,
@@ -145,7 +145,9 @@ def _ppo_clip(
     loss_dual = torch.minimum(loss_ppo, -adv * clip_ratio_c)
     losses = torch.where(adv < 0, loss_dual, loss_ppo)
     losses = _apply_is_weights(losses, rollout_is_weights)
-    loss = agg_loss(losses, response_mask, loss_agg_mode, global_tokens, global_seqs, norm_length)
+    loss = agg_loss(
+        losses, response_mask, loss_agg_mode, global_tokens, global_seqs, loss_scale_factor
+    )
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean(
@@ -170,7 +172,7 @@ def vanilla_loss(
     rollout_is_weights: torch.Tensor | None = None,
     global_tokens: Any = None,
     global_seqs: Any = None,
-    norm_length: Any = None,
+    loss_scale_factor: Any = None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -191,7 +193,7 @@ def vanilla_loss(
         rollout_is_weights=rollout_is_weights,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
-        norm_length=norm_length,
+        loss_scale_factor=loss_scale_factor,
         clip_ratio=clip_ratio,
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
@@ -210,7 +212,7 @@ def bypass_loss(
     rollout_is_weights: torch.Tensor | None = None,
     global_tokens: Any = None,
     global_seqs: Any = None,
-    norm_length: Any = None,
+    loss_scale_factor: Any = None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -238,7 +240,7 @@ def bypass_loss(
         rollout_is_weights=None,
         global_tokens=global_tokens,
         global_seqs=global_seqs,
-        norm_length=norm_length,
+        loss_scale_factor=loss_scale_factor,
         clip_ratio=clip_ratio,
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
@@ -257,7 +259,7 @@ def gspo_loss(
     rollout_is_weights: torch.Tensor | None = None,
     global_tokens: Any = None,
     global_seqs: Any = None,
-    norm_length: Any = None,
+    loss_scale_factor: Any = None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -283,7 +285,9 @@ def gspo_loss(
     loss_clipped = -adv * s.clamp(1.0 - low, 1.0 + high)
     losses = torch.maximum(loss_unclipped, loss_clipped)
     losses = _apply_is_weights(losses, rollout_is_weights)
-    loss = agg_loss(losses, response_mask, loss_agg_mode, global_tokens, global_seqs, norm_length)
+    loss = agg_loss(
+        losses, response_mask, loss_agg_mode, global_tokens, global_seqs, loss_scale_factor
+    )
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), mask).item(),
@@ -304,7 +308,7 @@ def cispo_loss(
     rollout_is_weights: torch.Tensor | None = None,
     global_tokens: Any = None,
     global_seqs: Any = None,
-    norm_length: Any = None,
+    loss_scale_factor: Any = None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -324,7 +328,9 @@ def cispo_loss(
     weight = ratio.clamp(1.0 - low, 1.0 + high)
     losses = -adv * weight * lp
     losses = _apply_is_weights(losses, rollout_is_weights)
-    loss = agg_loss(losses, response_mask, loss_agg_mode, global_tokens, global_seqs, norm_length)
+    loss = agg_loss(
+        losses, response_mask, loss_agg_mode, global_tokens, global_seqs, loss_scale_factor
+    )
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean(
@@ -347,7 +353,7 @@ def reinforce_loss(
     rollout_is_weights: torch.Tensor | None = None,
     global_tokens: Any = None,
     global_seqs: Any = None,
-    norm_length: Any = None,
+    loss_scale_factor: Any = None,
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
@@ -363,7 +369,9 @@ def reinforce_loss(
     lp = log_prob.float()
     losses = -advantages.float() * lp
     losses = _apply_is_weights(losses, rollout_is_weights)
-    loss = agg_loss(losses, response_mask, loss_agg_mode, global_tokens, global_seqs, norm_length)
+    loss = agg_loss(
+        losses, response_mask, loss_agg_mode, global_tokens, global_seqs, loss_scale_factor
+    )
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": 0.0,

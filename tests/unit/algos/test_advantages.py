@@ -45,7 +45,9 @@ def test_grpo_equal_scores_give_zero_not_nan() -> None:
 
 
 def test_rloo_uses_leave_one_out_mean() -> None:
-    adv, _ = compute_advantage("rloo", _rows(1.0, 0.0, 2.0, 7.0), torch.ones(4, 2), index=[1, 1, 1, 2])
+    adv, _ = compute_advantage(
+        "rloo", _rows(1.0, 0.0, 2.0, 7.0), torch.ones(4, 2), index=[1, 1, 1, 2]
+    )
     # 1 - mean(0, 2) = 0; 0 - mean(1, 2) = -1.5; 2 - mean(1, 0) = 1.5; singleton -> 0
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, -1.5, 1.5, 0.0]))
 
@@ -60,7 +62,9 @@ def test_opo_uses_length_weighted_baseline() -> None:
 
 
 def test_gpg_scales_by_batch_over_nonzero_count() -> None:
-    adv, _ = compute_advantage("gpg", _rows(1.0, 0.0, 0.0, 0.0), torch.ones(4, 2), index=[0, 0, 1, 1])
+    adv, _ = compute_advantage(
+        "gpg", _rows(1.0, 0.0, 0.0, 0.0), torch.ones(4, 2), index=[0, 0, 1, 1]
+    )
     # alpha = B / #nonzero = 4 / 1; group 0 mean 0.5
     torch.testing.assert_close(adv[:, 1], torch.tensor([2.0, -2.0, 0.0, 0.0]))
 
@@ -85,7 +89,9 @@ def test_reinforce_plus_plus_discounts_then_whitens() -> None:
     torch.testing.assert_close(ret, torch.tensor([[0.25, 0.5, 1.0]]))
     g = [0.25, 0.5, 1.0]
     mu, sd = statistics.mean(g), statistics.stdev(g)
-    torch.testing.assert_close(adv, torch.tensor([[(x - mu) / sd for x in g]]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        adv, torch.tensor([[(x - mu) / sd for x in g]]), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_reinforce_plus_plus_passes_return_through_tool_tokens() -> None:
@@ -103,7 +109,9 @@ def test_reinforce_plus_plus_baseline_whitens_over_real_groups() -> None:
     adv, _ = compute_advantage("reinforce_plus_plus_baseline", rewards, mask, index=["a", "a", "b"])
     # centered tokens +-0.5 (x2 each); unbiased std over 4 tokens = sqrt(1/3)
     a = 0.5 / math.sqrt(1 / 3)
-    torch.testing.assert_close(adv, torch.tensor([[a, a], [-a, -a], [0.0, 0.0]]), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        adv, torch.tensor([[a, a], [-a, -a], [0.0, 0.0]]), rtol=1e-4, atol=1e-5
+    )
 
 
 def test_gae_hand_computed() -> None:
@@ -152,14 +160,24 @@ def test_index_length_is_checked() -> None:
 
 
 def test_index_accepts_tensor_ids() -> None:
-    adv, _ = compute_advantage("grpo", _rows(1.0, 0.0), torch.ones(2, 2), index=torch.tensor([3, 3]))
+    adv, _ = compute_advantage(
+        "grpo", _rows(1.0, 0.0), torch.ones(2, 2), index=torch.tensor([3, 3])
+    )
     assert adv[0, 0] > 0 > adv[1, 0]
 
 
 def test_unknown_estimator_lists_valid_names() -> None:
     with pytest.raises(ValueError, match="grpo") as err:
         compute_advantage("gpro", _rows(1.0), torch.ones(1, 2))
-    for name in ("gae", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo", "gpg"):
+    for name in (
+        "gae",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "remax",
+        "opo",
+        "gpg",
+    ):
         assert name in str(err.value)
 
 

@@ -1,10 +1,11 @@
-"""agg_loss: the four modes by hand, global normalizers, empty batches, errors."""
+"""agg_loss (shared with ``correction``): the four modes by hand, global normalizers, empty batches."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import correction
 from agentrl.algos import AGG_MODES, agg_loss, loss_normalizers
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0], [7.0, 7.0, 7.0]])
@@ -25,9 +26,10 @@ def test_modes_by_hand(mode: str, expected: float) -> None:
 
 
 def test_norm_length_is_the_constant_divisor() -> None:
-    assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=5).item() == pytest.approx(1.0)
-    with pytest.raises(ValueError, match="norm_length"):
-        agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_length=0)
+    out = agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", loss_scale_factor=5)
+    assert out.item() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="loss_scale_factor"):
+        agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", loss_scale_factor=0)
 
 
 def test_global_counts_replace_local_ones() -> None:
@@ -45,14 +47,14 @@ def test_empty_mask_gives_zero_with_graph(mode: str) -> None:
     assert loss_mat.grad is not None and torch.equal(loss_mat.grad, torch.zeros(2, 3))
 
 
-def test_bf16_is_summed_in_float32() -> None:
-    out = agg_loss(LOSS.bfloat16(), MASK.bfloat16(), "token-mean")
-    assert out.dtype == torch.float32
+def test_is_the_correction_package_function() -> None:
+    # One implementation for the trainer and correction's bypass losses.
+    assert agg_loss is correction.agg_loss
 
 
 def test_errors_name_the_fix() -> None:
     with pytest.raises(ValueError, match="seq-mean-token-mean") as err:
         agg_loss(LOSS, MASK, "seq-mean")
     assert "token-mean" in str(err.value)
-    with pytest.raises(ValueError, match="same"):
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
         agg_loss(LOSS, MASK[:, :2], "token-mean")

@@ -15,7 +15,9 @@ def test_logprobs_match_log_softmax_after_temperature() -> None:
     logits = torch.randn(2, 5, 11)
     labels = torch.randint(0, 11, (2, 5))
     for temp in (1.0, 0.7, 1.3):
-        expected = torch.log_softmax(logits / temp, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        expected = (
+            torch.log_softmax(logits / temp, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        )
         torch.testing.assert_close(logprobs_from_logits(logits, labels, temperature=temp), expected)
 
 
@@ -44,7 +46,9 @@ def test_logprobs_have_gradients() -> None:
 
 def test_logprobs_reject_bad_inputs() -> None:
     with pytest.raises(ValueError, match="temperature"):
-        logprobs_from_logits(torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), temperature=0.0)
+        logprobs_from_logits(
+            torch.zeros(1, 1, 2), torch.zeros(1, 1, dtype=torch.long), temperature=0.0
+        )
     with pytest.raises(ValueError, match="vocab"):
         logprobs_from_logits(torch.zeros(1, 2, 2), torch.zeros(1, 3, dtype=torch.long))
 

@@ -38,7 +38,13 @@ def test_vanilla_ppo_clip_and_dual_clip() -> None:
 def test_vanilla_asymmetric_clip_higher() -> None:
     old, new = _logprobs([1.5])
     loss, _ = policy_loss(
-        "vanilla", old, new, torch.ones(1, 1), torch.ones(1, 1), clip_ratio_low=0.2, clip_ratio_high=0.28
+        "vanilla",
+        old,
+        new,
+        torch.ones(1, 1),
+        torch.ones(1, 1),
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
     )
     assert loss.item() == pytest.approx(-1.28)
     loss, _ = policy_loss("vanilla", old, new, torch.ones(1, 1), torch.ones(1, 1), clip_ratio=0.6)
@@ -150,7 +156,9 @@ def test_padding_is_ignored() -> None:
 
 def test_bf16_inputs_compute_in_float32() -> None:
     old, new = _logprobs(RATIOS)
-    loss, _ = policy_loss("vanilla", old.bfloat16(), new.bfloat16(), ADV.bfloat16(), MASK.bfloat16())
+    loss, _ = policy_loss(
+        "vanilla", old.bfloat16(), new.bfloat16(), ADV.bfloat16(), MASK.bfloat16()
+    )
     assert loss.dtype == torch.float32
 
 
