@@ -1,0 +1,1004 @@
+"""Typed experiment configuration: YAML files, dotted overrides, one validated object.
+
+Why it exists: every component reads its knobs from one :class:`ExperimentConfig` (or, for the
+supervised warm start, one :class:`SFTConfig`), so a typo in a YAML file or on the command line
+fails before any server starts, with the full key path and the closest valid key::
+
+    cfg = load_config("configs/quickstart.yaml", ["trainer.max_staleness=2", "tracking.enabled=false"])
+    cfg.trainer.max_staleness                       # 2
+    cfg.algorithm.correction.to_correction_config()  # correction.CorrectionConfig (imports torch lazily)
+    cfg.flatten()["algorithm.correction.preset"]     # "decoupled_token_is" (MLflow params)
+
+Guarantees:
+
+- every section forbids unknown keys; the error reads
+  ``unknown key 'trainer.max_stalenes'; did you mean 'trainer.max_staleness'?``;
+- type errors name the dotted path, the expected type and the value that was given;
+- overrides ``a.b.c=value`` are parsed with YAML scalar rules (``2`` -> int, ``1e-6`` -> float,
+  ``false`` -> bool, ``[a, b]`` -> list, ``null`` -> None) and applied before validation;
+- every field has a one-line description (attribute docstring) and a default that runs on a CPU
+  laptop; ``python -m agentrl.config --markdown`` renders them into ``docs/configuration.md``;
+- a file's top-level ``kind:`` picks the schema: ``rl`` (default, :class:`ExperimentConfig`) or
+  ``sft`` (:class:`SFTConfig`); :func:`load_any_config` dispatches on it.
+
+This module imports pydantic and PyYAML only: no torch, Ray, vLLM or MLflow.
+To add a field, add one annotated attribute with a default and a one-line docstring to its
+section class, then regenerate the docs (a test fails until you do).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+import re
+import sys
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+if TYPE_CHECKING:
+    from correction import CorrectionConfig
+
+__all__ = [
+    "AgentConfig",
+    "AlgorithmConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "CorrectionSection",
+    "DataConfig",
+    "DistributedConfig",
+    "ExperimentConfig",
+    "InferenceConfig",
+    "KLControlConfig",
+    "ModelConfig",
+    "PythonToolConfig",
+    "RejectionRuleConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "SFTDataConfig",
+    "SFTTrainerConfig",
+    "SearchToolConfig",
+    "ToolsConfig",
+    "TrackingConfig",
+    "TrainerConfig",
+    "apply_overrides",
+    "config_markdown",
+    "load_any_config",
+    "load_config",
+    "load_sft_config",
+    "parse_override",
+    "validate_config",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration file or override is wrong; the message names every bad key path."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are descriptions."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        use_attribute_docstrings=True,
+        validate_assignment=True,
+        validate_default=True,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Sections
+# ---------------------------------------------------------------------------------------------
+
+
+class ModelConfig(Section):
+    """The policy model."""
+
+    path: str | None = None
+    """HF model directory (or hub id); None = the tiny random test model (`agentrl tiny-model`)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Training/inference dtype; auto = float32 on CPU, bfloat16 on GPU."""
+    trust_remote_code: bool = False
+    """Allow model code from the model directory (needed by some HF architectures)."""
+
+
+class DataConfig(Section):
+    """Where tasks come from and how many are sampled per step."""
+
+    train_files: list[str] = Field(default_factory=list)
+    """Training task files (JSONL or Parquet); empty = use `generator`."""
+    val_files: list[str] = Field(default_factory=list)
+    """Validation task files (JSONL or Parquet); empty = no validation set."""
+    generator: str | None = "calculator"
+    """Built-in task generator used when `train_files` is empty (e.g. `calculator`); None = off."""
+    generator_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the task generator (e.g. `{n: 512, max_digits: 4}`)."""
+    batch_size: int = Field(default=8, ge=1)
+    """Tasks per training step (each sampled `n_samples` times)."""
+    n_samples: int = Field(default=4, ge=1)
+    """Samples per task: the GRPO/RLOO group size."""
+    shuffle: bool = True
+    """Shuffle tasks each epoch (deterministically, from `seed`)."""
+    seed: int = 0
+    """Seed of the task order."""
+    max_prompt_tokens: int = Field(default=512, ge=1)
+    """Longest prompt in tokens; longer tasks are rejected with an error naming the task."""
+
+
+class AgentConfig(Section):
+    """How the default agent runs an episode."""
+
+    default: str = "tool_agent"
+    """Registered agent used for tasks that do not name one."""
+    max_turns: int = Field(default=4, ge=1)
+    """Most model turns per episode."""
+    max_response_tokens: int = Field(default=512, ge=1)
+    """Token budget of the whole episode after the prompt (model and tool turns)."""
+    max_parallel_calls: int = Field(default=1, ge=1)
+    """Most tool calls executed from one model turn."""
+    tool_call_format: Literal["hermes", "json"] = "hermes"
+    """How tool calls are written by the model (`hermes`: `<tool_call>{...}</tool_call>`)."""
+    system_prompt: str | None = None
+    """System prompt prepended to every task that has none; None = the agent's own default."""
+    episode_timeout_s: float = Field(default=300.0, gt=0)
+    """Wall-clock limit of one episode; past it the episode stops as `aborted`."""
+
+
+class PythonToolConfig(Section):
+    """Limits of the python sandbox tool."""
+
+    wall_time_s: float = Field(default=5.0, gt=0)
+    """Wall-clock limit of one python call."""
+    memory_mb: int = Field(default=512, ge=16)
+    """Address-space limit of the sandbox process, in MiB."""
+
+
+class SearchToolConfig(Section):
+    """The local search tool."""
+
+    corpus_path: str | None = None
+    """JSONL corpus the search tool indexes; None = search tool unavailable."""
+
+
+class ToolsConfig(Section):
+    """Which tools agents may call and how their output is bounded."""
+
+    enabled: list[str] = Field(default_factory=lambda: ["calculator"])
+    """Names of the tools offered to the agent (built-ins: calculator, python, search)."""
+    timeout_s: float = Field(default=10.0, gt=0)
+    """Wall-clock limit of one tool call; a timeout becomes an error message to the model."""
+    max_output_chars: int = Field(default=2000, ge=1)
+    """Longest tool output shown to the model; longer output is truncated with a marker."""
+    truncate_side: Literal["left", "right", "middle"] = "right"
+    """Which part of an over-long tool output is cut."""
+    python: PythonToolConfig = Field(default_factory=PythonToolConfig)
+    """The python sandbox tool."""
+    search: SearchToolConfig = Field(default_factory=SearchToolConfig)
+    """The search tool."""
+
+
+class RewardConfig(Section):
+    """How finished episodes are scored."""
+
+    sources: dict[str, str] = Field(
+        default_factory=lambda: {"calculator": "calculator", "gsm8k": "numeric_match"}
+    )
+    """Task data_source -> reward function (built-in name or `module:function`)."""
+    default: str | None = "exact_match"
+    """Reward function for data sources not in `sources`; None = such a task is an error."""
+    executor: Literal["async", "thread", "process"] = "async"
+    """Where reward functions run: the event loop, a thread pool or a process pool."""
+    max_workers: int = Field(default=4, ge=1)
+    """Most reward computations at once."""
+    format_weight: float = 0.0
+    """Weight of the tool-format reward added to the task reward (0 = off)."""
+
+
+class InferenceConfig(Section):
+    """Inference servers and sampling."""
+
+    backend: Literal["embedded", "vllm", "external"] = "embedded"
+    """`embedded` (our server, CPU-friendly), `vllm` (launched by us) or `external` (`urls`)."""
+    num_servers: int = Field(default=1, ge=1)
+    """Inference servers to launch (embedded/vllm)."""
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs of already-running servers (backend `external`)."""
+    temperature: float = Field(default=1.0, ge=0.0)
+    """Sampling temperature (the trainer recomputes logprobs with the same temperature)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass; keep 1.0 for RL (the trainer does not apply top-p)."""
+    top_k: int = -1
+    """Top-k filter, -1 = off; keep off for RL (the trainer does not apply top-k)."""
+    max_tokens_per_turn: int = Field(default=256, ge=1)
+    """Most tokens one model turn may generate."""
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    """HTTP timeout of one generation request."""
+    max_retries: int = Field(default=3, ge=0)
+    """Retries of a failed request on another healthy server."""
+    max_batch_size: int = Field(default=32, ge=1)
+    """Most sequences a server decodes at once (embedded: batch slots; vLLM: --max-num-seqs)."""
+    vllm_python: str | None = None
+    """Python interpreter that has vLLM; None = $AGENTRL_VLLM_PYTHON or `.venv-vllm/bin/python`."""
+    vllm_extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for the vLLM server."""
+    health_check_interval_s: float = Field(default=10.0, gt=0)
+    """Seconds between health checks of each server."""
+
+
+class RolloutConfig(Section):
+    """Agent-loop workers and admission."""
+
+    num_workers: int = Field(default=1, ge=1)
+    """Agent-loop workers (asyncio in-process, or Ray actors)."""
+    max_concurrency: int = Field(default=32, ge=1)
+    """Most episodes running at once over all workers."""
+    partial_rollout: Literal["keep", "abort"] = "keep"
+    """On a weight push: `keep` in-flight episodes (they continue on new weights) or `abort` them."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards are all equal (no GRPO signal) and sample more (DAPO)."""
+    max_sampling_rounds: int = Field(default=3, ge=1)
+    """Most extra sampling rounds to fill a batch when `dynamic_sampling` drops groups."""
+
+
+class KLControlConfig(Section):
+    """KL-in-reward coefficient controller."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """`fixed` coefficient or `adaptive` (moves it towards `target_kl`)."""
+    kl_coef: float = Field(default=0.001, ge=0.0)
+    """Initial (fixed: constant) KL coefficient."""
+    target_kl: float = Field(default=0.1, gt=0.0)
+    """Target KL of the adaptive controller."""
+    horizon: int = Field(default=10000, ge=1)
+    """Horizon (in samples) of the adaptive controller."""
+
+
+RSOptionName = Literal[
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+]
+
+CorrectionPresetName = Literal[
+    "disabled",
+    "decoupled_token_is",
+    "decoupled_seq_is",
+    "decoupled_seq_is_rs",
+    "decoupled_geo_rs",
+    "decoupled_k3_rs",
+    "bypass_ppo_clip",
+    "bypass_pg_is",
+    "bypass_ppo_clip_geo_rs",
+    "icepop",
+]
+
+
+class RejectionRuleConfig(Section):
+    """One rejection-sampling rule (a hard trust region on a divergence statistic)."""
+
+    option: RSOptionName
+    """Statistic and level (`token_k1`, `seq_mean_k3`, ...; see docs/correction.md)."""
+    upper: float = Field(gt=0.0)
+    """Upper bound (k1 options: ratio space; a k1 rule without `lower` means [1/upper, upper])."""
+    lower: float | None = Field(default=None, gt=0.0)
+    """Lower bound, k1 options only (ratio space); None = 1/upper."""
+
+
+class CorrectionSection(Section):
+    """Off-policy correction; mirrors `correction.CorrectionConfig`.
+
+    With `preset` set, the preset gives every field that the file or overrides did not set
+    explicitly; explicitly set fields win.
+    """
+
+    preset: CorrectionPresetName | None = None
+    """Named preset (e.g. `decoupled_token_is`, `icepop`); None = use the fields below."""
+    bypass: bool = False
+    """Bypass mode: skip the π_old forward pass and use π_rollout as the anchor."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """Bypass-mode loss: `ppo_clip` against π_rollout, or `reinforce` with IS weights."""
+    is_level: Literal["token", "sequence", "geometric"] | None = None
+    """Importance-sampling weight level; None = no IS weights."""
+    is_threshold: float = Field(default=2.0, gt=0.0)
+    """Upper truncation C of the IS weights."""
+    is_batch_normalize: bool = False
+    """Divide IS weights by their batch mean."""
+    rs_rules: list[RejectionRuleConfig] = Field(default_factory=list)
+    """Rejection-sampling rules, AND-combined (each `{option, upper, lower}`)."""
+
+    def explicit_fields(self) -> dict[str, Any]:
+        """The mirrored fields that were set explicitly (not left at their default)."""
+        names = set(self.model_fields_set) - {"preset"}
+        return {
+            name: value
+            for name, value in self.model_dump(mode="json").items()
+            if name in names and name != "preset"
+        }
+
+    def to_correction_config(self) -> CorrectionConfig:
+        """The `correction.CorrectionConfig` this section describes (imports torch lazily)."""
+        import correction
+
+        if self.preset is None:
+            data = self.model_dump(mode="json", exclude={"preset"})
+        else:
+            data = correction.preset(self.preset).to_dict()
+            data.update(self.explicit_fields())
+        try:
+            return correction.CorrectionConfig.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"algorithm.correction: {exc}") from exc
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimator, policy loss, KL and off-policy correction."""
+
+    adv_estimator: str = "grpo"
+    """Advantage estimator (gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, or a registered name)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group std (False = Dr.GRPO)."""
+    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
+    """Discount factor (GAE, REINFORCE++)."""
+    lam: float = Field(default=1.0, ge=0.0, le=1.0)
+    """GAE λ."""
+    policy_loss: str = "vanilla"
+    """Policy loss (vanilla, gspo, cispo, bypass, reinforce, or a registered name)."""
+    clip_ratio_low: float = Field(default=0.2, ge=0.0)
+    """PPO clip: lower bound is 1 - clip_ratio_low."""
+    clip_ratio_high: float = Field(default=0.28, ge=0.0)
+    """PPO clip: upper bound is 1 + clip_ratio_high (clip-higher, DAPO)."""
+    clip_ratio_c: float = Field(default=3.0, gt=1.0)
+    """Dual-clip bound for negative advantages."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How per-token losses are aggregated over the mini-batch."""
+    entropy_coeff: float = 0.0
+    """Entropy bonus coefficient (0 = off)."""
+    use_kl_loss: bool = False
+    """Add a KL(π_θ || π_ref) loss term (needs a reference model)."""
+    kl_loss_coef: float = Field(default=0.001, ge=0.0)
+    """Coefficient of the KL loss term."""
+    kl_loss_type: Literal[
+        "k1",
+        "k2",
+        "mse",
+        "k3",
+        "low_var_kl",
+        "abs",
+        "k1+",
+        "k2+",
+        "mse+",
+        "k3+",
+        "low_var_kl+",
+        "abs+",
+    ] = "low_var_kl"
+    """KL estimator of the loss term (suffix `+`: k2 gradient, straight-through)."""
+    use_kl_in_reward: bool = False
+    """Subtract a KL penalty from the token-level rewards instead."""
+    kl_penalty: Literal["k1", "k2", "mse", "k3", "low_var_kl", "abs"] = "k1"
+    """KL estimator of the in-reward penalty."""
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig)
+    """Controller of the in-reward KL coefficient."""
+    correction: CorrectionSection = Field(default_factory=CorrectionSection)
+    """Off-policy correction (IS weights, RS masks, bypass)."""
+
+
+class OptimizerFields(Section):
+    """Optimizer and schedule fields shared by the RL and SFT trainers."""
+
+    total_steps: int = Field(default=20, ge=1)
+    """Optimizer steps to train for."""
+    lr: float = Field(default=1e-5, gt=0.0)
+    """Peak learning rate (AdamW)."""
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(default=1.0, gt=0.0)
+    """Max global gradient norm."""
+    warmup_steps: int = Field(default=0, ge=0)
+    """Linear warmup steps."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """Learning-rate schedule after warmup."""
+    micro_batch_max_tokens: int = Field(default=4096, ge=1)
+    """Token budget of one forward/backward micro-batch (dynamic batch size)."""
+    seed: int = 0
+    """Seed of model init, dropout and sampling on the trainer side."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Trainer device; auto = cuda when available, else cpu."""
+    val_every: int = Field(default=0, ge=0)
+    """Validate every N steps (0 = never)."""
+    save_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    output_dir: str = "outputs/run"
+    """Directory for checkpoints, the resolved config and local artifacts."""
+
+
+class TrainerConfig(OptimizerFields):
+    """The RL trainer loop."""
+
+    max_staleness: int = Field(default=1, ge=0)
+    """η: rollouts may run this many versions ahead of the trainer (0 = synchronous on-policy)."""
+    ppo_epochs: int = Field(default=1, ge=1)
+    """Passes over each batch."""
+    mini_batch_size: int = Field(default=8, ge=1)
+    """Tasks per optimizer step within a batch (batch_size / mini_batch_size updates per batch)."""
+    critic_lr: float = Field(default=1e-5, gt=0.0)
+    """Critic learning rate (GAE only)."""
+    critic_warmup_steps: int = Field(default=0, ge=0)
+    """Steps that train only the critic before the actor starts (GAE only)."""
+
+
+class CheckpointConfig(Section):
+    """How new weights reach the inference servers."""
+
+    transport: Literal["shared_dir", "http", "nccl"] = "shared_dir"
+    """`shared_dir` (safetensors in a shared directory), `http` (streamed) or `nccl` (GPU)."""
+    shared_dir: str | None = None
+    """Directory for `shared_dir`; None = /dev/shm when it exists, else the system temp dir."""
+    verify: bool = True
+    """After each push, compare probe logprobs of every server with the trainer's."""
+    verify_tolerance: float = Field(default=1e-3, gt=0.0)
+    """Max abs logprob difference accepted by `verify` (raise above it)."""
+    probe_tokens: int = Field(default=16, ge=1)
+    """Length of the fixed probe sequence used by `verify`."""
+    push_timeout_s: float = Field(default=300.0, gt=0)
+    """Time limit of one push on one server (pause, transfer, verify, resume)."""
+    pause_mode: Literal["keep", "abort"] = "keep"
+    """On pause: `keep` in-flight requests (they finish on new weights) or `abort` them."""
+
+    def resolved_shared_dir(self) -> Path:
+        """`shared_dir`, or tmpfs `/dev/shm` when it exists, else the system temp dir."""
+        if self.shared_dir is not None:
+            return Path(self.shared_dir)
+        shm = Path("/dev/shm")
+        if shm.is_dir() and os.access(shm, os.W_OK):
+            return shm / "agentrl"
+        return Path(tempfile.gettempdir()) / "agentrl"
+
+
+class TrackingConfig(Section):
+    """Experiment tracking (MLflow)."""
+
+    enabled: bool = True
+    """Track the run (params, metrics, artifacts)."""
+    backend: Literal["mlflow", "none"] = "mlflow"
+    """Tracking backend."""
+    tracking_uri: str | None = None
+    """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else a local store under ./mlruns."""
+    experiment: str = "agentrl"
+    """MLflow experiment name."""
+    run_name: str | None = None
+    """MLflow run name; None = generated."""
+    log_every: int = Field(default=1, ge=1)
+    """Log metrics every N steps."""
+    num_sample_trajectories: int = Field(default=4, ge=0)
+    """Trajectories logged as a sample table per logged step."""
+
+
+class DistributedConfig(Section):
+    """Placement of servers, workers and the trainer."""
+
+    backend: Literal["local", "ray"] = "local"
+    """`local` (one process, asyncio + server subprocesses) or `ray` (actors)."""
+    ray_address: str | None = None
+    """Ray cluster address; None = start or join a local cluster."""
+    num_gpus_per_server: float = Field(default=0.0, ge=0.0)
+    """GPUs per inference server (Ray placement)."""
+    num_trainer_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs for the trainer (Ray placement)."""
+
+
+class ExperimentConfig(Section):
+    """An RL experiment (`kind: rl`)."""
+
+    kind: Literal["rl"] = "rl"
+    """Schema of this file: `rl` (this one) or `sft`."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Tasks."""
+    agent: AgentConfig = Field(default_factory=AgentConfig)
+    """The agent loop."""
+    tools: ToolsConfig = Field(default_factory=ToolsConfig)
+    """Tools."""
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    """Reward functions."""
+    inference: InferenceConfig = Field(default_factory=InferenceConfig)
+    """Inference servers and sampling."""
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    """Agent-loop workers."""
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    """Estimator, loss, KL, correction."""
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    """The trainer loop."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """Weight sync to the servers."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Experiment tracking."""
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    """Placement."""
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ExperimentConfig:
+        if self.inference.backend == "external" and not self.inference.urls:
+            raise ValueError(
+                "inference.backend is 'external' but inference.urls is empty; "
+                "list the servers' base URLs or use backend 'embedded' or 'vllm'"
+            )
+        if self.data.batch_size % self.trainer.mini_batch_size != 0:
+            raise ValueError(
+                f"data.batch_size ({self.data.batch_size}) must be a multiple of "
+                f"trainer.mini_batch_size ({self.trainer.mini_batch_size})"
+            )
+        return self
+
+    def flatten(self) -> dict[str, str]:
+        """Dotted keys -> string values (e.g. for MLflow params)."""
+        return _flatten(self.model_dump(mode="json"))
+
+    def to_yaml(self) -> str:
+        """The full resolved config as YAML (loads back to an equal config)."""
+        return _to_yaml(self)
+
+
+class SFTDataConfig(Section):
+    """Supervised data: chat conversations."""
+
+    train_files: list[str] = Field(default_factory=list)
+    """Training conversation files (JSONL/Parquet rows with `messages`); empty = `generator`."""
+    val_files: list[str] = Field(default_factory=list)
+    """Validation conversation files; empty = no validation."""
+    generator: str | None = "calculator"
+    """Built-in conversation generator used when `train_files` is empty; None = off."""
+    generator_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments for the generator (e.g. `{n: 512, tool_fraction: 0.8}`)."""
+    batch_size: int = Field(default=8, ge=1)
+    """Conversations per optimizer step."""
+    shuffle: bool = True
+    """Shuffle conversations each epoch (deterministically, from `seed`)."""
+    seed: int = 0
+    """Seed of the conversation order."""
+    max_seq_len: int = Field(default=1024, ge=1)
+    """Longest tokenized conversation; longer ones are truncated on the right."""
+    train_on: Literal["assistant", "all"] = "assistant"
+    """Tokens that carry loss: assistant turns only, or every token."""
+
+
+class SFTTrainerConfig(OptimizerFields):
+    """The supervised trainer loop."""
+
+    epochs: int | None = None
+    """Passes over the data; None = stop after `total_steps`."""
+
+
+class SFTConfig(Section):
+    """A supervised fine-tuning run (`kind: sft`), e.g. the warm start before RL."""
+
+    kind: Literal["sft"] = "sft"
+    """Schema of this file: `sft` (this one) or `rl`."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """The model to fine-tune."""
+    data: SFTDataConfig = Field(default_factory=SFTDataConfig)
+    """Conversations."""
+    trainer: SFTTrainerConfig = Field(default_factory=SFTTrainerConfig)
+    """The trainer loop."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Experiment tracking."""
+
+    def flatten(self) -> dict[str, str]:
+        """Dotted keys -> string values (e.g. for MLflow params)."""
+        return _flatten(self.model_dump(mode="json"))
+
+    def to_yaml(self) -> str:
+        """The full resolved config as YAML (loads back to an equal config)."""
+        return _to_yaml(self)
+
+
+KINDS: dict[str, type[ExperimentConfig] | type[SFTConfig]] = {
+    "rl": ExperimentConfig,
+    "sft": SFTConfig,
+}
+"""Top-level `kind:` -> schema."""
+
+AnyConfig = Union[ExperimentConfig, SFTConfig]  # noqa: UP007 - a runtime alias, used in isinstance
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+# ---------------------------------------------------------------------------------------------
+# YAML: scalars by YAML 1.2 rules (`1e-6` is a float, unlike PyYAML's 1.1 default)
+# ---------------------------------------------------------------------------------------------
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_FLOAT_RE = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+_Loader.yaml_implicit_resolvers = {
+    key: list(resolvers) for key, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+for _first in "-+0123456789.":
+    _Loader.yaml_implicit_resolvers[_first] = [
+        (tag, rx)
+        for tag, rx in _Loader.yaml_implicit_resolvers.get(_first, [])
+        if tag != "tag:yaml.org,2002:float"
+    ]
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+
+
+def _yaml_load(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
+def _to_yaml(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
+            out.update(_flatten(value, dotted + "."))
+        elif isinstance(value, str):
+            out[dotted] = value
+        elif value is None or isinstance(value, bool | int | float):
+            out[dotted] = "null" if value is None else json.dumps(value)
+        else:
+            out[dotted] = json.dumps(value, sort_keys=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split ``a.b.c=value`` into (``["a", "b", "c"]``, value parsed with YAML scalar rules)."""
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"override {text!r} is not of the form 'section.key=value'")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"override {text!r}: empty component in key {key!r}")
+    try:
+        value = _yaml_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override {text!r}: cannot parse value {raw!r}: {exc}") from exc
+    return parts, value
+
+
+def _default_mapping(model: Any, key: str) -> tuple[Any, dict[str, Any]]:
+    """(annotation of ``model.key`` or None, its default when that is a mapping, else {})."""
+    if not _is_model(model) or key not in model.model_fields:
+        return None, {}
+    field = model.model_fields[key]
+    ann = _strip_optional(field.annotation)
+    if typing.get_origin(ann) is dict:
+        default = field.default_factory() if field.default_factory is not None else field.default
+        return ann, copy.deepcopy(default) if isinstance(default, dict) else {}
+    return ann, {}
+
+
+def apply_overrides(
+    data: dict[str, Any],
+    overrides: typing.Iterable[str],
+    schema: type[BaseModel] | None = None,
+) -> dict[str, Any]:
+    """Apply dotted overrides to a raw config mapping (a new mapping; the input is unchanged).
+
+    With ``schema``, an override into a mapping-valued field the file does not set (e.g.
+    ``reward.sources.mydata=fn``) adds to that field's default mapping instead of replacing it.
+    """
+    out = copy.deepcopy(data) if data else {}
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = out
+        model: Any = schema
+        for i, part in enumerate(parts[:-1]):
+            ann, default = _default_mapping(model, part)
+            if _is_model(model) and part in model.model_fields and ann is None:
+                ann = _strip_optional(model.model_fields[part].annotation)
+            model = ann if _is_model(ann) else None
+            child = node.get(part)
+            if child is None:
+                child = node[part] = default
+            elif not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(
+                    f"override {text!r}: '{where}' is a value ({child!r}), not a section"
+                )
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation with readable errors
+# ---------------------------------------------------------------------------------------------
+
+
+def _strip_optional(ann: Any) -> Any:
+    origin = typing.get_origin(ann)
+    if origin in (Union, types.UnionType):
+        args = [a for a in typing.get_args(ann) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return ann
+
+
+def _is_model(ann: Any) -> bool:
+    return isinstance(ann, type) and issubclass(ann, BaseModel)
+
+
+def _type_name(ann: Any) -> str:
+    if ann is None:
+        return "?"
+    if ann is type(None):
+        return "null"
+    origin = typing.get_origin(ann)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(ann))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(ann))
+    if _is_model(ann):
+        return "mapping"
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(ann))
+        name = getattr(origin, "__name__", str(origin))
+        return f"{name}[{args}]"
+    return getattr(ann, "__name__", str(ann))
+
+
+def _resolve_loc(root: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str, Any, Any]:
+    """Dotted path, the annotation at the path, and the model class holding the last key."""
+    ann: Any = root
+    parent: Any = root
+    path = ""
+    for item in loc:
+        ann = _strip_optional(ann)
+        origin = typing.get_origin(ann)
+        if _is_model(ann):
+            parent = ann
+            path = f"{path}.{item}" if path else str(item)
+            field = ann.model_fields.get(str(item))
+            ann = field.annotation if field is not None else None
+        elif isinstance(item, int) and origin in (list, tuple):
+            path = f"{path}[{item}]"
+            args = typing.get_args(ann)
+            ann = args[0] if args else None
+        elif origin is dict:
+            path = f"{path}.{item}" if path else str(item)
+            args = typing.get_args(ann)
+            ann = args[1] if len(args) == 2 else None
+        # otherwise the item is a union-member or validator tag: not part of the user's path
+    return path, ann, parent
+
+
+def _closest(word: str, candidates: typing.Iterable[str]) -> str | None:
+    match = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _error_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
+    lines: list[str] = []
+    for err in exc.errors():
+        loc = tuple(err.get("loc", ()))
+        path, ann, parent = _resolve_loc(root, loc)
+        if err["type"] == "extra_forbidden":
+            key = str(loc[-1])
+            section = path.rpartition(".")[0]
+            valid = list(parent.model_fields) if _is_model(parent) else []
+            guess = _closest(key, valid)
+            if guess is not None:
+                hint = f"did you mean '{section + '.' if section else ''}{guess}'?"
+            else:
+                hint = f"valid keys{' in ' + repr(section) if section else ''}: {', '.join(valid)}"
+            lines.append(f"unknown key '{path}'; {hint}")
+            continue
+        if not path:
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
+        given = err.get("input")
+        line = f"'{path}': expected {_type_name(ann)}, got {given!r}"
+        if err["type"] == "literal_error":
+            literal_args = typing.get_args(_strip_optional(ann))
+            guess = _closest(str(given), [str(a) for a in literal_args])
+            if guess is not None:
+                line += f"; did you mean {guess!r}?"
+        else:
+            line += f" ({err['msg']})"
+        lines.append(line)
+    return lines
+
+
+def validate_config(data: dict[str, Any], schema: type[ConfigT], source: str = "") -> ConfigT:
+    """Validate a raw mapping against ``schema``; raise :class:`ConfigError` with dotted paths."""
+    where = f" in {source}" if source else ""
+    if not isinstance(data, dict):
+        raise ConfigError(f"config{where} must be a mapping of sections, got {type(data).__name__}")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        lines = _error_lines(exc, schema)
+        raise ConfigError(f"invalid {schema.__name__}{where}:\n  " + "\n  ".join(lines)) from None
+
+
+def _read_yaml(path: str | Path | None) -> tuple[dict[str, Any], str]:
+    if path is None:
+        return {}, "<defaults>"
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {str(p)!r}: {exc.strerror}") from exc
+    try:
+        data = _yaml_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {str(p)!r} is not valid YAML: {exc}") from exc
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"config file {str(p)!r} must hold a mapping of sections, got {type(data).__name__}"
+        )
+    return data, str(p)
+
+
+def load_any_config(
+    path: str | Path | None, overrides: typing.Iterable[str] = ()
+) -> ExperimentConfig | SFTConfig:
+    """Load a YAML file (or defaults when ``path`` is None), apply overrides, dispatch on ``kind``."""
+    data, source = _read_yaml(path)
+    overrides = list(overrides)
+    kind = apply_overrides(data, overrides).get("kind", "rl")
+    schema = KINDS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        guess = _closest(str(kind), KINDS)
+        hint = f"; did you mean {guess!r}?" if guess else ""
+        raise ConfigError(f"'kind' in {source} is {kind!r}; valid kinds: {', '.join(KINDS)}{hint}")
+    return validate_config(apply_overrides(data, overrides, schema), schema, source)
+
+
+def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> ExperimentConfig:
+    """Load an RL experiment config (``kind: rl``): YAML file, then dotted overrides."""
+    cfg = load_any_config(path, overrides)
+    if not isinstance(cfg, ExperimentConfig):
+        raise ConfigError(f"{path} is a '{cfg.kind}' config; load it with load_sft_config")
+    return cfg
+
+
+def load_sft_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> SFTConfig:
+    """Load a supervised fine-tuning config (``kind: sft``); ``kind`` defaults to ``sft`` here."""
+    data, source = _read_yaml(path)
+    data = apply_overrides(data, overrides, SFTConfig)
+    kind = data.setdefault("kind", "sft")
+    if kind != "sft":
+        raise ConfigError(f"{source} is a {kind!r} config; load it with load_config")
+    return validate_config(data, SFTConfig, source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Docs
+# ---------------------------------------------------------------------------------------------
+
+
+def _default_repr(field: Any) -> str:
+    if field.is_required():
+        return "required"
+    value = field.default_factory() if field.default_factory is not None else field.default
+    if isinstance(value, BaseModel):
+        return "(section)"
+    return "`" + json.dumps(value if not isinstance(value, tuple) else list(value)) + "`"
+
+
+def _section_markdown(model: type[BaseModel], prefix: str, out: list[str]) -> None:
+    rows: list[str] = []
+    subsections: list[tuple[str, type[BaseModel]]] = []
+    for name, field in model.model_fields.items():
+        ann = _strip_optional(field.annotation)
+        if _is_model(ann):
+            subsections.append((name, ann))
+            continue
+        item = typing.get_args(ann)[0] if typing.get_origin(ann) is list else None
+        if isinstance(item, type) and issubclass(item, BaseModel):
+            subsections.append((f"{name}[]", item))
+        desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
+        type_name = _type_name(field.annotation).replace("|", "\\|")
+        rows.append(f"| `{name}` | {type_name} | {_default_repr(field)} | {desc} |")
+    if rows:
+        doc = (model.__doc__ or "").strip().splitlines()[0]
+        out.append(f"### `{prefix or '(top level)'}`\n")
+        out.append(f"{doc}\n")
+        out.append("| key | type | default | description |")
+        out.append("|---|---|---|---|")
+        out.extend(rows)
+        out.append("")
+    for name, sub in subsections:
+        _section_markdown(sub, f"{prefix}.{name}" if prefix else name, out)
+
+
+def config_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from the field docstrings."""
+    out = [
+        "# Configuration reference",
+        "",
+        "<!-- Generated by `python -m agentrl.config --markdown > docs/configuration.md`; "
+        "do not edit by hand. -->",
+        "",
+        "Experiments are YAML files in `configs/`, validated by `agentrl.config`. Unknown keys are",
+        "errors (with the closest valid key); any key can be overridden from the command line as",
+        "`section.key=value`, parsed with YAML rules (`trainer.lr=1e-6`, `tracking.enabled=false`,",
+        "`data.train_files=[a.jsonl,b.jsonl]`, `model.path=null`). A file's top-level `kind:` picks",
+        "the schema: `rl` (default) or `sft`.",
+        "",
+        "RL sampling keeps `top_p: 1` and `top_k: -1`: the trainer recomputes logprobs with the",
+        "sampling temperature but without top-k/top-p masking, so anything else is a policy",
+        "mismatch that the `rollout_corr/` diagnostics will show.",
+        "",
+        "`algorithm.correction.preset` fills every correction field that the file or the overrides",
+        "do not set explicitly; explicitly set fields win (see docs/correction.md).",
+        "",
+    ]
+    for kind, schema in KINDS.items():
+        out.append(f"## `kind: {kind}` ({schema.__name__})\n")
+        _section_markdown(schema, "", out)
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m agentrl.config --markdown`` or ``python -m agentrl.config FILE [k=v ...]``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m agentrl.config",
+        description="Print the configuration reference, or a resolved config as YAML.",
+    )
+    parser.add_argument("--markdown", action="store_true", help="print docs/configuration.md")
+    parser.add_argument("file", nargs="?", help="YAML config file (default: built-in defaults)")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.lr=1e-6")
+    args = parser.parse_args(argv)
+    if args.file is not None and "=" in args.file and not Path(args.file).exists():
+        args.overrides.insert(0, args.file)
+        args.file = None
+    if args.markdown:
+        sys.stdout.write(config_markdown())
+        return 0
+    try:
+        cfg = load_any_config(args.file, args.overrides)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(cfg.to_yaml())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
