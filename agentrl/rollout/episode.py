@@ -1,0 +1,437 @@
+"""Exact token bookkeeping for one multi-turn episode.
+
+Why this module exists: the most common silent bug in multi-turn RL is training on tokens the
+model never saw, because each turn re-renders and re-tokenizes the whole conversation and the
+chat template (or the tokenizer's merges) drift. :class:`EpisodeRecorder` never re-tokenizes an
+earlier turn. It guarantees, for every episode it records:
+
+- the prompt of every request is exactly the previous request's prompt, plus exactly the tokens
+  the server generated, plus the tokenized *delta* of the new messages
+  (``context_ids()`` is the next request's prompt);
+- ``loss_mask`` is 1 only on tokens the policy sampled; there ``rollout_logprobs`` and
+  ``policy_version`` are the server's values; elsewhere they are ``0.0`` and ``-1``;
+- the four per-token lists always have the same length, also after truncation, which keeps the
+  response within ``max_response_tokens`` and the whole context within ``max_context_tokens``.
+
+How the delta is rendered: the new messages are rendered after a fixed dummy conversation that
+ends with an assistant turn, and only the text after that turn's end-of-turn token
+(``<|im_end|>`` for Qwen-style templates) is tokenized. So the template's newline after
+``<|im_end|>`` belongs to the delta (mask 0), and the delta carries the generation prompt for the
+next assistant turn. Because the delta starts right after a special token, tokenizing it alone
+gives the same ids as tokenizing the whole render. The first delta per tokenizer is checked at the
+token level (``render(prefix) + delta == render(all)``); a template that is not prefix-stable
+raises :class:`ChatTemplateError` naming the template.
+
+A model turn that ended without the end-of-turn token (``max_tokens`` reached, a custom stop
+token, an aborted request) is closed by appending the end-of-turn token with mask 0 before any
+new message, exactly as the chat template would have rendered it.
+
+Example::
+
+    rec = EpisodeRecorder.from_messages(
+        [{"role": "user", "content": "What is 2+2?"}], tokenizer, tools=toolset.schemas()
+    )
+    gen = await policy.generate(rec.context_ids(), sampling)
+    rec.add_generation(gen)
+    rec.add_messages([{"role": "tool", "content": "4"}], tokenizer)
+    traj = rec.to_trajectory(uid="g0", stop_reason=StopReason.EOS)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from agentrl.types import Generation, Message, Trajectory
+
+__all__ = [
+    "ChatTemplateError",
+    "DeltaRenderer",
+    "EpisodeRecorder",
+    "get_delta_renderer",
+    "render_prompt_ids",
+]
+
+
+class ChatTemplateError(ValueError):
+    """The tokenizer's chat template cannot be used for exact incremental rendering."""
+
+
+_DUMMY_PREFIX: list[Message] = [
+    {"role": "system", "content": "S"},
+    {"role": "user", "content": "U"},
+    {"role": "assistant", "content": "A"},
+]
+
+
+def _template_name(tokenizer: Any) -> str:
+    return str(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+
+def _render(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None,
+    add_generation_prompt: bool,
+) -> str:
+    try:
+        text = tokenizer.apply_chat_template(
+            list(messages),
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except Exception as exc:  # jinja errors carry no context of which template failed
+        raise ChatTemplateError(
+            f"the chat template of tokenizer {_template_name(tokenizer)!r} failed to render "
+            f"{len(messages)} message(s) with roles {[m.get('role') for m in messages]}: {exc}"
+        ) from exc
+    if not isinstance(text, str):
+        raise ChatTemplateError(
+            f"apply_chat_template(tokenize=False) of {_template_name(tokenizer)!r} returned "
+            f"{type(text).__name__}, expected str"
+        )
+    return text
+
+
+def render_prompt_ids(
+    tokenizer: Any,
+    messages: Sequence[Message],
+    tools: Sequence[dict[str, Any]] | None = None,
+) -> list[int]:
+    """Token ids of ``messages`` rendered by the chat template with the generation prompt."""
+    text = _render(tokenizer, messages, tools, add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+class DeltaRenderer:
+    """Renders the token delta of new messages appended after an assistant turn.
+
+    One instance per tokenizer (see :func:`get_delta_renderer`); it caches the rendered dummy
+    prefix per tools list and verifies prefix stability once, on its first delta.
+    """
+
+    def __init__(self, tokenizer: Any, end_of_turn_token: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        eot = end_of_turn_token or getattr(tokenizer, "eos_token", None)
+        if not eot:
+            raise ChatTemplateError(
+                f"tokenizer {_template_name(tokenizer)!r} has no eos_token; pass "
+                "end_of_turn_token= (the token that ends an assistant turn, e.g. '<|im_end|>')"
+            )
+        self.end_of_turn_token: str = eot
+        self.end_of_turn_ids: list[int] = list(tokenizer.encode(eot, add_special_tokens=False))
+        if not self.end_of_turn_ids:
+            raise ChatTemplateError(f"end-of-turn token {eot!r} encodes to no ids")
+        self._prefix_cache: dict[str, str] = {}
+        self._tools_matter: dict[str, bool] = {}
+        self._verified = False
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend = backend if hasattr(backend, "encode") else None
+
+    def _encode(self, text: str) -> list[int]:
+        # The Rust backend skips the Python wrapper (a third of the cost per turn); the first
+        # delta is verified against ``tokenizer.encode`` below, so both paths must agree.
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=False).ids)
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _prefix_text(self, tools: Sequence[dict[str, Any]] | None) -> str:
+        key = json.dumps(tools, sort_keys=True) if tools else ""
+        cached = self._prefix_cache.get(key)
+        if cached is not None:
+            return cached
+        text = _render(self.tokenizer, _DUMMY_PREFIX, tools, add_generation_prompt=False)
+        cut = text.rfind(self.end_of_turn_token)
+        if cut < 0:
+            raise ChatTemplateError(
+                f"the chat template of {_template_name(self.tokenizer)!r} does not end an "
+                f"assistant turn with {self.end_of_turn_token!r}; pass the right "
+                "end_of_turn_token= to the recorder"
+            )
+        prefix = text[: cut + len(self.end_of_turn_token)]
+        if len(self._prefix_cache) > 64:
+            self._prefix_cache.clear()
+        self._prefix_cache[key] = prefix
+        return prefix
+
+    def _delta_text(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str:
+        prefix = self._prefix_text(tools)
+        full = _render(self.tokenizer, [*_DUMMY_PREFIX, *messages], tools, add_generation_prompt)
+        if not full.startswith(prefix):
+            raise ChatTemplateError(
+                f"the chat template of {_template_name(self.tokenizer)!r} is not prefix-stable: "
+                "rendering new messages changes how the earlier assistant turn is rendered, so "
+                "token-exact multi-turn episodes are impossible with it; use a template that "
+                "renders earlier turns independently of later ones"
+            )
+        return full[len(prefix) :]
+
+    def delta_ids(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Ids of ``messages`` as the template renders them after a finished assistant turn.
+
+        Starts with whatever the template puts after the end-of-turn token (e.g. ``\\n``) and ends
+        with the generation prompt of the next assistant turn when ``add_generation_prompt``.
+        """
+        if not messages:
+            raise ValueError("delta_ids needs at least one message")
+        if tools:
+            # Most templates render tools only in the system prompt, before the delta. Check that
+            # once per tools list; if so, later deltas skip rendering the tools (the costly part).
+            key = json.dumps(tools, sort_keys=True)
+            matter = self._tools_matter.get(key)
+            if matter is None:
+                with_tools = self._delta_text(messages, tools, add_generation_prompt)
+                matter = with_tools != self._delta_text(messages, None, add_generation_prompt)
+                if len(self._tools_matter) > 64:
+                    self._tools_matter.clear()
+                self._tools_matter[key] = matter
+            if not matter:
+                tools = None
+        text = self._delta_text(messages, tools, add_generation_prompt)
+        delta = self._encode(text)
+        if not self._verified:
+            prefix = self._prefix_text(tools)
+            full = prefix + text
+            whole = list(self.tokenizer.encode(full, add_special_tokens=False))
+            head = list(self.tokenizer.encode(prefix, add_special_tokens=False))
+            if whole != head + delta:
+                raise ChatTemplateError(
+                    f"tokenizer {_template_name(self.tokenizer)!r}: tokenizing the rendered prefix "
+                    "and the new messages separately differs from tokenizing the whole render "
+                    f"(first mismatch at token {_first_mismatch(whole, head + delta)}); the "
+                    "end-of-turn token must be a special token so that tokenization restarts "
+                    "after it"
+                )
+            self._verified = True
+        return delta
+
+
+def _first_mismatch(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+_RENDERERS: dict[int, DeltaRenderer] = {}
+
+
+def get_delta_renderer(tokenizer: Any, end_of_turn_token: str | None = None) -> DeltaRenderer:
+    """The (cached) :class:`DeltaRenderer` of ``tokenizer``."""
+    key = id(tokenizer)
+    renderer = _RENDERERS.get(key)
+    if (
+        renderer is None
+        or renderer.tokenizer is not tokenizer
+        or (end_of_turn_token is not None and renderer.end_of_turn_token != end_of_turn_token)
+    ):
+        renderer = DeltaRenderer(tokenizer, end_of_turn_token)
+        if len(_RENDERERS) > 256:
+            _RENDERERS.clear()
+        _RENDERERS[key] = renderer
+    return renderer
+
+
+class EpisodeRecorder:
+    """Token-exact record of one episode: prompt, response, loss mask, logprobs, versions.
+
+    Args:
+        prompt_ids: the tokens the episode starts from (chat template applied, with the
+            generation prompt of the first assistant turn).
+        tokenizer: the tokenizer whose chat template renders later messages (needed by
+            :meth:`add_messages`).
+        tools: OpenAI function schemas passed to the chat template.
+        max_response_tokens: budget for everything after the prompt (model and environment
+            tokens); ``None`` = unlimited.
+        max_context_tokens: budget for prompt + response (the model's context); ``None`` =
+            unlimited.
+        end_of_turn_token: the token that ends an assistant turn (default: the tokenizer's EOS).
+    """
+
+    def __init__(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        tokenizer: Any = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        max_response_tokens: int | None = None,
+        max_context_tokens: int | None = None,
+        end_of_turn_token: str | None = None,
+    ) -> None:
+        if not prompt_ids:
+            raise ValueError("EpisodeRecorder needs a non-empty prompt_ids")
+        self.prompt_ids: list[int] = list(prompt_ids)
+        self.response_ids: list[int] = []
+        self.loss_mask: list[int] = []
+        self.rollout_logprobs: list[float] = []
+        self.policy_version: list[int] = []
+        self.tokenizer = tokenizer
+        self.tools = list(tools) if tools else None
+        self.max_response_tokens = max_response_tokens
+        self.max_context_tokens = max_context_tokens
+        self.end_of_turn_token = end_of_turn_token
+        self.num_turns = 0
+        """Model turns recorded (generations that produced at least one token)."""
+        self.truncated = False
+        """True once a budget cut the response (the episode should stop with ``length``)."""
+        self._turn_open = False
+
+    @classmethod
+    def from_messages(
+        cls,
+        messages: Sequence[Message],
+        tokenizer: Any,
+        *,
+        tools: Sequence[dict[str, Any]] | None = None,
+        max_response_tokens: int | None = None,
+        max_context_tokens: int | None = None,
+        end_of_turn_token: str | None = None,
+    ) -> EpisodeRecorder:
+        """Start an episode from a conversation rendered with the generation prompt."""
+        return cls(
+            render_prompt_ids(tokenizer, messages, tools),
+            tokenizer=tokenizer,
+            tools=tools,
+            max_response_tokens=max_response_tokens,
+            max_context_tokens=max_context_tokens,
+            end_of_turn_token=end_of_turn_token,
+        )
+
+    # ---- budget ---------------------------------------------------------------------------
+    @property
+    def remaining_budget(self) -> int:
+        """Tokens that may still be appended before a budget is hit (large if unlimited)."""
+        left = 1 << 62
+        if self.max_response_tokens is not None:
+            left = min(left, self.max_response_tokens - len(self.response_ids))
+        if self.max_context_tokens is not None:
+            left = min(
+                left, self.max_context_tokens - len(self.prompt_ids) - len(self.response_ids)
+            )
+        return max(left, 0)
+
+    @property
+    def response_limit(self) -> int | None:
+        """The largest allowed response length under both budgets (None = unlimited)."""
+        limits = []
+        if self.max_response_tokens is not None:
+            limits.append(self.max_response_tokens)
+        if self.max_context_tokens is not None:
+            limits.append(self.max_context_tokens - len(self.prompt_ids))
+        return max(min(limits), 0) if limits else None
+
+    def context_ids(self) -> list[int]:
+        """Prompt + response so far: exactly the prompt of the next generate request."""
+        return self.prompt_ids + self.response_ids
+
+    # ---- appending ------------------------------------------------------------------------
+    def add_generation(self, gen: Generation) -> None:
+        """Append a model turn: mask 1, the server's logprobs, its weight version.
+
+        Tokens past the budget are cut (and :attr:`truncated` is set).
+        """
+        if gen.token_ids and gen.weight_version < 0:
+            raise ValueError(
+                f"generation weight_version={gen.weight_version}; sampled tokens need the "
+                "version (>= 0) of the weights that produced them"
+            )
+        n = len(gen.token_ids)
+        self.response_ids.extend(gen.token_ids)
+        self.loss_mask.extend([1] * n)
+        self.rollout_logprobs.extend(float(lp) for lp in gen.logprobs)
+        self.policy_version.extend([gen.weight_version] * n)
+        if n:
+            self.num_turns += 1
+        eot = self._eot_ids()
+        self._turn_open = eot is None or list(gen.token_ids[-len(eot) :]) != eot
+        self._enforce_budget()
+
+    def add_environment_tokens(self, token_ids: Sequence[int]) -> None:
+        """Append tokens the policy did not sample (mask 0, logprob 0.0, version -1)."""
+        n = len(token_ids)
+        self.response_ids.extend(token_ids)
+        self.loss_mask.extend([0] * n)
+        self.rollout_logprobs.extend([0.0] * n)
+        self.policy_version.extend([-1] * n)
+        self._enforce_budget()
+
+    def close_turn(self) -> list[int]:
+        """End an open model turn with the end-of-turn token (mask 0); returns what was added."""
+        if not self._turn_open:
+            return []
+        self._turn_open = False
+        eot = self._eot_ids() or []
+        self.add_environment_tokens(eot)
+        return list(eot)
+
+    def add_messages(
+        self,
+        messages: Sequence[Message],
+        tokenizer: Any = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+    ) -> list[int]:
+        """Append the tokenized delta of new (tool/user) messages with mask 0.
+
+        Pass all messages of one turn in one call (templates group consecutive tool messages).
+        Closes an open model turn first. Returns the ids appended (before any budget cut).
+        """
+        tok = tokenizer if tokenizer is not None else self.tokenizer
+        if tok is None:
+            raise ValueError("add_messages needs a tokenizer (pass it here or to the recorder)")
+        renderer = get_delta_renderer(tok, self.end_of_turn_token)
+        delta = renderer.delta_ids(
+            messages, tools if tools is not None else self.tools, add_generation_prompt
+        )
+        added = self.close_turn()
+        self.add_environment_tokens(delta)
+        return added + delta
+
+    def truncate_to(self, max_len: int) -> bool:
+        """Cut the response to at most ``max_len`` tokens; True if anything was cut."""
+        if max_len < 0:
+            raise ValueError(f"truncate_to(max_len={max_len}): max_len must be >= 0")
+        if len(self.response_ids) <= max_len:
+            return False
+        del self.response_ids[max_len:]
+        del self.loss_mask[max_len:]
+        del self.rollout_logprobs[max_len:]
+        del self.policy_version[max_len:]
+        self.truncated = True
+        return True
+
+    def _enforce_budget(self) -> None:
+        limit = self.response_limit
+        if limit is not None:
+            self.truncate_to(limit)
+
+    def _eot_ids(self) -> list[int] | None:
+        if self.tokenizer is None:
+            return None
+        return get_delta_renderer(self.tokenizer, self.end_of_turn_token).end_of_turn_ids
+
+    # ---- output ---------------------------------------------------------------------------
+    def to_trajectory(self, **meta: Any) -> Trajectory:
+        """Freeze the record into a :class:`Trajectory`; ``meta`` sets the other fields."""
+        meta.setdefault("num_turns", self.num_turns)
+        return Trajectory(
+            prompt_ids=list(self.prompt_ids),
+            response_ids=list(self.response_ids),
+            loss_mask=list(self.loss_mask),
+            rollout_logprobs=list(self.rollout_logprobs),
+            policy_version=list(self.policy_version),
+            **meta,
+        )
