@@ -1,0 +1,288 @@
+"""Build a tiny, deterministic Qwen2 model and byte-level tokenizer for tests and quickstarts.
+
+Why it exists: every test in this project (engine, server, agent loop, trainer, vLLM backend)
+needs a real Hugging Face model directory, and the machine has no network. ``build_tiny_model``
+writes one in a second: a randomly initialised Qwen2 causal LM plus a tokenizer and a chat
+template, saved with ``save_pretrained`` so that ``transformers`` and vLLM both load it.
+
+Guarantees:
+
+- **Deterministic.** The same arguments (including ``seed``) write byte-identical files.
+- **Lossless tokenizer.** A byte-level BPE with no merges: every UTF-8 byte is one token, so
+  ``decode(encode(text)) == text`` for any text, and ``encode(a + b) == encode(a) + encode(b)``
+  whenever no special token straddles the boundary (the agent loop appends token deltas).
+- **Special tokens** are single ids: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>``
+  (EOS: the tokenizer's ``eos_token`` and ``generation_config.eos_token_id``), ``<tool_call>``,
+  ``</tool_call>``, ``<tool_response>``, ``</tool_response>``. The tool tags are *not* marked
+  special, so ``skip_special_tokens=True`` keeps them in decoded text (as Qwen does).
+- **vLLM-compatible shapes.** ``hidden_size / num_heads`` must be >= 32 (vLLM's CPU attention).
+- **Prefix-stable chat template** (Qwen2.5-like, hermes tools)::
+
+      <|im_start|>system\\n{system}[\\n\\n# Tools ... <tools>\\n{json per tool}\\n</tools> ...]<|im_end|>\\n
+      <|im_start|>user\\n{content}<|im_end|>\\n
+      <|im_start|>assistant\\n{content}[\\n]<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call><|im_end|>\\n
+      <|im_start|>tool\\n<tool_response>\\n{content}\\n</tool_response><|im_end|>\\n
+      [<|im_start|>assistant\\n]          (add_generation_prompt=True)
+
+  Every message renders on its own, independent of the messages after it, so
+  ``render(messages[:k])`` is a prefix of ``render(messages)``. A system block is rendered only
+  when there is a system message or a tools list (no hidden default system prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "add_arguments",
+    "build_tiny_model",
+    "build_tiny_tokenizer",
+    "run",
+    "tiny_tokenizer",
+]
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+)
+"""Added tokens, in id order after the 256 byte tokens (``<|endoftext|>`` is id 256)."""
+
+_CONTROL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+"""The added tokens that ``skip_special_tokens`` removes; the tool tags stay visible."""
+
+CHAT_TEMPLATE = (
+    "{%- if messages and messages[0]['role'] == 'system' %}"
+    "{%- set system_message = messages[0]['content'] %}"
+    "{%- set loop_messages = messages[1:] %}"
+    "{%- else %}"
+    "{%- set system_message = none %}"
+    "{%- set loop_messages = messages %}"
+    "{%- endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if system_message is not none %}{{- system_message + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{%- elif system_message is not none %}"
+    "{{- '<|im_start|>system\\n' + system_message + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in loop_messages %}"
+    "{%- if message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if message['content'] %}{{- message['content'] }}{%- endif %}"
+    "{%- if message['tool_calls'] %}"
+    "{%- for tool_call in message['tool_calls'] %}"
+    "{%- if tool_call['function'] is defined %}{%- set tool_call = tool_call['function'] %}{%- endif %}"
+    "{%- if message['content'] or not loop.first %}{{- '\\n' }}{%- endif %}"
+    "{{- '<tool_call>\\n{\"name\": \"' + tool_call['name'] + '\", \"arguments\": ' }}"
+    "{%- if tool_call['arguments'] is string %}{{- tool_call['arguments'] }}"
+    "{%- else %}{{- tool_call['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>tool\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""The Jinja chat template stored in ``tokenizer_config.json`` (see the module docstring)."""
+
+
+def build_tiny_tokenizer() -> Any:
+    """A byte-level BPE tokenizer (256 byte tokens, no merges) plus :data:`SPECIAL_TOKENS`.
+
+    Returns a ``transformers.PreTrainedTokenizerFast`` with the chat template, pad and EOS set.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_unicode = _bytes_to_unicode()
+    # Ids 0..255 are the bytes in order, so a token id below 256 *is* the byte value.
+    vocab = {byte_to_unicode[b]: b for b in range(256)}
+    assert set(vocab) == set(alphabet)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(
+        [
+            AddedToken(t, special=True, normalized=False)
+            for t in SPECIAL_TOKENS
+            if t in _CONTROL_TOKENS
+        ]
+    )
+    tok.add_tokens(
+        [
+            AddedToken(t, special=False, normalized=False)
+            for t in SPECIAL_TOKENS
+            if t not in _CONTROL_TOKENS
+        ]
+    )
+    ids = [tok.token_to_id(t) for t in SPECIAL_TOKENS]
+    assert ids == list(range(256, 256 + len(SPECIAL_TOKENS))), ids
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        clean_up_tokenization_spaces=False,
+        model_max_length=1 << 30,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode map (what ByteLevel uses)."""
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    seed: int = 0,
+    tie_embeddings: bool = False,
+) -> Path:
+    """Write a random Qwen2 causal LM, its tokenizer and chat template to ``out_dir``.
+
+    Deterministic: the same arguments give byte-identical files. Returns ``out_dir`` as a Path.
+    Raises ``ValueError`` naming the argument when the shapes are unusable
+    (``hidden_size`` not divisible by ``num_heads``, head_dim < 32, ...).
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if num_layers < 1:
+        raise ValueError(f"num_layers={num_layers}; need at least 1 layer")
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; pick "
+            "num_heads so that hidden_size / num_heads is a whole number"
+        )
+    head_dim = hidden_size // num_heads
+    if head_dim < 32:
+        raise ValueError(
+            f"head_dim = hidden_size / num_heads = {head_dim}; vLLM's CPU attention needs >= 32, "
+            "use fewer heads or a larger hidden_size"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads} (grouped-query "
+            "attention needs whole groups)"
+        )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tiny_tokenizer()
+    vocab_size = len(tokenizer)
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        tie_word_embeddings=tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_sliding_window=False,
+        dtype="float32",
+    )
+    # A random init from a seeded generator; initializer_range 0.02 gives near-uniform outputs,
+    # so scale the LM head up a little to make sampling distributions non-trivial.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
+    )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def tiny_tokenizer(path: str | Path) -> Any:
+    """Load the tokenizer of a model directory (``AutoTokenizer``), for tests and scripts."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+# ---- CLI: ``agentrl tiny-model OUT_DIR`` -------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("out_dir", help="directory to write the model and tokenizer into")
+    parser.add_argument("--layers", type=int, default=2, help="number of decoder layers")
+    parser.add_argument("--hidden-size", type=int, default=128, help="model width")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (head_dim >= 32)")
+    parser.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    parser.add_argument("--intermediate-size", type=int, default=256, help="MLP width")
+    parser.add_argument("--max-position-embeddings", type=int, default=2048, help="context size")
+    parser.add_argument("--seed", type=int, default=0, help="weight-init seed (deterministic)")
+    parser.add_argument(
+        "--tie-embeddings", action="store_true", help="share input embedding and LM head"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    out = build_tiny_model(
+        args.out_dir,
+        num_layers=args.layers,
+        hidden_size=args.hidden_size,
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        intermediate_size=args.intermediate_size,
+        max_position_embeddings=args.max_position_embeddings,
+        seed=args.seed,
+        tie_embeddings=args.tie_embeddings,
+    )
+    print(json.dumps({"model_dir": str(out)}))
+    return 0
