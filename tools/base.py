@@ -225,7 +225,15 @@ def _to_result(out: Any) -> ToolResult | str:
 
 
 @overload
-def tool(fn: Callable[..., Any], /) -> FunctionTool: ...
+def tool(
+    fn: Callable[..., Any],
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    timeout_s: float | None = None,
+    max_output_chars: int | None = None,
+) -> FunctionTool: ...
 
 
 @overload
@@ -555,7 +563,7 @@ class ToolEpisode:
 
         try:
             out = await asyncio.wait_for(guarded(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return ToolResult(
                 content=f"error: tool {t.name!r} timed out after {_fmt_s(timeout)} s",
                 error=True,

@@ -99,8 +99,9 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
                 if section in _GOOGLE_ARG_SECTIONS:
                     m = _GOOGLE_ARG.match(line.strip())
                     if indent == item_indent and m:
-                        current = m.group(1).lstrip("*")
-                        args[current] = m.group(3).strip()
+                        key = str(m.group(1)).lstrip("*")
+                        args[key] = str(m.group(3)).strip()
+                        current = key
                     elif current is not None:
                         args[current] = (args[current] + " " + line.strip()).strip()
                 i += 1

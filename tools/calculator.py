@@ -1,0 +1,202 @@
+"""A safe arithmetic calculator tool: parsed with ``ast``, evaluated node by node, never ``eval``.
+
+Why it exists: math agents need exact arithmetic, and handing model-written text to ``eval``
+is remote code execution. This evaluator walks the syntax tree and accepts only numbers and
+the operators ``+ - * / // % **`` (unary and binary) with parentheses.
+
+Guarantees:
+
+- no names, calls, attributes, subscripts, comprehensions or strings are ever evaluated:
+  anything but the allowed nodes is an error naming the construct;
+- work is bounded: the expression length (``max_length``), the exponent
+  (``|exponent| <= max_exponent``), the size of integer results (``max_int_digits``) and the
+  nesting depth are capped, so ``9**9**9`` fails fast instead of hanging the worker;
+- exact integer results print as integers (``6/3`` -> ``2``), other floats with ``repr``
+  (shortest round-trip form); division by zero and overflow become ``error: ...`` messages.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+from collections.abc import Callable
+from typing import Any
+
+from tools.base import FunctionTool, ToolResult, tool
+
+__all__ = ["CalculatorError", "evaluate", "format_number", "make_calculator"]
+
+
+class CalculatorError(ValueError):
+    """The expression is not allowed or cannot be evaluated; the message says why."""
+
+
+_BINOPS: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+    ast.UAdd: operator.pos,
+    ast.USub: operator.neg,
+}
+_SYMBOL = {
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.Pow: "**",
+}
+
+
+def evaluate(
+    expression: str,
+    *,
+    max_length: int = 1000,
+    max_exponent: int = 10_000,
+    max_int_digits: int = 4000,
+    max_depth: int = 100,
+) -> int | float:
+    """Evaluate an arithmetic expression safely; raise :class:`CalculatorError` otherwise."""
+    if not isinstance(expression, str):
+        raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
+    expr = expression.strip().replace("^", "**").replace("×", "*").replace("÷", "/")
+    if not expr:
+        raise CalculatorError("empty expression")
+    if len(expr) > max_length:
+        raise CalculatorError(
+            f"expression is {len(expr)} characters long; the limit is {max_length}"
+        )
+    try:
+        tree = ast.parse(expr, mode="eval")
+    except SyntaxError as exc:
+        raise CalculatorError(f"invalid syntax at column {exc.offset}: {exc.msg}") from None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        raise CalculatorError(f"cannot parse expression: {exc}") from None
+    max_bits = int(max_int_digits * math.log2(10)) + 1
+
+    def check_size(value: int | float) -> int | float:
+        if isinstance(value, int) and value.bit_length() > max_bits:
+            raise CalculatorError(f"result has more than {max_int_digits} digits")
+        if isinstance(value, float) and math.isnan(value):
+            raise CalculatorError("result is not a number")
+        if isinstance(value, float) and math.isinf(value):
+            raise CalculatorError("numeric overflow (result too large for a float)")
+        return value
+
+    def ev(node: ast.AST, depth: int) -> int | float:
+        if depth > max_depth:
+            raise CalculatorError(f"expression nests deeper than {max_depth} levels")
+        if isinstance(node, ast.Expression):
+            return ev(node.body, depth + 1)
+        if isinstance(node, ast.Constant):
+            v = node.value
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise CalculatorError(f"only numbers are allowed, got {v!r}")
+            return check_size(v)
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+            return _UNARY[type(node.op)](ev(node.operand, depth + 1))
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left = ev(node.left, depth + 1)
+            right = ev(node.right, depth + 1)
+            if isinstance(node.op, ast.Pow):
+                if abs(right) > max_exponent:
+                    raise CalculatorError(
+                        f"exponent {format_number(right)} is too large (limit {max_exponent})"
+                    )
+                if (
+                    isinstance(left, int)
+                    and isinstance(right, int)
+                    and right > 0
+                    and abs(left) > 1
+                    and right * math.log2(abs(left)) > max_bits
+                ):
+                    raise CalculatorError(f"result has more than {max_int_digits} digits")
+            if (
+                isinstance(node.op, ast.Mult)
+                and isinstance(left, int)
+                and isinstance(right, int)
+                and left.bit_length() + right.bit_length() > max_bits + 1
+            ):
+                raise CalculatorError(f"result has more than {max_int_digits} digits")
+            try:
+                result = _BINOPS[type(node.op)](left, right)
+            except ZeroDivisionError:
+                raise CalculatorError("division by zero") from None
+            except OverflowError:
+                raise CalculatorError("numeric overflow (result too large for a float)") from None
+            if isinstance(result, complex):
+                raise CalculatorError(
+                    "result is a complex number (a negative number to a fractional power)"
+                )
+            return check_size(result)
+        if isinstance(node, (ast.BinOp, ast.UnaryOp)):
+            raise CalculatorError(f"operator {type(node.op).__name__} is not allowed")
+        raise CalculatorError(
+            f"{type(node).__name__} is not allowed; use numbers, + - * / // % ** and parentheses"
+        )
+
+    try:
+        return ev(tree, 0)
+    except RecursionError:
+        raise CalculatorError(f"expression nests deeper than {max_depth} levels") from None
+
+
+def format_number(value: int | float) -> str:
+    """``2`` for ints and integral floats that are exactly representable, else ``repr``."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    if value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value)
+
+
+def make_calculator(
+    *,
+    max_length: int = 1000,
+    max_exponent: int = 10_000,
+    max_int_digits: int = 4000,
+    name: str = "calculator",
+) -> FunctionTool:
+    """A ``calculator(expression: str)`` tool with the given limits."""
+
+    def calculator(expression: str) -> ToolResult:
+        """Evaluate an arithmetic expression exactly.
+
+        Supports numbers, parentheses and the operators + - * / // % ** (also ^ for power).
+        Integers are exact and unbounded up to a size limit.
+
+        Args:
+            expression: The expression to evaluate, e.g. "(3 + 4) * 2 ** 10 / 7".
+        """
+        try:
+            value = evaluate(
+                expression,
+                max_length=max_length,
+                max_exponent=max_exponent,
+                max_int_digits=max_int_digits,
+            )
+        except CalculatorError as exc:
+            return ToolResult(content=f"error: {exc}", error=True)
+        return ToolResult(content=format_number(value))
+
+    # Evaluation is microseconds of CPU: run inline instead of in a thread.
+    async def acalculator(expression: str) -> ToolResult:
+        return calculator(expression)
+
+    acalculator.__doc__ = calculator.__doc__
+    acalculator.__name__ = name
+    return tool(acalculator, name=name)
+
+
+calculator = make_calculator()
+"""The default calculator tool (also ``get_tool("calculator")``)."""

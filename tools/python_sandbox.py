@@ -1,0 +1,560 @@
+"""A ``python`` tool: run model-written code in a sandboxed subprocess with hard limits.
+
+Why it exists: code-executing agents need a tool that runs arbitrary snippets without taking
+the rollout worker down with them (an infinite loop, a memory bomb, a stray ``fork``) and
+without reaching the network or the files of the machine.
+
+**This is a best-effort sandbox, not a security boundary against hostile code.** It contains
+the mistakes a model makes while learning; it does not stop a determined attacker (the
+process runs as the same user, on the same kernel, with the same file permissions). Run
+untrusted workloads in a container or VM as well.
+
+Layers, each one on by default (``PythonTool`` arguments turn them off, for tests):
+
+=============================  ==================================================  ==========
+layer                          what it enforces                                    enforced by
+=============================  ==================================================  ==========
+wall-time deadline             the whole process group is SIGKILLed at            parent
+                               ``wall_time_s``
+namespaces (``unshare``)       new network namespace (no interface but a down      kernel
+                               loopback: every ``connect`` fails); new PID
+                               namespace (the code is PID 1; when it exits or is
+                               killed, every process it forked dies with it); new
+                               user namespace where available (limits cannot be
+                               raised again)
+``resource`` limits            RLIMIT_AS (``memory_mb``), RLIMIT_CPU, RLIMIT_FSIZE kernel
+                               (``max_file_mb``), RLIMIT_NOFILE, RLIMIT_CORE = 0,
+                               RLIMIT_NPROC when not root
+audit hook (PEP 578)           file opens/listing/changes only inside the working  interpreter
+                               directory (reads also in the Python installation,
+                               for imports); no sockets (except AF_UNIX creation),
+                               no DNS, no ``exec``/``system``/``Popen``/spawn, no
+                               ``ctypes``, no ``setrlimit``; ``fork`` at most
+                               ``max_forks`` times from the top process (children
+                               may not fork; no fork at all without a PID
+                               namespace)
+environment                    ``python -I`` (no user site, no ``PYTHON*`` vars),  parent
+                               a scrubbed environment (``PATH``, ``HOME`` and
+                               ``TMPDIR`` = the working directory, UTF-8 locale),
+                               stdin closed after the code is sent, a fresh
+                               temporary working directory per episode
+=============================  ==================================================  ==========
+
+The namespace layer needs ``unshare`` (util-linux) and either root or unprivileged user
+namespaces; it is probed once per process and skipped (with a log line) where unavailable.
+
+State: each episode gets its own temporary directory (created on the first call, removed on
+``release``); files persist across the calls of an episode, Python variables do not (every
+call is a fresh interpreter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tools.base import Tool, ToolResult, truncate
+
+__all__ = ["PythonTool", "SandboxRun", "namespace_prefix"]
+
+logger = logging.getLogger(__name__)
+
+# The program the sandboxed interpreter runs first (``python -I -c _BOOTSTRAP CONFIG``): it
+# sets the resource limits, installs the audit hook, then reads the user's code from stdin and
+# executes it as ``__main__``. Kept dependency-free: only builtin modules before the hook.
+_BOOTSTRAP = r"""
+import json, os, resource, sys, sysconfig, threading
+cfg = json.loads(sys.argv[1])
+sys.argv = ["<code>"]
+sys.dont_write_bytecode = True
+for name, value in cfg["rlimits"].items():
+    lim = getattr(resource, name)
+    soft, hard = resource.getrlimit(lim)
+    value = value if hard == resource.RLIM_INFINITY else min(value, hard)
+    resource.setrlimit(lim, (value, value))
+code = sys.stdin.read()
+sys.stdin.close()
+os.close(0)
+os.open(os.devnull, os.O_RDONLY)
+sys.stdin = open(0, closefd=False)
+
+def _install(root, read_roots, max_forks, pid_ns):
+    import _posixsubprocess
+    def _no_spawn(*a, **k):
+        raise PermissionError("starting programs is disabled in the sandbox")
+    _posixsubprocess.fork_exec = _no_spawn
+    realpath, sep, fspath = os.path.realpath, os.sep, os.fspath
+    local = threading.local()
+    forks = [max_forks]
+    os.register_at_fork(after_in_child=lambda: forks.__setitem__(0, 0))
+    WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    READ_OK = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/zero")
+    READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob", "glob.glob/2", "os.getxattr",
+                   "os.listxattr"}
+    FS_EVENTS = READ_EVENTS | {
+        "os.chdir", "os.mkdir", "os.remove", "os.rmdir", "os.rename", "os.link", "os.symlink",
+        "os.chmod", "os.chown", "os.truncate", "os.utime", "os.chflags", "os.lchflags",
+        "os.setxattr", "os.removexattr", "os.mkfifo", "os.mknod", "shutil.copyfile",
+        "shutil.copymode", "shutil.copystat", "shutil.copytree", "shutil.rmtree",
+        "shutil.move", "shutil.chown", "shutil.make_archive", "shutil.unpack_archive",
+        "tempfile.mkstemp", "tempfile.mkdtemp"}
+    SPAWN = {"os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen",
+             "os.startfile", "pty.spawn", "os.forkpty"}
+    NET = {"socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
+           "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr",
+           "socket.gethostbyname_ex", "socket.getnameinfo", "http.client.connect",
+           "urllib.Request", "ftplib.connect", "smtplib.connect", "telnetlib.Telnet.open",
+           "webbrowser.open"}
+    BLOCKED_IMPORTS = {"ctypes", "_ctypes", "_posixsubprocess"}
+
+    def inside(path, roots):
+        if isinstance(path, int):
+            return True
+        p = realpath(fspath(path) if not isinstance(path, bytes) else os.fsdecode(path))
+        return any(p == r or p.startswith(r + sep) for r in roots)
+
+    def check(path, write):
+        if path is None or isinstance(path, int):
+            return
+        if inside(path, (root,)):
+            return
+        if not write and (inside(path, read_roots) or
+                          realpath(os.fsdecode(fspath(path))) in READ_OK):
+            return
+        raise PermissionError(
+            f"sandbox: access to {os.fsdecode(fspath(path))!r} is outside the working directory")
+
+    def hook(event, args):
+        if getattr(local, "busy", False):
+            return
+        local.busy = True
+        try:
+            if event == "open":
+                path, mode, flags = (list(args) + [None, None, None])[:3]
+                write = bool(mode and any(c in mode for c in "wax+")) or bool(
+                    (flags or 0) & WRITE_FLAGS)
+                check(path, write)
+            elif event in FS_EVENTS:
+                write = event not in READ_EVENTS
+                for a in args:
+                    if isinstance(a, (str, bytes, os.PathLike)):
+                        check(a, write)
+            elif event in SPAWN:
+                raise PermissionError("sandbox: starting programs is disabled")
+            elif event == "os.fork":
+                if forks[0] <= 0:
+                    raise PermissionError(
+                        "sandbox: fork is disabled" if max_forks == 0 or not pid_ns
+                        else "sandbox: fork limit reached (children may not fork)")
+                forks[0] -= 1
+            elif event in ("os.kill", "os.killpg") and not pid_ns:
+                if args and args[0] not in (0, os.getpid()):
+                    raise PermissionError("sandbox: signalling other processes is disabled")
+            elif event == "socket.__new__":
+                import socket as _s
+                if len(args) > 1 and args[1] not in (getattr(_s, "AF_UNIX", 1),):
+                    raise PermissionError("sandbox: network access is disabled")
+            elif event in NET:
+                raise PermissionError("sandbox: network access is disabled")
+            elif event == "import" and args and args[0] in BLOCKED_IMPORTS:
+                raise ImportError(f"sandbox: module {args[0]!r} is disabled")
+            elif event.startswith("ctypes.") or event in ("resource.setrlimit", "resource.prlimit",
+                                                          "sys.addaudithook", "os.setuid"):
+                raise PermissionError(f"sandbox: {event} is disabled")
+        finally:
+            local.busy = False
+
+    sys.addaudithook(hook)
+
+if cfg["audit"]:
+    _roots = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        try:
+            _roots.add(os.path.realpath(sysconfig.get_path(key)))
+        except KeyError:
+            pass
+    _install(os.path.realpath(os.getcwd()), tuple(sorted(_roots)), cfg["max_forks"],
+             cfg["pid_ns"])
+del _install, cfg, json, resource, sysconfig, threading
+
+def _main(source):
+    import traceback
+    g = {"__name__": "__main__", "__builtins__": __builtins__}
+    try:
+        exec(compile(source, "<code>", "exec"), g)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        # Hide the sandbox's own frames (the bootstrap and the audit hook run as "<string>").
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != "<string>"]
+        sys.stderr.write("Traceback (most recent call last):\n")
+        sys.stderr.write("".join(traceback.format_list(frames)))
+        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
+        sys.stderr.flush()
+        os._exit(1)
+    finally:
+        sys.stdout.flush()
+
+_main(code)
+"""
+
+_PROBE_LOCK = threading.Lock()
+_PROBED: dict[bool, list[str] | None] = {}
+
+
+def namespace_prefix(user_namespace: bool = True) -> list[str] | None:
+    """The ``unshare`` command prefix that isolates network and PIDs here, or None.
+
+    Probed once per process: first with a user namespace (``-U -r``: works as root and, where
+    unprivileged user namespaces are enabled, as any user), then without (needs root).
+    """
+    with _PROBE_LOCK:
+        if user_namespace in _PROBED:
+            return _PROBED[user_namespace]
+        result: list[str] | None = None
+        unshare = shutil.which("unshare")
+        true_bin = shutil.which("true")
+        if unshare and true_bin:
+            candidates = [[unshare, "-n", "-p", "-f", "--kill-child"]]
+            if user_namespace:
+                candidates.insert(0, [unshare, "-U", "-r", "-n", "-p", "-f", "--kill-child"])
+            for prefix in candidates:
+                try:
+                    proc = subprocess.run(
+                        [*prefix, true_bin], capture_output=True, timeout=10, check=False
+                    )
+                except (OSError, subprocess.TimeoutExpired):
+                    continue
+                if proc.returncode == 0:
+                    result = prefix
+                    break
+        if result is None:
+            logger.warning(
+                "python sandbox: 'unshare' cannot create namespaces here; running without the "
+                "network/PID namespace layer (audit hook and resource limits still apply, fork "
+                "is disabled)"
+            )
+        _PROBED[user_namespace] = result
+        return result
+
+
+@dataclass
+class SandboxRun:
+    """The raw outcome of one run (``PythonTool.run_raw``)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """Exit status; negative = killed by that signal; None = never started."""
+    timed_out: bool
+    wall_s: float
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+
+
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    code: str = Field(
+        description="Python source to run as a script. Print what you want to see; the output "
+        "(stdout, then stderr) is returned."
+    )
+
+
+class PythonTool(Tool):
+    """Run Python code in a sandboxed subprocess (see the module docstring for the layers).
+
+    Args:
+        wall_time_s: Wall-clock seconds per call; the process group is killed at the deadline.
+        memory_mb: Address-space limit (RLIMIT_AS) of the interpreter, in MiB.
+        max_output_chars: Most characters of output returned (head and tail kept, the middle
+            cut with a marker); the marker is counted, so the result never exceeds it.
+        cpu_time_s: CPU seconds per process (RLIMIT_CPU); default ``ceil(wall_time_s) + 1``.
+        max_file_mb: Largest file the code may write (RLIMIT_FSIZE), in MiB.
+        max_forks: How many times the top process may ``fork`` (children may not); only with
+            the PID namespace, else fork is disabled.
+        python_executable: Interpreter to run (default: this one, ``sys.executable``).
+        base_dir: Where per-episode working directories are created (default: the system
+            temporary directory).
+        namespaces: Use the ``unshare`` network/PID namespaces: None = when available,
+            True = required (error if unavailable), False = never.
+        audit_hook: Install the in-interpreter audit hook (files, sockets, spawning).
+        name: Tool name the model sees.
+    """
+
+    name = "python"
+    description = (
+        "Run a Python 3 script in a fresh interpreter and return what it prints (stdout, then "
+        "stderr). Variables do not persist between calls; files written to the current "
+        "directory do. No network access; time and memory are limited."
+    )
+    arguments_model: ClassVar[type[BaseModel] | None] = _Args
+
+    def __init__(
+        self,
+        wall_time_s: float = 5.0,
+        memory_mb: int = 256,
+        max_output_chars: int = 4000,
+        *,
+        cpu_time_s: float | None = None,
+        max_file_mb: int = 16,
+        max_forks: int = 8,
+        python_executable: str | None = None,
+        base_dir: str | Path | None = None,
+        namespaces: bool | None = None,
+        audit_hook: bool = True,
+        name: str = "python",
+    ) -> None:
+        if wall_time_s <= 0:
+            raise ValueError(f"PythonTool: wall_time_s must be > 0, got {wall_time_s}")
+        if memory_mb < 32:
+            raise ValueError(
+                f"PythonTool: memory_mb={memory_mb} is too small for an interpreter; use >= 32"
+            )
+        if max_output_chars < 64:
+            raise ValueError(f"PythonTool: max_output_chars must be >= 64, got {max_output_chars}")
+        self.name = name
+        self.wall_time_s = float(wall_time_s)
+        self.memory_mb = int(memory_mb)
+        self.output_chars = int(max_output_chars)
+        self.cpu_time_s = cpu_time_s if cpu_time_s is not None else math.ceil(wall_time_s) + 1
+        self.max_file_mb = int(max_file_mb)
+        self.max_forks = int(max_forks)
+        self.python_executable = python_executable or sys.executable
+        self.base_dir = str(base_dir) if base_dir is not None else None
+        self.namespaces = namespaces
+        self.audit_hook = audit_hook
+        # The sandbox enforces its own deadline; the ToolSet timeout is only a backstop.
+        self.timeout_s = self.wall_time_s + 10.0
+        # Output is already cut to ``output_chars`` (marker included); leave the ToolSet's
+        # ``max_output_chars`` in charge of anything stricter.
+        self.max_output_chars = None
+
+    # ---- lifecycle ----
+    async def create(self) -> Path:
+        """A fresh, private working directory for this episode."""
+        path = Path(tempfile.mkdtemp(prefix="agentrl-py-", dir=self.base_dir))
+        return path.resolve()
+
+    async def release(self, state: Any) -> None:
+        if state is not None:
+            await asyncio.to_thread(shutil.rmtree, state, True)
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        workdir = Path(state) if state is not None else None
+        if workdir is None:
+            return await self.run(arguments["code"])
+        run = await self.run_raw(arguments["code"], workdir)
+        return self._to_result(run)
+
+    # ---- standalone use ----
+    async def run(self, code: str) -> ToolResult:
+        """Run ``code`` once in a throw-away working directory (no episode needed)."""
+        workdir = await self.create()
+        try:
+            return self._to_result(await self.run_raw(code, workdir))
+        finally:
+            await self.release(workdir)
+
+    async def _prefix(self) -> list[str]:
+        if self.namespaces is False:
+            return []
+        prefix = await asyncio.to_thread(namespace_prefix)
+        if prefix is None:
+            if self.namespaces:
+                raise RuntimeError(
+                    "PythonTool(namespaces=True) but 'unshare' cannot create network/PID "
+                    "namespaces here; run as root, enable unprivileged user namespaces, or pass "
+                    "namespaces=None to fall back to the audit hook"
+                )
+            return []
+        return prefix
+
+    async def run_raw(self, code: str, workdir: Path) -> SandboxRun:
+        """Run ``code`` in ``workdir`` under every enabled layer; never leaves a process behind."""
+        prefix = await self._prefix()
+        pid_ns = bool(prefix)
+        rlimits: dict[str, int] = {
+            "RLIMIT_AS": self.memory_mb * 1024 * 1024,
+            "RLIMIT_CPU": math.ceil(self.cpu_time_s),
+            "RLIMIT_FSIZE": self.max_file_mb * 1024 * 1024,
+            "RLIMIT_CORE": 0,
+            "RLIMIT_NOFILE": 256,
+        }
+        if os.geteuid() != 0:
+            # Counts every process of this user, so it is only a coarse fork-bomb brake.
+            rlimits["RLIMIT_NPROC"] = 4096
+        config = {
+            "rlimits": rlimits,
+            "audit": self.audit_hook,
+            "max_forks": self.max_forks if pid_ns else 0,
+            "pid_ns": pid_ns,
+        }
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "HOME": str(workdir),
+            "TMPDIR": str(workdir),
+            "LANG": "C.UTF-8",
+            "LC_ALL": "C.UTF-8",
+            "OMP_NUM_THREADS": "1",
+            "OPENBLAS_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+        }
+        cmd = [*prefix, self.python_executable, "-I", "-c", _BOOTSTRAP, json.dumps(config)]
+        start = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=str(workdir),
+            env=env,
+            start_new_session=True,
+        )
+        cap = 4 * self.output_chars + 4096
+        assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+        out_task = asyncio.ensure_future(_read_capped(proc.stdout, cap))
+        err_task = asyncio.ensure_future(_read_capped(proc.stderr, cap))
+        stdin = proc.stdin
+
+        async def feed_and_wait() -> None:
+            try:
+                stdin.write(code.encode("utf-8", errors="replace"))
+                await stdin.drain()
+                stdin.close()
+            except (BrokenPipeError, ConnectionResetError):
+                pass  # the interpreter died before reading its code; the exit status says why
+            await proc.wait()
+
+        timed_out = False
+        try:
+            try:
+                await asyncio.wait_for(feed_and_wait(), timeout=self.wall_time_s)
+            except TimeoutError:
+                timed_out = True
+        finally:
+            # Always: kill whatever is left of the process group (a forked child, or all of it
+            # at the deadline or on cancellation); the PID namespace kills the rest.
+            _killpg(proc.pid)
+            if proc.returncode is None:
+                try:
+                    await asyncio.wait_for(proc.wait(), timeout=5.0)
+                except TimeoutError:
+                    logger.error("python sandbox: process %d did not die after SIGKILL", proc.pid)
+            # A grandchild that escaped the group may hold the pipes open: do not wait on it.
+            done, pending = await asyncio.wait({out_task, err_task}, timeout=1.0)
+            for task in pending:
+                task.cancel()
+        wall = time.monotonic() - start
+        stdout, out_dropped = out_task.result() if out_task in done else ("", 0)
+        stderr, err_dropped = err_task.result() if err_task in done else ("", 0)
+        return SandboxRun(
+            stdout=stdout,
+            stderr=stderr,
+            exit_code=proc.returncode,
+            timed_out=timed_out,
+            wall_s=wall,
+            stdout_dropped=out_dropped,
+            stderr_dropped=err_dropped,
+        )
+
+    def _to_result(self, run: SandboxRun) -> ToolResult:
+        stdout = run.stdout
+        if run.stdout_dropped:
+            stdout += f"...[truncated {run.stdout_dropped} bytes]\n"
+        stderr = run.stderr
+        if run.stderr_dropped:
+            stderr += f"...[truncated {run.stderr_dropped} bytes]\n"
+        text = stdout
+        if stderr:
+            if text and not text.endswith("\n"):
+                text += "\n"
+            text += stderr
+        error = False
+        note = ""
+        if run.timed_out:
+            error = True
+            note = f"error: timed out after {self.wall_time_s:g} s; the process was killed"
+        elif run.exit_code is not None and run.exit_code < 0:
+            error = True
+            note = f"error: killed by {_signal_name(-run.exit_code)}"
+            hint = _SIGNAL_HINTS.get(-run.exit_code)
+            if hint:
+                note += f" ({hint})"
+        elif run.exit_code:
+            error = True
+            if not stderr.strip():
+                note = f"error: exit code {run.exit_code}"
+        if note:
+            if text and not text.endswith("\n"):
+                text += "\n"
+            text += note
+        if not text.strip():
+            text = "(no output)"
+        # Keep the note visible: cut the middle of the output, never the status line.
+        body_limit = self.output_chars - (len(note) + 1 if note else 0)
+        if note and len(text) > self.output_chars:
+            body = text[: len(text) - len(note)].rstrip("\n")
+            body, _ = truncate(body, max(0, body_limit - 32), "middle")
+            text = body + "\n" + note
+        else:
+            text, _ = truncate(text, max(0, self.output_chars - 32), "middle")
+        return ToolResult(
+            content=text,
+            error=error,
+            metrics={
+                "exit_code": float(run.exit_code if run.exit_code is not None else -1),
+                "wall_s": run.wall_s,
+                "timed_out": float(run.timed_out),
+            },
+        )
+
+
+_SIGNAL_HINTS: dict[int, str] = {
+    signal.SIGKILL: "memory, CPU or time limit",
+    signal.SIGXCPU: "CPU time limit",
+    signal.SIGXFSZ: "file size limit",
+    signal.SIGSEGV: "crashed; often the memory limit",
+}
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _killpg(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[str, int]:
+    """Read to EOF, keeping the first ``cap`` bytes; return (text, bytes dropped)."""
+    kept = bytearray()
+    dropped = 0
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            break
+        room = cap - len(kept)
+        if room > 0:
+            kept += chunk[:room]
+        dropped += max(0, len(chunk) - max(room, 0))
+    return kept.decode("utf-8", errors="replace"), dropped
