@@ -1,0 +1,378 @@
+"""ToolSet / ToolEpisode: errors become messages, lifecycles always end, limits, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from tools import (
+    Tool,
+    ToolResult,
+    ToolSet,
+    get_tool,
+    register_tool,
+    registered_tools,
+    tool,
+    truncate,
+)
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    return a + b
+
+
+@tool
+def boom(msg: str) -> str:
+    """Always raises."""
+    raise RuntimeError(msg)
+
+
+@tool
+async def slow(seconds: float) -> str:
+    """Sleeps."""
+    await asyncio.sleep(seconds)
+    return "done"
+
+
+@tool
+def big(n: int) -> str:
+    """Returns n characters, 0123456789 repeated."""
+    return "".join(str(i % 10) for i in range(n))
+
+
+class Counter(Tool):
+    """A stateful tool recording its lifecycle in a shared log."""
+
+    name = "counter"
+    description = "Counts calls within an episode."
+    parameters = {"type": "object", "properties": {"step": {"type": "integer"}}}  # noqa: RUF012 (test tool)
+
+    def __init__(self, log: list[str], fail_release: bool = False, fail_create: bool = False):
+        self.log = log
+        self.fail_release = fail_release
+        self.fail_create = fail_create
+        self.created = 0
+
+    async def create(self) -> dict[str, int]:
+        await asyncio.sleep(0.01)  # give parallel calls a chance to race
+        self.created += 1
+        if self.fail_create:
+            raise OSError("no room")
+        self.log.append("create")
+        return {"count": 0}
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        state["count"] += int(arguments.get("step", 1))
+        if state["count"] >= 3:
+            return ToolResult(content=str(state["count"]), reward=1.0, stop=True)
+        return ToolResult(content=str(state["count"]), metrics={"count": float(state["count"])})
+
+    async def release(self, state: Any) -> None:
+        self.log.append(f"release:{state['count']}")
+        if self.fail_release:
+            raise RuntimeError("release failed")
+
+
+async def test_call_validates_and_coerces_json_arguments():
+    ts = ToolSet([add])
+    async with ts.episode() as ep:
+        r = await ep.call("add", '{"a": 2, "b": "3"}')
+    assert r == ToolResult(content="5")
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments", "expected"),
+    [
+        ("nope", {}, "error: unknown tool 'nope'; available: add, boom"),
+        ("add", '{"a": 2', "error: invalid arguments for 'add': not valid JSON"),
+        (
+            "add",
+            "[1, 2]",
+            "error: invalid arguments for 'add': arguments must be a JSON object, got list",
+        ),
+        ("add", {"a": 1}, "error: invalid arguments for 'add': b: Field required"),
+        (
+            "add",
+            {"a": "x", "b": 1},
+            "error: invalid arguments for 'add': a: Input should be a valid integer",
+        ),
+        (
+            "add",
+            {"a": 1, "b": 2, "c": 3},
+            "error: invalid arguments for 'add': c: Extra inputs are not permitted",
+        ),
+        ("boom", {"msg": "kaput"}, "error: RuntimeError: kaput"),
+    ],
+)
+async def test_errors_become_messages_never_exceptions(name, arguments, expected):
+    ts = ToolSet([add, boom])
+    async with ts.episode() as ep:
+        r = await ep.call(name, arguments)
+    assert r.error is True
+    assert r.content.startswith(expected), r.content
+
+
+async def test_timeout_is_reported_and_counted():
+    ts = ToolSet([slow], timeout_s=0.05)
+    async with ts.episode() as ep:
+        t0 = time.perf_counter()
+        r = await ep.call("slow", {"seconds": 5})
+        elapsed = time.perf_counter() - t0
+        ok = await ep.call("slow", {"seconds": 0})
+    assert r.error and r.content == "error: tool 'slow' timed out after 0.05 s"
+    assert elapsed < 2.0
+    assert ok.content == "done"
+    m = ts.metrics()
+    assert (
+        m["tools/slow/calls"] == 2 and m["tools/slow/timeouts"] == 1 and m["tools/slow/errors"] == 1
+    )
+
+
+async def test_a_tool_raising_timeouterror_is_not_reported_as_our_timeout():
+    @tool
+    def raises_timeout() -> str:
+        """Raises TimeoutError itself."""
+        raise TimeoutError("upstream slow")
+
+    ts = ToolSet([raises_timeout], timeout_s=10)
+    async with ts.episode() as ep:
+        r = await ep.call("raises_timeout", {})
+    assert r.content == "error: TimeoutError: upstream slow"
+    assert ts.metrics()["tools/raises_timeout/timeouts"] == 0
+
+
+async def test_per_tool_timeout_overrides_toolset_timeout():
+    quick = tool(slow.fn, name="quick", timeout_s=0.05)
+    ts = ToolSet([quick], timeout_s=100)
+    async with ts.episode() as ep:
+        r = await ep.call("quick", {"seconds": 5})
+    assert r.content == "error: tool 'quick' timed out after 0.05 s"
+
+
+@pytest.mark.parametrize(
+    ("side", "expected"),
+    [
+        ("right", "0123456789...[truncated 15 chars]"),
+        ("left", "...[truncated 15 chars]5678901234"),
+        ("middle", "01234...[truncated 15 chars]01234"),
+    ],
+)
+async def test_output_truncation_sides(side, expected):
+    ts = ToolSet([big], max_output_chars=10, truncate_side=side)
+    async with ts.episode() as ep:
+        r = await ep.call("big", {"n": 25})
+        short = await ep.call("big", {"n": 10})
+    assert r.content == expected
+    assert short.content == "0123456789"
+    assert ts.metrics()["tools/big/truncated"] == 1
+
+
+def test_truncate_helper_edge_cases():
+    assert truncate("abc", None) == ("abc", 0)
+    assert truncate("abc", 3) == ("abc", 0)
+    assert truncate("abcdef", 0, "right") == ("...[truncated 6 chars]", 6)
+    assert truncate("abcdef", 1, "middle") == ("a...[truncated 5 chars]", 5)
+    with pytest.raises(ValueError, match="truncate_side"):
+        truncate("abcdef", 2, "top")  # type: ignore[arg-type]  # testing a bad value
+
+
+async def test_state_is_created_lazily_once_and_released_once():
+    log: list[str] = []
+    counter = Counter(log)
+    ts = ToolSet([counter, add])
+    async with ts.episode() as ep:
+        await ep.call("add", {"a": 1, "b": 1})
+        assert log == []  # not created until first used
+        results = await asyncio.gather(*(ep.call("counter", {"step": 1}) for _ in range(2)))
+        assert sorted(r.content for r in results) == ["1", "2"]
+        last = await ep.call("counter", {})
+    assert counter.created == 1
+    assert log == ["create", "release:3"]
+    assert last.stop and last.reward == 1.0
+    assert ts.metrics()["tools/counter/count"] == pytest.approx(1.5)  # mean of reported 1, 2
+
+
+async def test_each_episode_gets_its_own_state():
+    log: list[str] = []
+    ts = ToolSet([Counter(log)])
+    async with ts.episode() as a, ts.episode() as b:
+        await a.call("counter", {})
+        await a.call("counter", {})
+        r = await b.call("counter", {})
+    assert r.content == "1"
+    assert sorted(log) == ["create", "create", "release:1", "release:2"]
+
+
+async def test_release_runs_when_the_episode_raises():
+    log: list[str] = []
+    ts = ToolSet([Counter(log)])
+    with pytest.raises(ValueError, match="agent bug"):
+        async with ts.episode() as ep:
+            await ep.call("counter", {})
+            raise ValueError("agent bug")
+    assert log == ["create", "release:1"]
+
+
+async def test_release_runs_when_the_episode_is_cancelled():
+    log: list[str] = []
+    started = asyncio.Event()
+    ts = ToolSet([Counter(log), slow], timeout_s=None)
+
+    async def episode() -> None:
+        async with ts.episode() as ep:
+            await ep.call("counter", {})
+            started.set()
+            await ep.call("slow", {"seconds": 60})
+
+    task = asyncio.create_task(episode())
+    await asyncio.wait_for(started.wait(), 5)
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert log == ["create", "release:1"]
+
+
+async def test_failing_release_is_counted_and_does_not_mask_the_error():
+    log: list[str] = []
+    ts = ToolSet([Counter(log, fail_release=True)])
+    with pytest.raises(KeyError):
+        async with ts.episode() as ep:
+            await ep.call("counter", {})
+            raise KeyError("original")
+    assert ts.metrics()["tools/counter/release_errors"] == 1
+    # and a failing release on a normal exit does not raise either
+    async with ts.episode() as ep:
+        await ep.call("counter", {})
+    assert ts.metrics()["tools/counter/release_errors"] == 2
+
+
+async def test_failing_create_becomes_an_error_message():
+    ts = ToolSet([Counter([], fail_create=True)])
+    async with ts.episode() as ep:
+        r = await ep.call("counter", {})
+    assert r.error and r.content == "error: tool 'counter' failed to start: OSError: no room"
+
+
+async def test_call_after_close_is_an_error_message():
+    ts = ToolSet([add])
+    ep = ts.episode()
+    await ep.aclose()
+    r = await ep.call("add", {"a": 1, "b": 2})
+    assert r.error and "after its episode ended" in r.content
+
+
+async def test_sync_tools_run_in_a_thread_and_do_not_block_the_loop():
+    loop_thread = threading.get_ident()
+    seen: list[int] = []
+
+    @tool
+    def blocking(seconds: float) -> str:
+        """Blocks its thread."""
+        seen.append(threading.get_ident())
+        time.sleep(seconds)
+        return "ok"
+
+    ts = ToolSet([blocking])
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        for _ in range(20):
+            await asyncio.sleep(0.01)
+            ticks += 1
+
+    async with ts.episode() as ep:
+        r, _ = await asyncio.gather(ep.call("blocking", {"seconds": 0.3}), ticker())
+    assert r.content == "ok"
+    assert seen and seen[0] != loop_thread
+    assert ticks == 20
+
+
+async def test_return_values_are_rendered_for_the_model():
+    @tool
+    def data() -> dict[str, Any]:
+        """Structured output."""
+        return {"a": 1, "b": [1, 2]}
+
+    @tool
+    def nothing() -> None:
+        """No output."""
+
+    class Bad(Tool):
+        name = "bad"
+
+        async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult | str:
+            return 42  # type: ignore[return-value]  # a broken tool on purpose
+
+    ts = ToolSet([data, nothing, Bad()])
+    async with ts.episode() as ep:
+        assert json.loads((await ep.call("data", None)).content) == {"a": 1, "b": [1, 2]}
+        assert (await ep.call("nothing", "")).content == ""
+        bad = await ep.call("bad", {})
+    assert bad.error and "returned int" in bad.content
+
+
+async def test_metrics_latency_and_reset():
+    ts = ToolSet([add, slow])
+    async with ts.episode() as ep:
+        await ep.call("slow", {"seconds": 0.05})
+        await ep.call("slow", {"seconds": 0.0})
+        await ep.call("missing", {})
+    m = ts.metrics(reset=True)
+    assert m["tools/slow/calls"] == 2
+    assert m["tools/slow/latency_max_s"] >= 0.05
+    assert 0.02 <= m["tools/slow/latency_mean_s"] <= m["tools/slow/latency_max_s"]
+    assert m["tools/unknown_calls"] == 1
+    assert "tools/add/calls" not in m  # tools never called report nothing
+    assert ts.metrics() == {"tools/unknown_calls": 0.0}
+
+
+def test_toolset_rejects_duplicates_and_non_tools():
+    with pytest.raises(ValueError, match="unique"):
+        ToolSet([add, add])
+    with pytest.raises(TypeError, match="@tool"):
+        ToolSet([lambda: 1])  # type: ignore[list-item]  # testing a wrong type
+    with pytest.raises(ValueError, match="truncate_side"):
+        ToolSet([add], truncate_side="top")  # type: ignore[arg-type]  # testing a bad value
+
+
+def test_schemas_and_names():
+    ts = ToolSet([add, boom])
+    assert ts.names() == ["add", "boom"]
+    assert [s["function"]["name"] for s in ts.schemas()] == ["add", "boom"]
+    assert ts.schemas()[0]["function"]["parameters"]["properties"]["a"]["description"] == "First."
+
+
+def test_registry_builtins_and_user_tools(tmp_path):
+    assert {"calculator", "python", "search"} <= set(registered_tools())
+    assert get_tool("calculator").name == "calculator"
+    py = get_tool("python", wall_time_s=1.5)
+    assert py.name == "python" and py.wall_time_s == 1.5  # type: ignore[attr-defined]
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": 1, "title": "t", "text": "hello world"}\n')
+    assert get_tool("search", corpus_path=corpus).name == "search"
+
+    @tool
+    def unique_echo_tool_for_registry(text: str) -> str:
+        """Echo."""
+        return text
+
+    assert register_tool(unique_echo_tool_for_registry) is unique_echo_tool_for_registry
+    assert get_tool("unique_echo_tool_for_registry") is unique_echo_tool_for_registry
+    with pytest.raises(ValueError, match="already registered"):
+        register_tool(unique_echo_tool_for_registry)
+    with pytest.raises(KeyError, match="known tools"):
+        get_tool("no_such_tool")
