@@ -4,7 +4,8 @@ Every estimator is ``fn(token_level_rewards [B, T], response_mask [B, T], *, ind
 values=None, **options) -> (advantages [B, T], returns [B, T])`` and is looked up with
 :func:`compute_advantage`. Guarantees, for every built-in estimator:
 
-- computed in float32 under ``torch.no_grad()`` (advantages are targets, not graph nodes);
+- returned in float32 and computed under ``torch.no_grad()`` (advantages are targets, not graph
+  nodes); group statistics are taken in float64 so a group of equal scores gives exactly 0;
 - advantages are 0 wherever ``response_mask`` is 0 (padding, tool and user tokens);
 - group estimators (``grpo``, ``rloo``, ``opo``, ``gpg``, ``reinforce_plus_plus_baseline``)
   need ``index`` (one group id per row, e.g. the batch's ``uid``) and give a group of one
@@ -113,7 +114,8 @@ def _require_index(
 def _outcome(
     scores: torch.Tensor, response_mask: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    adv = scores.unsqueeze(-1) * response_mask.float()
+    """Spread per-sequence advantages ``[B]`` over the sampled tokens, as float32 ``[B, T]``."""
+    adv = scores.float().unsqueeze(-1) * response_mask.float()
     return adv, adv
 
 
@@ -166,7 +168,7 @@ def _grpo(
     norm_by_std: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     ids, n = _require_index(name, index, token_level_rewards.shape[0])
-    scores = token_level_rewards.float().sum(dim=-1)
+    scores = token_level_rewards.double().sum(dim=-1)
     count, mean, std = group_stats(scores, ids, n)
     adv = scores - mean
     if norm_by_std:
@@ -215,7 +217,7 @@ def rloo_advantage(
     A_i = n/(n−1) · (s_i − mean_g).
     """
     ids, n = _require_index("rloo", index, token_level_rewards.shape[0])
-    scores = token_level_rewards.float().sum(dim=-1)
+    scores = token_level_rewards.double().sum(dim=-1)
     count, mean, _ = group_stats(scores, ids, n)
     adv = (scores - mean) * count / (count - 1).clamp(min=1.0)
     adv = torch.where(count > 1, adv, torch.zeros_like(adv))
@@ -268,7 +270,7 @@ def reinforce_plus_plus_baseline_advantage(
     sequences; singleton groups get advantage 0.
     """
     ids, n = _require_index("reinforce_plus_plus_baseline", index, token_level_rewards.shape[0])
-    scores = token_level_rewards.float().sum(dim=-1)
+    scores = token_level_rewards.double().sum(dim=-1)
     count, mean, _ = group_stats(scores, ids, n)
     mask = response_mask.float() * (count > 1).float().unsqueeze(-1)
     centered = (scores - mean).unsqueeze(-1) * mask
@@ -321,13 +323,13 @@ def opo_advantage(
     variance-optimal baseline when gradient norms grow with length.
     """
     ids, n = _require_index("opo", index, token_level_rewards.shape[0])
-    scores = token_level_rewards.float().sum(dim=-1)
-    lengths = response_mask.float().sum(dim=-1)
-    dev = scores.device
-    ids = ids.to(dev)
-    weighted = torch.zeros(n, device=dev).index_add_(0, ids, lengths * scores)
-    total_len = torch.zeros(n, device=dev).index_add_(0, ids, lengths)
-    count = torch.zeros(n, device=dev).index_add_(0, ids, torch.ones_like(scores))
+    scores = token_level_rewards.double().sum(dim=-1)
+    lengths = response_mask.double().sum(dim=-1)
+    ids = ids.to(scores.device)
+    zeros = torch.zeros(n, dtype=torch.float64, device=scores.device)
+    weighted = zeros.clone().index_add_(0, ids, lengths * scores)
+    total_len = zeros.clone().index_add_(0, ids, lengths)
+    count = zeros.clone().index_add_(0, ids, torch.ones_like(scores))
     baseline = (weighted / total_len.clamp(min=1.0))[ids]
     adv = torch.where(count[ids] > 1, scores - baseline, torch.zeros_like(scores))
     return _outcome(adv, response_mask)
@@ -349,9 +351,9 @@ def gpg_advantage(
     groups are all-zero do not shrink it. Pair with the ``reinforce`` loss (no ratio, no clip).
     """
     ids, n = _require_index("gpg", index, token_level_rewards.shape[0])
-    scores = token_level_rewards.float().sum(dim=-1)
+    scores = token_level_rewards.double().sum(dim=-1)
     count, mean, _ = group_stats(scores, ids, n)
-    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).float()
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).double()
     adv = alpha * (scores - mean) / f_norm
     adv = torch.where(count > 1, adv, torch.zeros_like(adv))
     return _outcome(adv, response_mask)

@@ -89,14 +89,16 @@ def group_stats(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row group size, group mean and unbiased group std of ``scores`` ``[B]``.
 
-    Returns three ``[B]`` float32 tensors (each row gets its group's statistic). The std of a
-    group of one is 0 (callers give such groups advantage 0 anyway).
+    Returns three ``[B]`` float64 tensors (each row gets its group's statistic). Float64 because
+    these are B numbers and ``s − mean`` of a group of equal scores must be exactly 0 before it
+    is divided by a std of 0 + ε. The std of a group of one is 0 (callers give such groups
+    advantage 0 anyway).
     """
-    s = scores.float()
+    s = scores.double()
     ids = ids.to(s.device)
-    count = torch.zeros(num_groups, device=s.device).index_add_(0, ids, torch.ones_like(s))
-    total = torch.zeros(num_groups, device=s.device).index_add_(0, ids, s)
-    mean = total / count
-    sq = torch.zeros(num_groups, device=s.device).index_add_(0, ids, (s - mean[ids]) ** 2)
+    zeros = torch.zeros(num_groups, dtype=torch.float64, device=s.device)
+    count = zeros.clone().index_add_(0, ids, torch.ones_like(s))
+    mean = zeros.clone().index_add_(0, ids, s) / count
+    sq = zeros.clone().index_add_(0, ids, (s - mean[ids]) ** 2)
     std = torch.sqrt(sq / (count - 1).clamp(min=1.0))
     return count[ids], mean[ids], std[ids]
