@@ -1,0 +1,601 @@
+"""An OpenAI-compatible recording proxy: train agents written against the stock ``openai`` client.
+
+Why it exists: many agents are already written as ``AsyncOpenAI(base_url=...)`` loops. Pointed
+at this proxy (``base_url=f"{proxy.base_url}/sessions/{session_id}/v1"``) such an agent runs
+unmodified, while the proxy talks to the policy in token ids and records, per session, exactly
+the tokens the model saw and sampled — the same :class:`~agentrl.types.Trajectory` a native
+agent produces (the bookkeeping is :class:`agentrl.rollout.episode.EpisodeRecorder`, shared with
+the native agents).
+
+How each ``POST /sessions/{sid}/v1/chat/completions`` is recorded:
+
+1. **Continuation** (the usual case): the request's messages start with the conversation the
+   proxy already recorded — the previous request's messages plus the assistant message the proxy
+   returned (compared by role, content and tool calls; ids and extra fields are ignored) — and
+   the tools are unchanged. Only the new messages are rendered, as a token delta after the
+   recorded context (mask 0), exactly as a native agent appends tool results.
+2. **Token prefix**: otherwise, the whole conversation is rendered with the chat template
+   (``add_generation_prompt=True``); if the recorded context (prompt + everything so far) is a
+   token prefix of that render, the rest is appended (mask 0).
+3. **Prefix break**: otherwise the client rewrote history (edited, dropped or summarised
+   earlier turns). The current segment is closed and a new one starts from the render; the
+   break is counted in ``proxy/prefix_breaks``. Earlier turns are never re-tokenized into a
+   segment.
+
+The model generates from the recorded context (``Policy.generate``: a PolicyClient, a
+ServerPool, or a scripted fake), so the tokens are exactly what it saw. Its output is parsed for
+tool calls (hermes by default) and returned as an OpenAI ``ChatCompletion``. Sampling params of
+the request (``temperature``, ``top_p``, ``max_tokens``/``max_completion_tokens``, ``seed``)
+are passed through; ``stream``, ``n > 1`` and ``stop`` strings are refused with a 400.
+
+``finish(sid)`` returns one trajectory per segment and forgets the session. Requests of one
+session are serialized (a per-session lock); sessions run concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.rollout.episode import EpisodeRecorder, get_delta_renderer, render_prompt_ids
+from agentrl.types import Message, Policy, SamplingParams, StopReason, Trajectory
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ProxyError",
+    "ProxyRecorder",
+    "RecordingProxy",
+    "create_proxy_app",
+]
+
+
+class ProxyError(Exception):
+    """A request the proxy cannot serve; carries the HTTP status and an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.kind = kind or ("invalid_request_error" if status < 500 else "upstream_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
+        }
+
+
+class ChatCompletionRequest(BaseModel):
+    """The subset of OpenAI's chat-completions request the proxy understands.
+
+    Other OpenAI fields (``frequency_penalty``, ``tool_choice``, ``user``, ...) are accepted
+    and ignored.
+    """
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str = ""
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    seed: int | None = None
+    n: int | None = 1
+    stream: bool | None = False
+    stop: str | list[str] | None = None
+    logprobs: bool | None = False
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(
+            str(p.get("text", ""))
+            for p in content
+            if isinstance(p, dict) and p.get("type") == "text"
+        )
+    return str(content)
+
+
+def _arguments_value(arguments: Any) -> Any:
+    if isinstance(arguments, str):
+        try:
+            return json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError:
+            return arguments
+    return arguments
+
+
+def _plain_message(msg: dict[str, Any], index: int) -> Message:
+    """A message as the chat template expects it: string content, no null fields."""
+    role = msg.get("role")
+    if not isinstance(role, str) or not role:
+        raise ProxyError(400, f"messages[{index}] has no 'role'", param=f"messages[{index}].role")
+    out: Message = {k: v for k, v in msg.items() if v is not None}
+    if "content" in out and not isinstance(out["content"], str):
+        out["content"] = _content_text(out["content"])
+    if role != "assistant" and "content" not in out:
+        out["content"] = ""
+    return out
+
+
+def _message_key(msg: Message) -> tuple[Any, ...]:
+    """What identifies a message for continuation checks: role, content text and tool calls."""
+    calls = []
+    for call in msg.get("tool_calls") or []:
+        fn = call.get("function", call) if isinstance(call, dict) else {}
+        calls.append(
+            (fn.get("name"), json.dumps(_arguments_value(fn.get("arguments")), sort_keys=True))
+        )
+    return (msg.get("role"), _content_text(msg.get("content")).strip(), tuple(calls))
+
+
+def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
+    return json.dumps(list(tools), sort_keys=True) if tools else ""
+
+
+@dataclass
+class _Segment:
+    """One token-exact stretch of a session (a new one starts at each prefix break)."""
+
+    recorder: EpisodeRecorder
+    tools_key: str
+    conversation: list[tuple[Any, ...]] = field(default_factory=list)
+    """Message keys of the recorded conversation (last request + the reply returned)."""
+    messages: list[Message] = field(default_factory=list)
+    """The conversation for display (``Trajectory.messages``)."""
+    turn_closed: bool = True
+    """False when the last model turn ended without the end-of-turn token."""
+    tool_calls: dict[str, int] = field(default_factory=dict)
+    finish_reason: str = "stop"
+    generate_s: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class _Session:
+    id: str
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    segments: list[_Segment] = field(default_factory=list)
+    prefix_breaks: int = 0
+
+
+class ProxyRecorder:
+    """The proxy's logic without HTTP: sessions, segments, generation, OpenAI responses.
+
+    Args:
+        policy: anything with ``async generate(prompt_ids, sampling, session_id)``.
+        tokenizer: the policy's Hugging Face tokenizer (chat template, decode).
+        parser: tool-call format of the model's output (``agents.parsers.get_parser`` name).
+        model_name: reported in responses and ``/v1/models``.
+        default_max_tokens: ``max_tokens`` when the request gives none.
+        max_context_tokens: context budget per segment (prompt + response); None = unlimited.
+        default_sampling: base sampling params that request fields override.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        tokenizer: Any,
+        *,
+        parser: str = "hermes",
+        model_name: str = "agentrl-policy",
+        default_max_tokens: int = 256,
+        max_context_tokens: int | None = None,
+        default_sampling: SamplingParams | None = None,
+    ) -> None:
+        from agents.parsers import get_parser
+
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.parser = get_parser(parser)
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        self.max_context_tokens = max_context_tokens
+        self.default_sampling = default_sampling or SamplingParams()
+        self._sessions: dict[str, _Session] = {}
+        self._counts = {
+            "requests": 0,
+            "prefix_breaks": 0,
+            "segments": 0,
+            "sessions": 0,
+            "errors": 0,
+        }
+
+    # ---- sessions ---------------------------------------------------------------------------
+    def _session(self, session_id: str) -> _Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = _Session(session_id)
+            self._counts["sessions"] += 1
+        return session
+
+    def sessions(self) -> list[str]:
+        """Ids of the sessions recorded and not yet finished."""
+        return list(self._sessions)
+
+    def prefix_breaks(self, session_id: str) -> int:
+        """How many times the client rewrote history in this session (new segments)."""
+        session = self._sessions.get(session_id)
+        return session.prefix_breaks if session else 0
+
+    def finish(
+        self,
+        session_id: str,
+        *,
+        uid: str | None = None,
+        stop_reason: StopReason | None = None,
+        **meta: Any,
+    ) -> list[Trajectory]:
+        """One trajectory per segment of the session (in order), then forget the session.
+
+        ``uid`` defaults to the session id; ``meta`` sets other Trajectory fields (``index``,
+        ``task_id``, ``agent``, ``data_source``, ...). ``stop_reason`` defaults to what the
+        last generation of each segment reported (``stop`` -> eos, ``length`` -> length,
+        ``abort`` -> aborted). Call it after the agent is done with the session.
+        """
+        session = self._sessions.pop(session_id, None)
+        if session is None:
+            raise KeyError(
+                f"no proxy session {session_id!r}; sessions start with the first request to "
+                f"/sessions/{session_id}/v1/chat/completions (open sessions: {self.sessions()})"
+            )
+        meta.setdefault("agent", "openai_proxy")
+        out = []
+        for i, seg in enumerate(session.segments):
+            if seg.recorder.num_turns == 0:
+                continue
+            reason = stop_reason or {
+                "length": StopReason.LENGTH,
+                "abort": StopReason.ABORTED,
+            }.get(seg.finish_reason, StopReason.EOS)
+            if seg.recorder.truncated and stop_reason is None:
+                reason = StopReason.LENGTH
+            out.append(
+                seg.recorder.to_trajectory(
+                    uid=uid if uid is not None else session_id,
+                    stop_reason=reason,
+                    tool_calls=dict(seg.tool_calls),
+                    messages=list(seg.messages),
+                    timings={
+                        "generate": seg.generate_s,
+                        "total": time.perf_counter() - seg.started,
+                    },
+                    metrics={
+                        "proxy/segment": float(i),
+                        "proxy/prefix_breaks": float(session.prefix_breaks),
+                    },
+                    **meta,
+                )
+            )
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters (``proxy/`` family)."""
+        return {f"proxy/{k}": float(v) for k, v in self._counts.items()} | {
+            "proxy/open_sessions": float(len(self._sessions))
+        }
+
+    # ---- recording --------------------------------------------------------------------------
+    def _new_segment(
+        self, session: _Session, messages: list[Message], tools: list | None
+    ) -> _Segment:
+        try:
+            recorder = EpisodeRecorder.from_messages(
+                messages, self.tokenizer, tools=tools, max_context_tokens=self.max_context_tokens
+            )
+        except ValueError as exc:  # template errors, empty renders
+            raise ProxyError(400, f"cannot render the messages: {exc}", param="messages") from exc
+        seg = _Segment(recorder=recorder, tools_key=_tools_key(tools))
+        session.segments.append(seg)
+        self._counts["segments"] += 1
+        return seg
+
+    def _continue(self, seg: _Segment, messages: list[Message], tools: list | None) -> bool:
+        """Append the new part of ``messages`` to ``seg`` if it continues it; else False."""
+        if _tools_key(tools) != seg.tools_key:
+            return False
+        keys = [_message_key(m) for m in messages]
+        n = len(seg.conversation)
+        if len(keys) > n and keys[:n] == seg.conversation:
+            try:
+                seg.recorder.add_messages(messages[n:])
+            except ValueError as exc:
+                raise ProxyError(400, f"cannot render the new messages: {exc}", "messages") from exc
+            seg.turn_closed = True
+            return True
+        # Token-level check: is the recorded context a prefix of the full render?
+        try:
+            render = render_prompt_ids(self.tokenizer, messages, tools)
+        except ValueError as exc:
+            raise ProxyError(400, f"cannot render the messages: {exc}", param="messages") from exc
+        context = seg.recorder.context_ids()
+        eot = [] if seg.turn_closed else self._eot_ids()
+        expected = context + eot
+        if len(render) > len(expected) and render[: len(expected)] == expected:
+            seg.recorder.close_turn()
+            seg.recorder.add_environment_tokens(render[len(expected) :])
+            seg.turn_closed = True
+            return True
+        return False
+
+    def _eot_ids(self) -> list[int]:
+        return list(get_delta_renderer(self.tokenizer).end_of_turn_ids)
+
+    def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
+        update: dict[str, Any] = {}
+        if req.temperature is not None:
+            update["temperature"] = req.temperature
+        if req.top_p is not None:
+            update["top_p"] = req.top_p
+        if req.seed is not None:
+            update["seed"] = req.seed
+        max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
+        update["max_tokens"] = self.default_max_tokens if max_tokens is None else max_tokens
+        return self.default_sampling.model_copy(update=update)
+
+    async def chat(self, session_id: str, req: ChatCompletionRequest) -> dict[str, Any]:
+        """Serve one chat-completions request of ``session_id``; returns the ChatCompletion."""
+        if req.stream:
+            raise ProxyError(400, "stream=true is not supported by the recording proxy", "stream")
+        if req.n not in (None, 1):
+            raise ProxyError(400, f"n={req.n} is not supported; the proxy samples one choice", "n")
+        if req.stop:
+            raise ProxyError(
+                400,
+                "stop strings are not supported (the proxy works in token ids); remove 'stop'",
+                "stop",
+            )
+        if not req.messages:
+            raise ProxyError(400, "messages is empty; send at least one message", "messages")
+        messages = [_plain_message(m, i) for i, m in enumerate(req.messages)]
+        tools = list(req.tools) if req.tools else None
+        session = self._session(session_id)
+        async with session.lock:
+            self._counts["requests"] += 1
+            seg = session.segments[-1] if session.segments else None
+            if seg is None:
+                seg = self._new_segment(session, messages, tools)
+            elif not self._continue(seg, messages, tools):
+                session.prefix_breaks += 1
+                self._counts["prefix_breaks"] += 1
+                seg = self._new_segment(session, messages, tools)
+            return await self._generate(session, seg, messages, req)
+
+    async def _generate(
+        self, session: _Session, seg: _Segment, messages: list[Message], req: ChatCompletionRequest
+    ) -> dict[str, Any]:
+        sampling = self._sampling(req)
+        rec = seg.recorder
+        max_tokens = min(sampling.max_tokens, rec.remaining_budget)
+        prompt_len = len(rec.context_ids())
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        version = -1
+        if max_tokens > 0:
+            start = time.perf_counter()
+            try:
+                gen = await self.policy.generate(
+                    rec.context_ids(),
+                    sampling.model_copy(update={"max_tokens": max_tokens}),
+                    session_id=session.id,
+                )
+            except Exception as exc:
+                self._counts["errors"] += 1
+                raise ProxyError(
+                    502, f"the policy failed to generate: {type(exc).__name__}: {exc}"
+                ) from exc
+            seg.generate_s += time.perf_counter() - start
+            rec.add_generation(gen)
+            kept = min(len(gen.token_ids), len(rec.response_ids))  # a budget cut may drop the tail
+            token_ids, logprobs = list(gen.token_ids[:kept]), list(gen.logprobs[:kept])
+            eot = self._eot_ids()
+            seg.turn_closed = token_ids[-len(eot) :] == eot
+            seg.finish_reason = "length" if rec.truncated else gen.finish_reason
+            version = gen.weight_version
+        else:
+            seg.finish_reason = "length"
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        parsed = self.parser.parse(text)
+        tool_calls = []
+        for call in parsed.calls:
+            call.id = call.id or f"call_{uuid.uuid4().hex[:16]}"
+            tool_calls.append(call.to_openai())
+            seg.tool_calls[call.name] = seg.tool_calls.get(call.name, 0) + 1
+        if parsed.errors:
+            seg.tool_calls["<invalid>"] = seg.tool_calls.get("<invalid>", 0) + len(parsed.errors)
+        content: str | None = parsed.content if tool_calls and not parsed.errors else text
+        assistant: Message = {"role": "assistant", "content": content or None}
+        if tool_calls:
+            assistant["tool_calls"] = tool_calls
+        seg.conversation = [_message_key(m) for m in messages] + [_message_key(assistant)]
+        seg.messages = [*messages, assistant]
+        if tool_calls:
+            finish = "tool_calls"
+        elif seg.finish_reason == "length":
+            finish = "length"
+        else:
+            finish = "stop"
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": assistant,
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        if req.logprobs:
+            choice["logprobs"] = {
+                "content": [
+                    {"token": f"token_id:{t}", "logprob": lp, "bytes": None, "top_logprobs": []}
+                    for t, lp in zip(token_ids, logprobs, strict=True)
+                ]
+            }
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model or self.model_name,
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": prompt_len,
+                "completion_tokens": len(token_ids),
+                "total_tokens": prompt_len + len(token_ids),
+            },
+            "weight_version": version,
+        }
+
+
+def _build_app(recorder: ProxyRecorder) -> FastAPI:
+    app = FastAPI(title="agentrl recording proxy")
+    app.state.recorder = recorder
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse(
+            ProxyError(400, f"invalid request: {param}: {first.get('msg')}", param or None).body(),
+            status_code=400,
+        )
+
+    @app.post("/sessions/{session_id}/v1/chat/completions")
+    async def chat_completions(session_id: str, req: ChatCompletionRequest) -> JSONResponse:
+        return JSONResponse(await recorder.chat(session_id, req))
+
+    @app.get("/sessions/{session_id}/v1/models")
+    async def models(session_id: str) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {"id": recorder.model_name, "object": "model", "created": 0, "owned_by": "agentrl"}
+            ],
+        }
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics() -> dict[str, float]:
+        return recorder.metrics()
+
+    return app
+
+
+def create_proxy_app(policy: Policy, tokenizer: Any, **options: Any) -> FastAPI:
+    """A FastAPI app serving ``/sessions/{sid}/v1/chat/completions`` for ``policy``.
+
+    ``options`` go to :class:`ProxyRecorder`; the recorder is ``app.state.recorder`` (call its
+    ``finish(sid)`` to collect trajectories).
+    """
+    return _build_app(ProxyRecorder(policy, tokenizer, **options))
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class RecordingProxy:
+    """The proxy served on a local port, in the current event loop.
+
+    Example::
+
+        async with RecordingProxy(policy, tokenizer) as proxy:
+            client = AsyncOpenAI(base_url=proxy.session_url("ep-1"), api_key="unused")
+            await my_agent(client)                       # unmodified OpenAI-client code
+            trajectories = proxy.finish("ep-1", uid="task-7")
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        tokenizer: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        startup_timeout_s: float = 30.0,
+        **options: Any,
+    ) -> None:
+        self.recorder = ProxyRecorder(policy, tokenizer, **options)
+        self.app = _build_app(self.recorder)
+        self.host = host
+        self.port = port
+        self.startup_timeout_s = startup_timeout_s
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def base_url(self) -> str:
+        if self.port is None or self._server is None:
+            raise RuntimeError("the proxy is not running; use 'async with RecordingProxy(...)'")
+        return f"http://{self.host}:{self.port}"
+
+    def session_url(self, session_id: str) -> str:
+        """The ``base_url`` to give ``AsyncOpenAI`` for one session."""
+        return f"{self.base_url}/sessions/{session_id}/v1"
+
+    def finish(self, session_id: str, **meta: Any) -> list[Trajectory]:
+        """See :meth:`ProxyRecorder.finish`."""
+        return self.recorder.finish(session_id, **meta)
+
+    def metrics(self) -> dict[str, float]:
+        return self.recorder.metrics()
+
+    async def start(self) -> RecordingProxy:
+        import uvicorn
+
+        if self.port is None:
+            self.port = _free_port(self.host)
+        config = uvicorn.Config(
+            self.app, host=self.host, port=self.port, log_level="warning", lifespan="off"
+        )
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve())
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # re-raise the start-up error (e.g. port in use)
+                raise RuntimeError(f"the proxy stopped during start-up on port {self.port}")
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise TimeoutError(f"the proxy did not start within {self.startup_timeout_s} s")
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            try:
+                await asyncio.wait_for(self._task, timeout=10)
+            except (TimeoutError, SystemExit):
+                self._task.cancel()
+            self._task = None
+        self._server = None
+
+    async def __aenter__(self) -> RecordingProxy:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()

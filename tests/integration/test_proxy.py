@@ -1,0 +1,302 @@
+"""The recording proxy served on a real port, driven by the stock ``openai`` client, with a
+scripted policy: token-exact recording, continuation, prefix breaks, pass-through, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from agentrl.rollout.episode import EpisodeRecorder, render_prompt_ids
+from agentrl.rollout.proxy import RecordingProxy, create_proxy_app
+from agentrl.types import Generation, SamplingParams, StopReason
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+CALL_TEXT = (
+    '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+)
+
+
+class ScriptedTextPolicy:
+    """Replays scripted replies (text -> byte tokens + EOS) and records every request."""
+
+    def __init__(self, tokenizer: Any, replies: list[str | tuple[str, str]], version: int = 3):
+        self.tok = tokenizer
+        self.replies = list(replies)
+        self.version = version
+        self.requests: list[tuple[list[int], SamplingParams, str | None]] = []
+        self.fail = False
+
+    async def generate(self, prompt_ids, sampling, session_id=None) -> Generation:
+        self.requests.append((list(prompt_ids), sampling, session_id))
+        if self.fail:
+            raise RuntimeError("server exploded")
+        reply = self.replies.pop(0)
+        text, finish = reply if isinstance(reply, tuple) else (reply, "stop")
+        ids = self.tok.encode(text, add_special_tokens=False)
+        if finish == "stop":
+            ids += [self.tok.convert_tokens_to_ids(self.tok.eos_token)]
+        if len(ids) > sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+        logprobs = [-0.01 * (i + 1) for i in range(len(ids))]
+        return Generation(
+            token_ids=ids, logprobs=logprobs, finish_reason=finish, weight_version=self.version
+        )
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from agentrl.inference.tiny_model import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()
+
+
+_CLIENTS: list[AsyncOpenAI] = []
+
+
+def client_for(proxy: RecordingProxy, sid: str) -> AsyncOpenAI:
+    client = AsyncOpenAI(base_url=proxy.session_url(sid), api_key="unused", max_retries=0)
+    _CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+async def _close_clients():
+    yield
+    while _CLIENTS:
+        await _CLIENTS.pop().close()
+
+
+async def test_tool_loop_is_recorded_like_a_native_episode(tok):
+    policy = ScriptedTextPolicy(tok, [CALL_TEXT, "\\boxed{5}"])
+    messages: list[Any] = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "What is 2 + 3?"},
+    ]
+    async with RecordingProxy(policy, tok) as proxy:
+        client = client_for(proxy, "ep-1")
+        first = await client.chat.completions.create(
+            model="m", messages=messages, tools=[CALC_TOOL], temperature=0.7, seed=11
+        )
+        msg = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls"
+        assert msg.tool_calls and msg.tool_calls[0].function.name == "calculator"
+        assert json.loads(msg.tool_calls[0].function.arguments) == {"expression": "2 + 3"}
+        # the way most agents append the reply: the SDK object dumped, null fields included
+        messages.append(msg.model_dump())
+        messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id, "content": "5"})
+        second = await client.chat.completions.create(
+            model="m", messages=messages, tools=[CALC_TOOL], temperature=0.7, seed=11
+        )
+        assert second.choices[0].message.content == "\\boxed{5}"
+        assert second.choices[0].finish_reason == "stop"
+        assert second.usage.prompt_tokens == len(policy.requests[1][0])
+        (traj,) = proxy.finish("ep-1", uid="g", index=2, task_id="t", data_source="calculator")
+        assert proxy.recorder.sessions() == []
+
+    # the same episode, bookkept the native way
+    rec = EpisodeRecorder.from_messages(messages[:2], tok, tools=[CALC_TOOL])
+    assert policy.requests[0][0] == rec.context_ids()
+    gen1 = await ScriptedTextPolicy(tok, [CALL_TEXT]).generate([1], SamplingParams())
+    rec.add_generation(gen1)
+    rec.add_messages([{"role": "tool", "content": "5"}])
+    assert policy.requests[1][0] == rec.context_ids()
+    gen2 = await ScriptedTextPolicy(tok, ["\\boxed{5}"]).generate([1], SamplingParams())
+    rec.add_generation(gen2)
+    native = rec.to_trajectory(uid="g")
+    for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "policy_version"):
+        assert getattr(traj, name) == getattr(native, name), name
+    assert traj.num_turns == 2 and traj.stop_reason == StopReason.EOS
+    assert traj.tool_calls == {"calculator": 1}
+    assert (traj.uid, traj.index, traj.task_id, traj.data_source) == ("g", 2, "t", "calculator")
+    assert traj.agent == "openai_proxy" and traj.metrics["proxy/prefix_breaks"] == 0.0
+    assert traj.messages[-1] == {"role": "assistant", "content": "\\boxed{5}"}
+    # sampling params and the session travel to the policy
+    sampling = policy.requests[0][1]
+    assert (sampling.temperature, sampling.seed, policy.requests[0][2]) == (0.7, 11, "ep-1")
+
+
+async def test_history_rewrite_starts_a_new_segment_and_is_counted(tok):
+    policy = ScriptedTextPolicy(tok, ["first", "second", "third"])
+    async with RecordingProxy(policy, tok) as proxy:
+        client = client_for(proxy, "s")
+        msgs: list[Any] = [{"role": "user", "content": "hello"}]
+        r1 = await client.chat.completions.create(model="m", messages=msgs)
+        msgs += [
+            {"role": "assistant", "content": r1.choices[0].message.content},
+            {"role": "user", "content": "more"},
+        ]
+        await client.chat.completions.create(model="m", messages=msgs)
+        # the client summarises history: the first turn is rewritten
+        rewritten = [
+            {"role": "user", "content": "summary of hello"},
+            {"role": "user", "content": "more"},
+        ]
+        await client.chat.completions.create(model="m", messages=rewritten)
+        assert proxy.recorder.prefix_breaks("s") == 1
+        assert proxy.metrics()["proxy/prefix_breaks"] == 1.0
+        trajs = proxy.finish("s")
+    assert len(trajs) == 2
+    assert trajs[0].num_turns == 2 and trajs[1].num_turns == 1
+    assert trajs[1].prompt_ids == render_prompt_ids(tok, rewritten)
+    assert trajs[1].prompt_ids == policy.requests[2][0]
+    assert trajs[0].metrics["proxy/segment"] == 0.0 and trajs[1].metrics["proxy/segment"] == 1.0
+    assert all(t.metrics["proxy/prefix_breaks"] == 1.0 for t in trajs)
+
+
+async def test_resending_the_reply_continues_by_token_prefix(tok):
+    policy = ScriptedTextPolicy(tok, ["hello", "again"])
+    async with RecordingProxy(policy, tok) as proxy:
+        client = client_for(proxy, "s")
+        msgs: list[Any] = [{"role": "user", "content": "hi"}]
+        r1 = await client.chat.completions.create(model="m", messages=msgs)
+        # no new message, just the reply: ask the model to continue with another assistant turn
+        msgs.append({"role": "assistant", "content": r1.choices[0].message.content})
+        await client.chat.completions.create(model="m", messages=msgs)
+        assert proxy.recorder.prefix_breaks("s") == 0
+        (traj,) = proxy.finish("s")
+    assert policy.requests[1][0] == render_prompt_ids(tok, msgs)
+    assert (
+        traj.prompt_ids + traj.response_ids[: -len(tok.encode("again")) - 1]
+        == policy.requests[1][0]
+    )
+
+
+async def test_length_stop_then_continuation_closes_the_turn(tok):
+    policy = ScriptedTextPolicy(tok, [("abcdef", "length"), "ok"])
+    async with RecordingProxy(policy, tok) as proxy:
+        client = client_for(proxy, "s")
+        msgs: list[Any] = [{"role": "user", "content": "hi"}]
+        r1 = await client.chat.completions.create(model="m", messages=msgs, max_tokens=4)
+        assert r1.choices[0].finish_reason == "length" and r1.choices[0].message.content == "abcd"
+        msgs += [r1.choices[0].message.model_dump(), {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(model="m", messages=msgs)
+        (traj,) = proxy.finish("s")
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    # the cut turn is closed by an end-of-turn token with mask 0, as the template renders it
+    assert traj.response_ids[4] == eot and traj.loss_mask[4] == 0
+    assert policy.requests[1][0] == render_prompt_ids(
+        tok, [msgs[0], {"role": "assistant", "content": "abcd"}, msgs[2]]
+    )
+
+
+async def test_malformed_tool_call_is_returned_as_text_and_counted(tok):
+    bad = '<tool_call>\n{"name": "calculator", "arguments": {\n</tool_call>'
+    policy = ScriptedTextPolicy(tok, [bad])
+    async with RecordingProxy(policy, tok) as proxy:
+        r = await client_for(proxy, "s").chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "x"}], tools=[CALC_TOOL]
+        )
+        assert r.choices[0].message.tool_calls is None
+        assert r.choices[0].message.content == bad
+        (traj,) = proxy.finish("s")
+    assert traj.tool_calls == {"<invalid>": 1}
+
+
+async def test_logprobs_max_tokens_and_top_p_pass_through(tok):
+    policy = ScriptedTextPolicy(tok, ["abc"], version=7)
+    async with RecordingProxy(policy, tok, default_max_tokens=99) as proxy:
+        r = await client_for(proxy, "s").chat.completions.create(
+            model="m",
+            messages=[{"role": "user", "content": "x"}],
+            logprobs=True,
+            top_p=0.5,
+            max_completion_tokens=17,
+        )
+        (traj,) = proxy.finish("s")
+    sampling = policy.requests[0][1]
+    assert (sampling.max_tokens, sampling.top_p) == (17, 0.5)
+    got = [(c.token, c.logprob) for c in r.choices[0].logprobs.content]
+    assert got == [
+        (f"token_id:{t}", lp)
+        for t, lp in zip(traj.response_ids, traj.rollout_logprobs, strict=True)
+    ]
+    assert traj.policy_version == [7] * 4
+    assert r.model_extra and r.model_extra["weight_version"] == 7
+
+
+async def test_context_budget_ends_with_length(tok):
+    prompt = [{"role": "user", "content": "x"}]
+    budget = len(render_prompt_ids(tok, prompt)) + 3
+    policy = ScriptedTextPolicy(tok, ["abcdef"])
+    async with RecordingProxy(policy, tok, max_context_tokens=budget) as proxy:
+        r = await client_for(proxy, "s").chat.completions.create(model="m", messages=prompt)
+        assert r.choices[0].finish_reason == "length"
+        (traj,) = proxy.finish("s")
+    assert policy.requests[0][1].max_tokens == 3
+    assert traj.response_ids == tok.encode("abc") and traj.stop_reason == StopReason.LENGTH
+
+
+async def test_concurrent_sessions_are_kept_apart(tok):
+    policy = ScriptedTextPolicy(tok, [f"reply{i}" for i in range(12)])
+    async with RecordingProxy(policy, tok) as proxy:
+
+        async def one(i: int) -> None:
+            await client_for(proxy, f"s{i}").chat.completions.create(
+                model="m", messages=[{"role": "user", "content": f"q{i}"}]
+            )
+
+        await asyncio.gather(*(one(i) for i in range(12)))
+        trajs = {f"s{i}": proxy.finish(f"s{i}") for i in range(12)}
+    for i in range(12):
+        (traj,) = trajs[f"s{i}"]
+        assert traj.uid == f"s{i}"
+        assert traj.prompt_ids == render_prompt_ids(tok, [{"role": "user", "content": f"q{i}"}])
+    assert proxy.metrics()["proxy/sessions"] == 12.0
+
+
+async def test_bad_requests_get_openai_errors(tok):
+    policy = ScriptedTextPolicy(tok, [])
+    async with RecordingProxy(policy, tok) as proxy:
+        client = client_for(proxy, "s")
+        msgs = [{"role": "user", "content": "x"}]
+        with pytest.raises(openai.BadRequestError, match="stream"):
+            await client.chat.completions.create(model="m", messages=msgs, stream=True)
+        with pytest.raises(openai.BadRequestError, match="n=2"):
+            await client.chat.completions.create(model="m", messages=msgs, n=2)
+        with pytest.raises(openai.BadRequestError, match="stop strings"):
+            await client.chat.completions.create(model="m", messages=msgs, stop=["\n"])
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            await client.chat.completions.create(model="m", messages=msgs, temperature=-1)
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]"):
+            await client.chat.completions.create(model="m", messages=[{"content": "no role"}])  # type: ignore[list-item]
+        policy.fail = True
+        with pytest.raises(openai.InternalServerError, match="server exploded"):
+            await client.chat.completions.create(model="m", messages=msgs)
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["agentrl-policy"]
+    with pytest.raises(KeyError, match="no proxy session 'nope'"):
+        proxy.finish("nope")
+
+
+async def test_create_proxy_app_in_process(tok):
+    import httpx
+
+    policy = ScriptedTextPolicy(tok, ["hi"])
+    app = create_proxy_app(policy, tok, model_name="tiny")
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://proxy"
+    ) as http:
+        r = await http.post(
+            "/sessions/a/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+        )
+        assert r.status_code == 200 and r.json()["model"] == "tiny"
+    (traj,) = app.state.recorder.finish("a")
+    assert traj.num_sampled_tokens == 3
