@@ -135,3 +135,76 @@ class FakeInferenceServer:
             payload["weight_version"] = self.version
         self.completed.append({"prompt": prompt, "tokens": tokens, "server": self.url})
         return httpx.Response(200, json=payload)
+
+
+# ---- ScriptedPolicy (agent loop / manager unit tests, agent-loop benchmark) ------------------
+
+
+class ScriptedPolicy:
+    """An in-process policy that replays scripted model turns, with zero latency by default.
+
+    ``script`` gives the turns of *each* episode: turn ``k`` of a session (``session_id``) is
+    ``script[k]`` (the last entry repeats), or ``script(prompt_ids, k)`` when callable. A turn is
+    text (tokenized once and cached; the EOS id is appended so it ends like a real turn), a list
+    of token ids (returned as is), an ``Exception`` instance (raised) or the string ``"abort"``
+    (an aborted, empty generation). Output longer than ``sampling.max_tokens`` is cut, with
+    ``finish_reason="length"``. Logprobs vary per position (``-0.05 * (1 + i % 7)``) so tests
+    can check their alignment; ``delay_s`` adds latency; every request is kept in ``requests``
+    as ``(prompt_ids, sampling, session_id)`` (``keep_requests=False`` for benchmarks).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        script: Any,
+        *,
+        version: int = 0,
+        delay_s: float = 0.0,
+        keep_requests: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.script = script
+        self.version = version
+        self.delay_s = delay_s
+        self.keep_requests = keep_requests
+        self.requests: list[tuple[list[int], Any, str | None]] = []
+        self._turns: dict[str | None, int] = {}
+        self._encoded: dict[str, list[int]] = {}
+        self.calls = 0
+
+    def _ids(self, text: str) -> list[int]:
+        ids = self._encoded.get(text)
+        if ids is None:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+            ids.append(self.tokenizer.eos_token_id)
+            self._encoded[text] = ids
+        return ids
+
+    async def generate(self, prompt_ids: list[int], sampling: Any, session_id: str | None = None):
+        from agentrl.types import Generation
+
+        self.calls += 1
+        if self.keep_requests:
+            self.requests.append((list(prompt_ids), sampling, session_id))
+        k = self._turns.get(session_id, 0)
+        self._turns[session_id] = k + 1
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
+        if callable(self.script):
+            turn = self.script(prompt_ids, k)
+        else:
+            turn = self.script[min(k, len(self.script) - 1)]
+        if isinstance(turn, BaseException):
+            raise turn
+        if turn == "abort":
+            return Generation(
+                token_ids=[], logprobs=[], finish_reason="abort", weight_version=self.version
+            )
+        ids = list(turn) if isinstance(turn, list) else self._ids(turn)
+        finish = "stop"
+        if len(ids) > sampling.max_tokens:
+            ids, finish = ids[: sampling.max_tokens], "length"
+        logprobs = [-0.05 * (1 + i % 7) for i in range(len(ids))]
+        return Generation(
+            token_ids=ids, logprobs=logprobs, finish_reason=finish, weight_version=self.version
+        )

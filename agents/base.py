@@ -1,0 +1,347 @@
+"""The agent contract: an :class:`AgentLoop` runs one task with an :class:`AgentContext`.
+
+Read this module first when writing an agent. The vocabulary:
+
+- an :class:`AgentLoop` is a class with one ``async run(task, ctx) -> Trajectory``; a fresh
+  instance runs each episode, so it may keep per-episode state on ``self``;
+- the :class:`AgentContext` is everything the agent may use: the policy (token ids in, token ids
+  + logprobs out), the tokenizer, the tools, the sampling parameters, the limits, the tool-call
+  parser, and helpers that keep the token bookkeeping exact (:meth:`AgentContext.start_episode`,
+  :meth:`AgentContext.generate`, :meth:`AgentContext.add_messages`,
+  :meth:`AgentContext.call_tools`, :meth:`AgentContext.finish`);
+- agents are registered by name (:func:`register_agent`); a task's ``agent`` column picks one.
+
+Guarantees the helpers give an agent (see ``agentrl.rollout.episode``): each request's prompt is
+the previous prompt plus exactly the generated tokens plus the tokenized delta of the new
+messages; budgets (``max_response_tokens``, ``max_context_tokens``) are enforced by truncation;
+the manager can always build a partial trajectory from ``ctx.recorder`` when an agent raises or
+times out.
+
+A complete agent with a custom tool::
+
+    from agents import AgentLoop, register_agent
+    from agentrl.types import StopReason
+    from tools import tool
+
+    @tool
+    def lookup(word: str) -> str:
+        \"\"\"Look a word up.
+
+        Args:
+            word: The word.
+        \"\"\"
+        return {"agentrl": "an RL library"}.get(word, "not found")
+
+    @register_agent("lookup_agent")
+    class LookupAgent(AgentLoop):
+        async def run(self, task, ctx):
+            ctx.start_episode(task.initial_messages(ctx.system_prompt), tools=[lookup.schema()])
+            async with ctx.tool_episode([lookup]) as tools:
+                for _ in range(ctx.limits.max_turns):
+                    gen = await ctx.generate()
+                    parsed = ctx.parse(gen)
+                    if not parsed.calls or gen.finish_reason != "stop":
+                        return ctx.finish(ctx.stop_reason_for(gen))
+                    messages, stop = await ctx.call_tools(tools, parsed)
+                    ctx.add_messages(messages)
+                    if stop or ctx.recorder.truncated:
+                        return ctx.finish(StopReason.TOOL_STOP if stop else StopReason.LENGTH)
+            return ctx.finish(StopReason.MAX_TURNS)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+from agentrl.rollout.episode import EpisodeRecorder
+from agentrl.types import Generation, Message, Policy, SamplingParams, StopReason, Task, Trajectory
+from agents.parsers import ParseResult, ToolCallParser, get_parser
+from tools import Tool, ToolEpisode, ToolResult, ToolSet
+
+__all__ = [
+    "INVALID_TOOL",
+    "AgentContext",
+    "AgentLimits",
+    "AgentLoop",
+    "create_agent",
+    "get_agent_class",
+    "list_agents",
+    "register_agent",
+]
+
+logger = logging.getLogger(__name__)
+
+INVALID_TOOL = "<invalid>"
+"""Key of ``Trajectory.tool_calls`` that counts malformed calls and calls to unknown tools."""
+
+
+@dataclass
+class AgentLimits:
+    """Limits of one episode (the ``agent`` config section)."""
+
+    max_turns: int = 8
+    """Most model turns (generate calls)."""
+    max_response_tokens: int = 2048
+    """Budget for all tokens after the prompt, model and tool turns together."""
+    max_context_tokens: int | None = None
+    """Budget for prompt + response (the model's context length); None = unlimited."""
+    max_parallel_calls: int = 4
+    """Most tool calls of one turn that run at the same time."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_response_tokens", "max_parallel_calls"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_context_tokens is not None and self.max_context_tokens < 1:
+            raise ValueError(
+                f"agent.max_context_tokens must be >= 1 or null, got {self.max_context_tokens}"
+            )
+
+
+@dataclass
+class AgentContext:
+    """Everything an agent may use for one episode, plus the episode's running record.
+
+    The manager builds one per episode; tests and scripts may build one by hand.
+    """
+
+    policy: Policy
+    tokenizer: Any
+    tools: ToolSet | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    limits: AgentLimits = field(default_factory=AgentLimits)
+    parser: ToolCallParser = field(default_factory=lambda: get_parser("hermes"))
+    session_id: str | None = None
+    """Sticky-routing key: all turns of the episode go to the server holding its prefix cache."""
+    uid: str = "episode"
+    """Prompt-group id (all samples of one task share it)."""
+    index: int = 0
+    """Sample index within the group."""
+    agent_name: str = ""
+    system_prompt: str | None = None
+    logger: logging.Logger | logging.LoggerAdapter = logger
+
+    # ---- the running record (read by the manager for partial trajectories) ----------------
+    recorder: EpisodeRecorder | None = None
+    messages: list[Message] = field(default_factory=list)
+    """The conversation for display (and the reward's answer extraction); never trained on."""
+    tool_counts: dict[str, int] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    turn_rewards: list[float] = field(default_factory=list)
+    """Per-turn sums of the tools' step rewards (empty when no tool gave one)."""
+
+    # ---- token bookkeeping ---------------------------------------------------------------
+    def start_episode(
+        self, messages: Sequence[Message], tools: Sequence[dict[str, Any]] | None = None
+    ) -> EpisodeRecorder:
+        """Render the first prompt and start recording. ``tools`` defaults to ``ctx.tools``."""
+        if tools is None and self.tools is not None and len(self.tools):
+            tools = self.tools.schemas()
+        self.messages = [dict(m) for m in messages]
+        self.recorder = EpisodeRecorder.from_messages(
+            self.messages,
+            self.tokenizer,
+            tools=tools,
+            max_response_tokens=self.limits.max_response_tokens,
+            max_context_tokens=self.limits.max_context_tokens,
+        )
+        return self.recorder
+
+    def _require_recorder(self) -> EpisodeRecorder:
+        if self.recorder is None:
+            raise RuntimeError("call ctx.start_episode(messages) before generating")
+        return self.recorder
+
+    async def generate(self, **sampling_overrides: Any) -> Generation:
+        """Generate the next model turn from the recorded context and record it.
+
+        ``max_tokens`` is capped by the remaining budget; with no budget left nothing is sent
+        and an empty generation with ``finish_reason="length"`` comes back.
+        """
+        rec = self._require_recorder()
+        budget = rec.remaining_budget
+        if budget <= 0:
+            rec.truncated = True
+            return Generation(token_ids=[], logprobs=[], finish_reason="length", weight_version=0)
+        sampling = self.sampling
+        max_tokens = min(sampling_overrides.pop("max_tokens", sampling.max_tokens), budget)
+        sampling = sampling.model_copy(update={"max_tokens": max_tokens, **sampling_overrides})
+        start = time.perf_counter()
+        gen = await self.policy.generate(rec.context_ids(), sampling, self.session_id)
+        self.timings["generate"] = self.timings.get("generate", 0.0) + time.perf_counter() - start
+        rec.add_generation(gen)
+        return gen
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of generated tokens, special tool tags kept, a trailing end-of-turn token dropped."""
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        eos = getattr(self.tokenizer, "eos_token", None)
+        if eos and text.endswith(eos):
+            text = text[: -len(eos)]
+        return text
+
+    def parse(self, gen: Generation) -> ParseResult:
+        """Parse a model turn, append the assistant message, number the calls (``call_<turn>_<i>``)."""
+        parsed = self.parser.parse(self.decode(gen.token_ids))
+        turn = self.recorder.num_turns if self.recorder is not None else 0
+        for i, call in enumerate(parsed.calls):
+            call.id = f"call_{turn}_{i}"
+        msg: Message = {"role": "assistant", "content": parsed.content}
+        if parsed.calls:
+            msg["tool_calls"] = [c.to_openai() for c in parsed.calls]
+        self.messages.append(msg)
+        return parsed
+
+    def add_messages(self, messages: Sequence[Message]) -> list[int]:
+        """Append tool/user messages as a token delta (mask 0); returns the ids appended."""
+        rec = self._require_recorder()
+        self.messages.extend(dict(m) for m in messages)
+        return rec.add_messages(messages)
+
+    # ---- tools ---------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def tool_episode(self, tools: Sequence[Tool] | None = None) -> AsyncIterator[ToolEpisode]:
+        """The episode's tool calls: ``ctx.tools`` (or a ToolSet of ``tools``), released at exit."""
+        toolset = ToolSet(tools) if tools is not None else (self.tools or ToolSet())
+        if tools is not None:
+            self.tools = toolset
+        async with toolset.episode() as ep:
+            yield ep
+
+    async def call_tools(
+        self, episode: ToolEpisode, parsed: ParseResult
+    ) -> tuple[list[Message], bool]:
+        """Run the parsed calls (at most ``max_parallel_calls`` at once) and count them.
+
+        Returns the tool messages, in call order, then one error message per malformed call,
+        and whether a tool asked to stop. Never raises, except on cancellation.
+        """
+        sem = asyncio.Semaphore(self.limits.max_parallel_calls)
+
+        async def one(name: str, args: dict[str, Any]) -> ToolResult:
+            async with sem:
+                return await episode.call(name, args)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one(c.name, c.arguments) for c in parsed.calls))
+        self.timings["tools"] = self.timings.get("tools", 0.0) + time.perf_counter() - start
+        known = set(self.tools.names()) if self.tools is not None else set()
+        out: list[Message] = []
+        stop = False
+        step_reward: float | None = None
+        for call, res in zip(parsed.calls, results, strict=True):
+            key = call.name if call.name in known else INVALID_TOOL
+            self.tool_counts[key] = self.tool_counts.get(key, 0) + 1
+            if key == INVALID_TOOL:
+                self._count("tool_calls_unknown")
+            if res.error:
+                self._count("tool_errors")
+                # ToolResult has no timeout flag; the ToolSet's timeout message is fixed text.
+                if " timed out after " in res.content:
+                    self._count("tool_timeouts")
+            if res.reward is not None:
+                step_reward = (step_reward or 0.0) + res.reward
+            stop = stop or res.stop
+            out.append(
+                {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": res.content}
+            )
+        for err in parsed.errors:
+            self.tool_counts[INVALID_TOOL] = self.tool_counts.get(INVALID_TOOL, 0) + 1
+            self._count("tool_calls_malformed")
+            out.append({"role": "tool", "content": f"error: {err}"})
+        if step_reward is not None:
+            self.turn_rewards.append(step_reward)
+        return out, stop
+
+    def _count(self, key: str, n: float = 1.0) -> None:
+        self.metrics[key] = self.metrics.get(key, 0.0) + n
+
+    # ---- ending --------------------------------------------------------------------------
+    @staticmethod
+    def stop_reason_for(gen: Generation) -> StopReason:
+        """The stop reason of a turn after which the agent stops (no tool call to run)."""
+        if gen.finish_reason == "abort":
+            return StopReason.ABORTED
+        if gen.finish_reason == "length":
+            return StopReason.LENGTH
+        return StopReason.EOS
+
+    def finish(
+        self, stop_reason: StopReason, *, error: str | None = None, **meta: Any
+    ) -> Trajectory:
+        """The episode's trajectory from the record so far (also used for partial episodes)."""
+        rec = self._require_recorder()
+        fields: dict[str, Any] = {
+            "uid": self.uid,
+            "index": self.index,
+            "agent": self.agent_name or "tool_agent",
+            "stop_reason": stop_reason,
+            "error": error,
+            "tool_calls": dict(self.tool_counts),
+            "timings": dict(self.timings),
+            "metrics": dict(self.metrics),
+            "messages": list(self.messages),
+            "turn_rewards": list(self.turn_rewards),
+        }
+        fields.update(meta)
+        return rec.to_trajectory(**fields)
+
+
+class AgentLoop(ABC):
+    """An agent: one ``async run(task, ctx) -> Trajectory``. A fresh instance runs each episode.
+
+    Subclasses may take keyword arguments in ``__init__`` (from ``agent_kwargs`` in the
+    manager). ``run`` should end with ``ctx.finish(stop_reason)``; if it raises, the manager
+    turns what was recorded into a trajectory with ``stop_reason=error``.
+    """
+
+    name: ClassVar[str] = ""
+
+    @abstractmethod
+    async def run(self, task: Task, ctx: AgentContext) -> Trajectory: ...
+
+
+_AGENTS: dict[str, type[AgentLoop]] = {}
+
+A = TypeVar("A", bound=type[AgentLoop])
+
+
+def register_agent(name: str | None = None) -> Callable[[A], A]:
+    """Class decorator: ``@register_agent("my_agent")`` makes tasks with ``agent="my_agent"`` use it."""
+
+    def wrap(cls: A) -> A:
+        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
+            raise TypeError(f"@register_agent needs an AgentLoop subclass, got {cls!r}")
+        key = name or cls.name or cls.__name__
+        cls.name = key
+        _AGENTS[key] = cls
+        return cls
+
+    return wrap
+
+
+def list_agents() -> list[str]:
+    return sorted(_AGENTS)
+
+
+def get_agent_class(name: str) -> type[AgentLoop]:
+    try:
+        return _AGENTS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown agent {name!r} (the task's 'agent' column); registered agents: "
+            f"{', '.join(list_agents()) or '(none)'}; register one with @register_agent({name!r})"
+        ) from None
+
+
+def create_agent(name: str, **kwargs: Any) -> AgentLoop:
+    """A fresh instance of the agent registered as ``name``."""
+    return get_agent_class(name)(**kwargs)

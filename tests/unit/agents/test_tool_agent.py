@@ -1,0 +1,267 @@
+"""Built-in agents with a scripted policy: token bookkeeping, tool handling, every stop reason."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from agentrl.inference.tiny_model import build_tiny_tokenizer
+from agentrl.rollout.episode import render_prompt_ids
+from agentrl.types import SamplingParams, StopReason, Task
+from agents import (
+    INVALID_TOOL,
+    AgentContext,
+    AgentLimits,
+    AgentLoop,
+    create_agent,
+    get_agent_class,
+    list_agents,
+    register_agent,
+)
+from tests.fakes import ScriptedPolicy
+from tools import ToolResult, ToolSet, get_tool, tool
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tiny_tokenizer()
+
+
+def call(name: str, **args) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>"
+
+
+def make_ctx(tok, script, *, tools=None, limits=None, max_tokens=256, **kw) -> AgentContext:
+    return AgentContext(
+        policy=ScriptedPolicy(tok, script),
+        tokenizer=tok,
+        tools=ToolSet(tools if tools is not None else [get_tool("calculator")], timeout_s=0.5),
+        sampling=SamplingParams(max_tokens=max_tokens),
+        limits=limits or AgentLimits(),
+        session_id="s0",
+        uid="g0",
+        **kw,
+    )
+
+
+TASK = Task(prompt="What is 4821 * 37? Use the calculator tool.")
+
+
+async def test_calculator_episode_is_token_exact(tok):
+    script = [call("calculator", expression="4821 * 37"), "The answer is 178377."]
+    ctx = make_ctx(tok, script)
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.EOS and traj.num_turns == 2
+    assert traj.tool_calls == {"calculator": 1}
+    assert traj.messages[-1] == {"role": "assistant", "content": "The answer is 178377."}
+    assert traj.messages[2]["role"] == "tool" and traj.messages[2]["content"] == "178377"
+    (p1, _, s1), (p2, _, s2) = ctx.policy.requests  # type: ignore[attr-defined]  # ScriptedPolicy
+    assert s1 == s2 == "s0"
+    schemas = ctx.tools.schemas()  # type: ignore[union-attr]  # set above
+    assert p1 == render_prompt_ids(tok, TASK.initial_messages(), schemas) == traj.prompt_ids
+    # turn 2's prompt = turn 1's prompt + exactly the generated tokens + the tool delta
+    gen1 = [*tok.encode(script[0], add_special_tokens=False), tok.eos_token_id]
+    assert p2[: len(p1) + len(gen1)] == p1 + gen1
+    full = [
+        *TASK.initial_messages(),
+        {"role": "assistant", "content": script[0]},
+        {"role": "tool", "content": "178377"},
+    ]
+    assert p2 == render_prompt_ids(tok, full, schemas)
+    assert traj.prompt_ids + traj.response_ids[: len(p2) - len(p1)] == p2
+    n1, nd = len(gen1), len(p2) - len(p1) - len(gen1)
+    gen2 = [*tok.encode(script[1], add_special_tokens=False), tok.eos_token_id]
+    assert traj.loss_mask == [1] * n1 + [0] * nd + [1] * len(gen2)
+    assert traj.rollout_logprobs[:3] == [-0.05, -0.1, -0.15000000000000002]
+    assert all(
+        lp == 0.0 for lp, m in zip(traj.rollout_logprobs, traj.loss_mask, strict=False) if m == 0
+    )
+
+
+async def test_malformed_and_unknown_calls_are_answered_and_counted(tok):
+    script = [
+        '<tool_call>{"name": "calculator", "arguments": {"expression": "1+</tool_call>'
+        + call("nope", x=1),
+        "done",
+    ]
+    ctx = make_ctx(tok, script)
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.EOS
+    assert traj.tool_calls == {INVALID_TOOL: 2}
+    tool_msgs = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert tool_msgs[0].startswith("error: unknown tool 'nope'")
+    assert tool_msgs[1].startswith("error: malformed tool call #1: invalid JSON")
+    assert traj.metrics["tool_calls_malformed"] == 1 and traj.metrics["tool_calls_unknown"] == 1
+    # the errors went back to the model: its second prompt contains them
+    second_prompt = tok.decode(ctx.policy.requests[1][0])  # type: ignore[attr-defined]  # ScriptedPolicy
+    assert "malformed tool call" in second_prompt and "unknown tool" in second_prompt
+
+
+async def test_tool_error_and_timeout_become_messages(tok):
+    @tool
+    async def slow(x: int) -> str:
+        """Sleep.
+
+        Args:
+            x: Anything.
+        """
+        await asyncio.sleep(5)
+        return "never"
+
+    @tool
+    def boom() -> str:
+        """Raise."""
+        raise RuntimeError("kaboom")
+
+    ctx = make_ctx(tok, [call("slow", x=1) + call("boom"), "ok"], tools=[slow, boom])
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    contents = [m["content"] for m in traj.messages if m["role"] == "tool"]
+    assert "timed out" in contents[0] and "kaboom" in contents[1]
+    assert traj.metrics["tool_errors"] == 2 and traj.metrics["tool_timeouts"] == 1
+    assert traj.tool_calls == {"slow": 1, "boom": 1} and traj.stop_reason == StopReason.EOS
+
+
+async def test_parallel_calls_are_bounded(tok):
+    running, peak = 0, 0
+
+    @tool
+    async def probe(i: int) -> str:
+        """Count concurrency.
+
+        Args:
+            i: Call number.
+        """
+        nonlocal running, peak
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.02)
+        running -= 1
+        return str(i)
+
+    script = ["".join(call("probe", i=i) for i in range(6)), "done"]
+    limits = AgentLimits(max_parallel_calls=2)
+    traj = await create_agent("tool_agent").run(
+        TASK, make_ctx(tok, script, tools=[probe], limits=limits, max_tokens=2048)
+    )
+    assert peak == 2 and traj.tool_calls == {"probe": 6}
+    # results come back in call order
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == [
+        str(i) for i in range(6)
+    ]
+
+
+async def test_tool_stop(tok):
+    @tool
+    def submit(answer: str) -> ToolResult:
+        """Submit the final answer.
+
+        Args:
+            answer: The answer.
+        """
+        return ToolResult(content="submitted", stop=True, reward=1.0)
+
+    ctx = make_ctx(tok, [call("submit", answer="42"), "never reached"], tools=[submit])
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.TOOL_STOP and traj.num_turns == 1
+    assert traj.turn_rewards == [1.0] and traj.messages[-1]["content"] == "submitted"
+    assert traj.loss_mask[-1] == 0  # the tool response is recorded after the last model turn
+
+
+async def test_max_turns(tok):
+    limits = AgentLimits(max_turns=3)
+    ctx = make_ctx(tok, [call("calculator", expression="1+1")], limits=limits)
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.MAX_TURNS and traj.num_turns == 3
+    assert traj.tool_calls == {"calculator": 2}  # the last turn's call is not run
+    assert len(ctx.policy.requests) == 3  # type: ignore[attr-defined]  # ScriptedPolicy
+
+
+async def test_response_budget_stops_with_length(tok):
+    limits = AgentLimits(max_response_tokens=150)
+    ctx = make_ctx(tok, [call("calculator", expression="1+1")], limits=limits)
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.LENGTH and traj.response_length <= 150
+    # every request asked for no more than the remaining budget
+    for prompt, sampling, _ in ctx.policy.requests:  # type: ignore[attr-defined]  # ScriptedPolicy
+        assert sampling.max_tokens <= 150 - (len(prompt) - len(traj.prompt_ids))
+
+
+async def test_context_limit_stops_with_length(tok):
+    prompt_len = len(
+        render_prompt_ids(tok, TASK.initial_messages(), ToolSet([get_tool("calculator")]).schemas())
+    )
+    limits = AgentLimits(max_context_tokens=prompt_len + 30)
+    traj = await create_agent("tool_agent").run(TASK, make_ctx(tok, ["x" * 100], limits=limits))
+    assert traj.stop_reason == StopReason.LENGTH
+    assert len(traj.prompt_ids) + traj.response_length == prompt_len + 30
+
+
+async def test_cut_turn_without_call_stops_with_length(tok):
+    ctx = make_ctx(tok, ["a long answer that never ends"], max_tokens=5)
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.LENGTH and traj.response_length == 5
+
+
+async def test_abort(tok):
+    traj = await create_agent("tool_agent").run(TASK, make_ctx(tok, ["abort"]))
+    assert traj.stop_reason == StopReason.ABORTED and traj.response_length == 0
+
+
+async def test_single_turn(tok):
+    ctx = make_ctx(tok, [call("calculator", expression="1")])
+    traj = await create_agent("single_turn").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.EOS and traj.num_turns == 1 and traj.tool_calls == {}
+    assert traj.prompt_ids == render_prompt_ids(tok, TASK.initial_messages())  # no tools rendered
+    assert all(traj.loss_mask)
+
+
+def test_registry():
+    assert {"single_turn", "tool_agent"} <= set(list_agents())
+    with pytest.raises(ValueError, match="unknown agent 'nope'"):
+        get_agent_class("nope")
+    with pytest.raises(TypeError, match="AgentLoop subclass"):
+        register_agent("bad")(object)  # type: ignore[arg-type]  # the point of the test
+
+
+async def test_user_agent_with_custom_tool_in_20_lines(tok):
+    @tool
+    def lookup(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: The word.
+        """
+        return {"agentrl": "an RL library"}.get(word, "not found")
+
+    @register_agent("lookup_agent")
+    class LookupAgent(AgentLoop):
+        async def run(self, task, ctx):
+            ctx.start_episode(task.initial_messages(), tools=[lookup.schema()])
+            async with ctx.tool_episode([lookup]) as tools:
+                for _ in range(ctx.limits.max_turns):
+                    gen = await ctx.generate()
+                    parsed = ctx.parse(gen)
+                    if not parsed.calls:
+                        return ctx.finish(ctx.stop_reason_for(gen))
+                    messages, _stop = await ctx.call_tools(tools, parsed)
+                    ctx.add_messages(messages)
+            return ctx.finish(StopReason.MAX_TURNS)
+
+    ctx = make_ctx(tok, [call("lookup", word="agentrl"), "It is an RL library."])
+    traj = await create_agent("lookup_agent").run(
+        Task(prompt="What is agentrl?", agent="lookup_agent"), ctx
+    )
+    assert traj.tool_calls == {"lookup": 1} and traj.stop_reason == StopReason.EOS
+    assert traj.messages[2]["content"] == "an RL library"
+
+
+async def test_generate_before_start_is_a_clear_error(tok):
+    with pytest.raises(RuntimeError, match="start_episode"):
+        await make_ctx(tok, ["x"]).generate()
+
+
+def test_limits_validate():
+    with pytest.raises(ValueError, match=r"agent\.max_turns"):
+        AgentLimits(max_turns=0)
