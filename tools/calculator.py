@@ -11,7 +11,8 @@ Guarantees:
 - work is bounded: the expression length (``max_length``), the exponent
   (``|exponent| <= max_exponent``), the size of integer results (``max_int_digits``) and the
   nesting depth are capped, so ``9**9**9`` fails fast instead of hanging the worker;
-- exact integer results print as integers (``6/3`` -> ``2``), other floats with ``repr``
+- integer division that is exact stays an exact integer (``10**20 / 10``); integral results
+  print as integers (``6/3`` -> ``2``), other floats with ``repr``
   (shortest round-trip form); division by zero and overflow become ``error: ...`` messages.
 """
 
@@ -126,6 +127,14 @@ def evaluate(
                 and left.bit_length() + right.bit_length() > max_bits + 1
             ):
                 raise CalculatorError(f"result has more than {max_int_digits} digits")
+            if (
+                isinstance(node.op, ast.Div)
+                and isinstance(left, int)
+                and isinstance(right, int)
+                and right != 0
+                and left % right == 0
+            ):
+                return left // right  # exact: keep integers exact (10**20 / 10 stays an int)
             try:
                 result = _BINOPS[type(node.op)](left, right)
             except ZeroDivisionError:
