@@ -35,7 +35,7 @@ from agentrl.algos.kl import (
     kl_penalty,
 )
 from agentrl.algos.logits import entropy_from_logits, logprobs_from_logits
-from agentrl.algos.losses import POLICY_LOSSES, policy_loss, register_policy_loss
+from agentrl.algos.losses import POLICY_LOSSES, policy_loss, register_policy_loss, value_loss
 from agentrl.algos.registry import Registry
 from agentrl.algos.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -64,4 +64,5 @@ __all__ = [
     "policy_loss",
     "register_advantage",
     "register_policy_loss",
+    "value_loss",
 ]

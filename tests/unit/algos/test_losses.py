@@ -185,3 +185,22 @@ def test_register_user_policy_loss() -> None:
     assert metrics == {"n": 4.0}
     assert "test_linear_loss" in POLICY_LOSSES.names()
     assert loss.item() == pytest.approx(-(ADV * new.detach()).sum().item())
+
+
+def test_value_loss_clips_the_critic_update() -> None:
+    from agentrl.algos import value_loss
+
+    values = torch.tensor([[0.0, 0.0]])
+    returns = torch.tensor([[1.0, 1.0]])
+    vpreds = torch.tensor([[2.0, 0.4]], requires_grad=True)
+    loss, metrics = value_loss(vpreds, returns, values, torch.ones(1, 2), cliprange_value=0.5)
+    # token 0: clip 2 -> 0.5: max((2-1)^2, (0.5-1)^2) = 1; token 1: max(0.36, 0.36) = 0.36
+    assert loss.item() == pytest.approx(0.5 * (1.0 + 0.36) / 2)
+    assert metrics["vf_clipfrac"] == 0.0
+    loss.backward()
+    assert vpreds.grad is not None
+    torch.testing.assert_close(vpreds.grad, torch.tensor([[0.5 * 2 * 1.0 / 2, 0.5 * 2 * -0.6 / 2]]))
+    # V=-0.2 from old 1.0 clips to 0.5; against R=-2 the clipped error (2.5²) is the larger one
+    vpreds2 = torch.tensor([[-0.2]], requires_grad=True)
+    _, m2 = value_loss(vpreds2, torch.tensor([[-2.0]]), torch.tensor([[1.0]]), torch.ones(1, 1))
+    assert m2["vf_clipfrac"] == 1.0
