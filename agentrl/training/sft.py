@@ -190,7 +190,7 @@ def train_sft(
             metrics = {
                 "sft/loss": loss.item(),
                 "sft/loss_ema": loss_ema,
-                "sft/lr": sched.get_last_lr()[0],
+                "sft/lr": float(sched.get_last_lr()[0]),
                 "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
             }
             if on_log is not None:
