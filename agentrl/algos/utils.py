@@ -13,6 +13,7 @@ import torch
 
 __all__ = [
     "group_ids",
+    "group_stats",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -211,3 +211,11 @@ def test_register_user_estimator_and_refuse_duplicates() -> None:
         @register_advantage(name)
         def other(token_level_rewards: torch.Tensor, response_mask: torch.Tensor):
             return token_level_rewards, token_level_rewards
+
+
+def test_index_accepts_numpy_object_arrays() -> None:
+    import numpy as np
+
+    uid = np.array(["p0", "p0", "p1", "p1"], dtype=object)  # verl's non-tensor uid column
+    adv, _ = compute_advantage("grpo", _rows(1.0, 0.0, 0.0, 1.0), torch.ones(4, 2), index=uid)
+    assert adv[0, 0] > 0 > adv[1, 0] and adv[2, 0] < 0 < adv[3, 0]

@@ -204,3 +204,22 @@ def test_value_loss_clips_the_critic_update() -> None:
     vpreds2 = torch.tensor([[-0.2]], requires_grad=True)
     _, m2 = value_loss(vpreds2, torch.tensor([[-2.0]]), torch.tensor([[1.0]]), torch.ones(1, 1))
     assert m2["vf_clipfrac"] == 1.0
+
+
+def test_bypass_and_reinforce_agree_with_correction_bypass_losses() -> None:
+    # correction/ owns the bypass-mode helpers; our registered losses must give the same numbers
+    # (ours adds the dual clip, so switch it off for the comparison).
+    import correction
+
+    old, new = _logprobs(RATIOS)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    ours, om = policy_loss("bypass", old, new, ADV, mask, clip_ratio=0.2, clip_ratio_c=1e9)
+    theirs, tm = correction.bypass_ppo_clip_loss(new, old, ADV, mask, 0.2, 0.2)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
+    assert om["pg_clipfrac"] == pytest.approx(tm["pg_clipfrac"])
+    assert om["ppo_kl"] == pytest.approx(tm["ppo_kl"], rel=1e-6)
+
+    w = torch.tensor([[0.5, 1.0, 2.0, 9.0]])
+    ours, _ = policy_loss("reinforce", old, new, ADV, mask, rollout_is_weights=w)
+    theirs, _ = correction.bypass_reinforce_loss(new, old, ADV, mask, weights=w)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
