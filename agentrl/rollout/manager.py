@@ -1,0 +1,582 @@
+"""AgentLoopManager: run tasks x n samples across workers and stream scored trajectories.
+
+Why it exists: the trainer wants finished, scored episodes as soon as they exist (so slow
+episodes never block fast ones), a bound on how many run at once, and a hook to stop admitting
+new episodes when the rollouts would run too far ahead of the weights (the staleness budget).
+
+Invariants (what is always true):
+
+- Every admitted episode ends as exactly one trajectory or one counted drop:
+  ``admitted == finished + dropped + running`` at every await point. A trajectory is yielded by
+  the stream, or, if the stream is closed before it is read, counted as ``undelivered``.
+- An agent that raises ends as a trajectory with ``stop_reason=error`` (what it recorded before the
+  error, the message in ``Trajectory.error``), counted and logged; an episode that runs past
+  ``episode_timeout_s`` ends as ``stop_reason=aborted`` with the tokens recorded so far. Neither
+  hangs the stream. A drop happens only on cancellation, or when not even the prompt can be
+  rendered (logged).
+- Admission is atomic: an episode starts only when ``admission.may_start()`` is true, and
+  ``on_admitted`` is called in the same event-loop step, so a rule like AReaL's
+  ``(η + v + 1) · batch_size > accepted + running`` is never overshot. ``on_admitted`` is called
+  exactly once per admitted episode and ``on_finished`` exactly once after it (with the
+  trajectory, or ``None`` for a drop).
+- A trajectory is yielded only after it is scored (when a reward manager is given); a scorer that
+  raises leaves reward 0.0 and ``reward_info["error"]`` (counted), never a lost trajectory.
+- All samples of one task share a ``uid``; ``index`` is the sample number; every turn of an
+  episode uses the session id ``"{uid}/{index}"`` (sticky routing to one server's prefix cache).
+
+Shutdown order (``stream.aclose()``, leaving ``async with``, or ``manager.cancel()``): stop
+admitting -> cancel running episodes (each agent's tool episode releases its tools on the way
+out) -> count each as a drop and call ``on_finished(key, None)`` -> close the stream.
+
+Workers: ``num_workers`` :class:`AgentLoopWorker` objects, each a plain class whose state pickles
+(policy, tokenizer, tools, reward, config); in one process they run as asyncio tasks, and the
+manager sends each episode to the worker with the fewest episodes in flight. Placing workers in
+Ray actors needs only ``run_episode`` as a remote method.
+
+Example::
+
+    manager = AgentLoopManager(policy, tokenizer, tools=toolset, reward=rewards,
+                               config=WorkerConfig(limits=AgentLimits(max_turns=4)),
+                               max_concurrency=64)
+    async with manager.stream(tasks, n_samples=4) as stream:
+        async for traj in stream:        # in completion order, scored
+            buffer.add(traj)
+    batch = await manager.generate(tasks, n_samples=4)   # whole batch, in task order
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from agentrl.rollout.episode import EpisodeRecorder
+from agentrl.types import Policy, SamplingParams, StopReason, Task, Trajectory
+from agents import AgentContext, AgentLimits, create_agent, get_parser
+from tools import ToolSet
+
+__all__ = [
+    "AdmissionController",
+    "AgentLoopManager",
+    "AgentLoopWorker",
+    "AlwaysAdmit",
+    "EpisodeKey",
+    "Scorer",
+    "StalenessAdmission",
+    "TrajectoryStream",
+    "WorkerConfig",
+]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EpisodeKey:
+    """Identifies one admitted episode."""
+
+    uid: str
+    index: int
+    task_id: str
+
+
+@runtime_checkable
+class Scorer(Protocol):
+    """Anything with ``async score(traj, task) -> Trajectory`` (e.g. ``RewardManager``)."""
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory: ...
+
+
+# ---- admission -------------------------------------------------------------------------------
+
+
+@runtime_checkable
+class AdmissionController(Protocol):
+    """The trainer's hook on when episodes may start (the staleness budget).
+
+    The manager calls, per episode: ``await wait_for_admission()`` (returns when ``may_start()``
+    is likely true), then ``may_start()`` (re-checked; if false it waits again), then, in the
+    same event-loop step, ``on_admitted(key)``; when the episode ends, ``on_finished(key, traj)``
+    (``traj`` is ``None`` for a drop). Hooks must not block; exceptions in ``on_*`` are logged
+    and counted (``rollout/hook_errors``).
+    """
+
+    def may_start(self) -> bool: ...
+
+    async def wait_for_admission(self) -> None: ...
+
+    def on_admitted(self, key: EpisodeKey) -> None: ...
+
+    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None: ...
+
+
+class AlwaysAdmit:
+    """No staleness budget: admit whenever a concurrency slot is free."""
+
+    def may_start(self) -> bool:
+        return True
+
+    async def wait_for_admission(self) -> None:
+        return None
+
+    def on_admitted(self, key: EpisodeKey) -> None:
+        return None
+
+    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        return None
+
+
+class StalenessAdmission:
+    """AReaL's admission rule: start an episode only while ``(η + v + 1) · B > accepted + running``.
+
+    ``η`` = ``max_staleness``, ``v`` = the trainer's weight version (``set_version``), ``B`` =
+    ``batch_size`` (episodes per trainer step). ``running`` counts admitted, unfinished episodes;
+    ``accepted`` counts finished ones. The trainer calls ``set_version(v)`` after each weight
+    push, and ``reject(n)`` for finished episodes it threw away (e.g. too stale) so that they are
+    replaced. With η = 0 this is synchronous training: at most one batch per version.
+    """
+
+    def __init__(self, batch_size: int, max_staleness: int = 0, version: int = 0) -> None:
+        if batch_size < 1 or max_staleness < 0:
+            raise ValueError(
+                f"StalenessAdmission(batch_size={batch_size}, max_staleness={max_staleness}): "
+                "batch_size must be >= 1 and max_staleness >= 0"
+            )
+        self.batch_size = batch_size
+        self.max_staleness = max_staleness
+        self.version = version
+        self.accepted = 0
+        self.running = 0
+        self._changed = asyncio.Event()
+
+    @property
+    def capacity(self) -> int:
+        """Episodes that may still start now."""
+        limit = (self.max_staleness + self.version + 1) * self.batch_size
+        return limit - (self.accepted + self.running)
+
+    def may_start(self) -> bool:
+        return self.capacity > 0
+
+    async def wait_for_admission(self) -> None:
+        while not self.may_start():
+            self._changed.clear()
+            await self._changed.wait()
+
+    def on_admitted(self, key: EpisodeKey) -> None:
+        self.running += 1
+
+    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        self.running -= 1
+        if traj is not None:
+            self.accepted += 1
+        self._changed.set()
+
+    def set_version(self, version: int) -> None:
+        self.version = version
+        self._changed.set()
+
+    def reject(self, n: int = 1) -> None:
+        self.accepted -= n
+        self._changed.set()
+
+
+# ---- worker ----------------------------------------------------------------------------------
+
+
+@dataclass
+class WorkerConfig:
+    """What every episode of a worker shares (plain data; pickles)."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    limits: AgentLimits = field(default_factory=AgentLimits)
+    tool_call_format: str = "hermes"
+    system_prompt: str | None = None
+    episode_timeout_s: float | None = None
+    """Wall-clock limit of one episode; past it the episode ends with ``stop_reason=aborted``."""
+    agent_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Agent name -> keyword arguments of its constructor."""
+
+
+class AgentLoopWorker:
+    """Runs episodes: builds the context, runs the agent, turns failures into trajectories, scores.
+
+    A plain class whose state pickles (policy, tokenizer, tools, reward, config, counters), so it
+    can live in another process or a Ray actor; pass ``tools`` as a factory (a module-level
+    function returning a ToolSet) for that, since a ToolSet itself holds a lock. ``run_episode`` never raises except on
+    cancellation; it returns ``None`` only when not even the prompt could be rendered.
+    """
+
+    def __init__(
+        self,
+        policy: Policy,
+        tokenizer: Any,
+        *,
+        tools: ToolSet | Callable[[], ToolSet] | None = None,
+        reward: Scorer | None = None,
+        config: WorkerConfig | None = None,
+        worker_id: int = 0,
+    ) -> None:
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self._tools_spec = tools
+        self._tools: ToolSet | None = tools if isinstance(tools, ToolSet) else None
+        self.reward = reward
+        self.config = config or WorkerConfig()
+        self.worker_id = worker_id
+        get_parser(self.config.tool_call_format)  # fail at construction on an unknown format
+        self.counts: dict[str, int] = {}
+
+    @property
+    def tools(self) -> ToolSet | None:
+        """The worker's ToolSet, built on first use when a factory was given."""
+        if self._tools is None and self._tools_spec is not None:
+            factory = self._tools_spec
+            assert callable(factory)
+            self._tools = factory()
+        return self._tools
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A ToolSet holds a lock and possibly closures: ship the factory, rebuild on arrival.
+        state = dict(self.__dict__)
+        if not isinstance(self._tools_spec, ToolSet):
+            state["_tools"] = None
+        return state
+
+    def _count(self, key: str) -> None:
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        cfg = self.config
+        ctx = AgentContext(
+            policy=self.policy,
+            tokenizer=self.tokenizer,
+            tools=self.tools,
+            sampling=cfg.sampling,
+            limits=cfg.limits,
+            parser=get_parser(cfg.tool_call_format),
+            session_id=f"{uid}/{index}",
+            uid=uid,
+            index=index,
+            agent_name=task.agent,
+            system_prompt=cfg.system_prompt,
+            logger=logging.LoggerAdapter(logger, {"uid": uid, "index": index}),
+        )
+        start = time.perf_counter()
+        timeout = cfg.episode_timeout_s
+        traj: Trajectory | None
+        try:
+            agent = create_agent(task.agent, **cfg.agent_kwargs.get(task.agent, {}))
+            traj = await asyncio.wait_for(agent.run(task, ctx), timeout)
+            if not isinstance(traj, Trajectory):
+                raise TypeError(
+                    f"agent {task.agent!r} returned {type(traj).__name__}; run() must return a "
+                    "Trajectory (use ctx.finish(stop_reason))"
+                )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            elapsed = time.perf_counter() - start
+            if isinstance(exc, TimeoutError) and timeout is not None and elapsed >= timeout * 0.99:
+                self._count("timeouts")
+                logger.warning("episode %s/%d timed out after %.1f s", uid, index, elapsed)
+                traj = self._partial(
+                    task, ctx, StopReason.ABORTED, f"episode timed out after {timeout:g} s"
+                )
+            else:
+                self._count("errors")
+                logger.exception("agent %r raised in episode %s/%d", task.agent, uid, index)
+                traj = self._partial(task, ctx, StopReason.ERROR, f"{type(exc).__name__}: {exc}")
+        if traj is None:
+            return None
+        timings = dict(traj.timings)
+        timings["total"] = time.perf_counter() - start
+        traj = traj.model_copy(
+            update={
+                "uid": uid,
+                "index": index,
+                "task_id": task.id,
+                "agent": task.agent,
+                "data_source": task.data_source,
+                "timings": timings,
+            }
+        )
+        if self.reward is not None:
+            traj = await self._score(traj, task)
+        return traj
+
+    def _partial(
+        self, task: Task, ctx: AgentContext, reason: StopReason, error: str
+    ) -> Trajectory | None:
+        """What was recorded before a failure, as a trajectory (prompt only if nothing was)."""
+        try:
+            if ctx.recorder is None:
+                tools = self.tools.schemas() if self.tools is not None and len(self.tools) else None
+                messages = task.initial_messages(ctx.system_prompt)
+                ctx.messages = messages
+                ctx.recorder = EpisodeRecorder.from_messages(messages, self.tokenizer, tools=tools)
+            return ctx.finish(reason, error=error)
+        except Exception:
+            self._count("dropped_unrenderable")
+            logger.exception(
+                "episode %s/%d: cannot even render the prompt; dropped", ctx.uid, ctx.index
+            )
+            return None
+
+    async def _score(self, traj: Trajectory, task: Task) -> Trajectory:
+        assert self.reward is not None
+        try:
+            return await self.reward.score(traj, task)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._count("reward_errors")
+            logger.exception("scoring episode %s/%d failed", traj.uid, traj.index)
+            info = {**traj.reward_info, "error": f"{type(exc).__name__}: {exc}"}
+            return traj.model_copy(update={"reward": 0.0, "reward_info": info})
+
+
+# ---- manager ---------------------------------------------------------------------------------
+
+
+class TrajectoryStream:
+    """Async iterator of finished, scored trajectories; also an async context manager.
+
+    Leaving ``async with`` (or ``aclose()``) before the end cancels the episodes still running.
+    """
+
+    def __init__(self, gen: AsyncGenerator[Trajectory, None]) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> TrajectoryStream:
+        return self
+
+    async def __anext__(self) -> Trajectory:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        await self._gen.aclose()
+
+    async def __aenter__(self) -> TrajectoryStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+class AgentLoopManager:
+    """Runs tasks x ``n_samples`` episodes on ``num_workers`` workers, at most ``max_concurrency`` at once.
+
+    Args:
+        policy: what generates tokens (``PolicyClient``, ``ServerPool``, a fake).
+        tokenizer: the model's tokenizer (chat template included).
+        tools: the tools every episode may call (a ToolSet, or a factory that builds one).
+        reward: a scorer (``RewardManager``); ``None`` = trajectories are not scored.
+        config: sampling, limits, parser, system prompt, episode timeout, agent kwargs.
+        num_workers: how many :class:`AgentLoopWorker` share the episodes.
+        max_concurrency: most episodes in flight across all workers.
+        admission: the trainer's admission hook (default: :class:`AlwaysAdmit`).
+        workers: ready-made workers (instead of building ``num_workers`` from the above).
+    """
+
+    def __init__(
+        self,
+        policy: Policy | None = None,
+        tokenizer: Any = None,
+        *,
+        tools: ToolSet | Callable[[], ToolSet] | None = None,
+        reward: Scorer | None = None,
+        config: WorkerConfig | None = None,
+        num_workers: int = 1,
+        max_concurrency: int = 64,
+        admission: AdmissionController | None = None,
+        workers: Sequence[AgentLoopWorker] | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ValueError(f"rollout.max_concurrency must be >= 1, got {max_concurrency}")
+        if workers is None:
+            if policy is None or tokenizer is None:
+                raise ValueError("AgentLoopManager needs policy= and tokenizer= (or workers=)")
+            if num_workers < 1:
+                raise ValueError(f"rollout.num_workers must be >= 1, got {num_workers}")
+            workers = [
+                AgentLoopWorker(
+                    policy, tokenizer, tools=tools, reward=reward, config=config, worker_id=i
+                )
+                for i in range(num_workers)
+            ]
+        if not workers:
+            raise ValueError("AgentLoopManager needs at least one worker")
+        self.workers = list(workers)
+        self.max_concurrency = max_concurrency
+        self.admission: AdmissionController = admission or AlwaysAdmit()
+        self._outstanding = [0] * len(self.workers)
+        self._groups = itertools.count()
+        self._counts: dict[str, int] = {}
+        self._running = 0
+        self._streaming = False
+        self._cancel: asyncio.Event | None = None
+
+    # ---- public API ------------------------------------------------------------------------
+    def stream(self, tasks: Iterable[Task], n_samples: int = 1) -> TrajectoryStream:
+        """Yield each trajectory as soon as it is finished and scored (completion order)."""
+        if n_samples < 1:
+            raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        return TrajectoryStream(self._stream(tasks, n_samples))
+
+    async def generate(self, tasks: Iterable[Task], n_samples: int = 1) -> list[Trajectory]:
+        """Run everything and return the trajectories in task order, then sample index."""
+        order: dict[str, int] = {}
+        out: list[Trajectory] = []
+        async with self.stream(tasks, n_samples) as stream:
+            async for traj in stream:
+                order.setdefault(traj.uid, len(order))
+                out.append(traj)
+        group_rank = {uid: self._group_number(uid) for uid in order}
+        return sorted(out, key=lambda t: (group_rank[t.uid], t.index))
+
+    def cancel(self) -> None:
+        """Stop admitting and cancel the running episodes of the current stream (counted drops)."""
+        if self._cancel is not None:
+            self._cancel.set()
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def stats(self) -> dict[str, float]:
+        """Counters since construction, under ``rollout/`` (admitted, finished, dropped, ...)."""
+        counts = dict(self._counts)
+        for w in self.workers:
+            for k, v in w.counts.items():
+                counts[k] = counts.get(k, 0) + v
+        out = {f"rollout/{k}": float(v) for k, v in sorted(counts.items())}
+        out["rollout/running"] = float(self._running)
+        return out
+
+    # ---- internals -------------------------------------------------------------------------
+    def _count(self, key: str, n: int = 1) -> None:
+        self._counts[key] = self._counts.get(key, 0) + n
+
+    @staticmethod
+    def _group_number(uid: str) -> int:
+        return int(uid.rsplit("#", 1)[1])
+
+    def _hook(self, name: str, *args: Any) -> None:
+        try:
+            getattr(self.admission, name)(*args)
+        except Exception:
+            self._count("hook_errors")
+            logger.exception("admission hook %s raised", name)
+
+    async def _stream(
+        self, tasks: Iterable[Task], n_samples: int
+    ) -> AsyncGenerator[Trajectory, None]:
+        if self._streaming:
+            raise RuntimeError("this AgentLoopManager is already streaming; one stream at a time")
+        self._streaming = True
+        cancel = self._cancel = asyncio.Event()
+        # Items: ("traj", Trajectory) | ("drop", None) | ("produced", None) | ("error", exc)
+        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        slots = asyncio.Semaphore(self.max_concurrency)
+        episodes: set[asyncio.Task[Trajectory | None]] = set()
+        admitted = 0
+
+        def on_done(w: int, key: EpisodeKey, ep: asyncio.Task[Trajectory | None]) -> None:
+            # A done-callback, not a ``finally``: a task cancelled before its first step never
+            # runs its body, and every admitted episode must still be accounted for.
+            episodes.discard(ep)
+            traj: Trajectory | None = None
+            if ep.cancelled():
+                self._count("cancelled")
+            elif (exc := ep.exception()) is not None:
+                self._count("worker_errors")
+                logger.error(
+                    "worker %d failed on episode %s/%d", w, key.uid, key.index, exc_info=exc
+                )
+            else:
+                traj = ep.result()
+            self._outstanding[w] -= 1
+            self._running -= 1
+            slots.release()
+            if traj is None:
+                self._count("dropped")
+            else:
+                self._count("finished")
+                self._count(f"stop_reason/{traj.stop_reason.value}")
+            self._hook("on_finished", key, traj)
+            events.put_nowait(("drop", None) if traj is None else ("traj", traj))
+
+        async def produce() -> None:
+            nonlocal admitted
+            try:
+                for task in tasks:
+                    uid = f"{task.id}#{next(self._groups)}"
+                    for i in range(n_samples):
+                        await slots.acquire()
+                        try:
+                            await self.admission.wait_for_admission()
+                            while not self.admission.may_start():
+                                await self.admission.wait_for_admission()
+                        except BaseException:
+                            slots.release()
+                            raise
+                        # No await between may_start() and on_admitted(): admission is atomic.
+                        key = EpisodeKey(uid=uid, index=i, task_id=task.id)
+                        self._hook("on_admitted", key)
+                        admitted += 1
+                        self._count("admitted")
+                        self._running += 1
+                        w = min(range(len(self.workers)), key=self._outstanding.__getitem__)
+                        self._outstanding[w] += 1
+                        ep = asyncio.create_task(
+                            self.workers[w].run_episode(task, key.uid, key.index)
+                        )
+                        episodes.add(ep)
+                        ep.add_done_callback(functools.partial(on_done, w, key))
+                events.put_nowait(("produced", None))
+            except asyncio.CancelledError:
+                events.put_nowait(("produced", None))
+                raise
+            except Exception as exc:
+                events.put_nowait(("error", exc))
+
+        async def watch_cancel() -> None:
+            await cancel.wait()
+            producer.cancel()
+            for ep in list(episodes):
+                ep.cancel()
+
+        producer = asyncio.create_task(produce())
+        watcher = asyncio.create_task(watch_cancel())
+        ended = 0  # episodes delivered or dropped
+        produced = False
+        try:
+            while not (produced and ended == admitted):
+                kind, value = await events.get()
+                if kind == "produced":
+                    produced = True
+                elif kind == "error":
+                    raise value
+                else:
+                    ended += 1
+                    if kind == "traj":
+                        self._count("delivered")
+                        yield value
+        finally:
+            cancel.set()
+            watcher.cancel()
+            pending = [producer, watcher, *episodes]
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            while not events.empty():
+                kind, _ = events.get_nowait()
+                if kind == "traj":
+                    self._count("undelivered")
+            self._streaming = False
+            self._cancel = None
