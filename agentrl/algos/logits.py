@@ -6,7 +6,9 @@ servers report the same quantity (vLLM with ``--logprobs-mode processed_logprobs
 trainer's π_old and the server's π_rollout are comparable token by token.
 
 Both functions compute in float32 and never materialize a float32 copy of a whole ``[B, T, V]``
-tensor when it is in half precision: they work one chunk of rows at a time.
+tensor when it is in half precision: they work one chunk of rows at a time. Chunking bounds the
+*forward* working memory; under autograd the tensors saved for backward still scale with
+B·T·V, so compute entropy for logging under ``torch.no_grad()`` when you do not need its gradient.
 """
 
 from __future__ import annotations
