@@ -9,36 +9,31 @@ the mistakes a model makes while learning; it does not stop a determined attacke
 process runs as the same user, on the same kernel, with the same file permissions). Run
 untrusted workloads in a container or VM as well.
 
-Layers, each one on by default (``PythonTool`` arguments turn them off, for tests):
+Layers, each on by default (``PythonTool`` arguments turn some off, for tests), and who
+enforces them:
 
-=============================  ==================================================  ==========
-layer                          what it enforces                                    enforced by
-=============================  ==================================================  ==========
-wall-time deadline             the whole process group is SIGKILLed at            parent
-                               ``wall_time_s``
-namespaces (``unshare``)       new network namespace (no interface but a down      kernel
-                               loopback: every ``connect`` fails); new PID
-                               namespace (the code is PID 1; when it exits or is
-                               killed, every process it forked dies with it); new
-                               user namespace where available (limits cannot be
-                               raised again)
-``resource`` limits            RLIMIT_AS (``memory_mb``), RLIMIT_CPU, RLIMIT_FSIZE kernel
-                               (``max_file_mb``), RLIMIT_NOFILE, RLIMIT_CORE = 0,
-                               RLIMIT_NPROC when not root
-audit hook (PEP 578)           file opens/listing/changes only inside the working  interpreter
-                               directory (reads also in the Python installation,
-                               for imports); no sockets (except AF_UNIX creation),
-                               no DNS, no ``exec``/``system``/``Popen``/spawn, no
-                               ``ctypes``, no ``setrlimit``; ``fork`` at most
-                               ``max_forks`` times from the top process (children
-                               may not fork; no fork at all without a PID
-                               namespace)
-environment                    ``python -I`` (no user site, no ``PYTHON*`` vars),  parent
-                               a scrubbed environment (``PATH``, ``HOME`` and
-                               ``TMPDIR`` = the working directory, UTF-8 locale),
-                               stdin closed after the code is sent, a fresh
-                               temporary working directory per episode
-=============================  ==================================================  ==========
+- **wall-time deadline** (parent process): the whole process group is SIGKILLed at
+  ``wall_time_s`` (start-up included), on cancellation, and after every run (stragglers).
+- **namespaces** (kernel; ``unshare``): a new network namespace (only a down loopback, so
+  every ``connect`` fails, even to 127.0.0.1); a new PID namespace (the code runs as PID 1;
+  when it exits or is killed, every process it forked is killed by the kernel, even one that
+  called ``setsid``); a new user namespace where available (limits cannot be raised again).
+- **resource limits** (kernel; ``setrlimit`` before the code runs): RLIMIT_AS
+  (``memory_mb``), RLIMIT_CPU (``cpu_time_s``), RLIMIT_FSIZE (``max_file_mb``),
+  RLIMIT_NOFILE, RLIMIT_CORE = 0, and RLIMIT_NPROC when not root.
+- **audit hook** (interpreter; PEP 578): opening, listing and changing files only inside the
+  working directory (reading also inside the Python installation, for imports; symlinks are
+  resolved first); no sockets but AF_UNIX ones, no ``connect``/``bind``/DNS; no
+  ``exec``/``system``/``Popen``/spawn; no ``ctypes``; no ``setrlimit``; ``fork`` at most
+  ``max_forks`` times from the top process, never from a child, and not at all without the
+  PID namespace (nothing else could reap an escaped child).
+- **environment** (parent): ``python -I -S`` (no user site, no ``PYTHON*`` variables, no
+  ``.pth`` files), a scrubbed environment (``PATH``; ``HOME`` and ``TMPDIR`` = the working
+  directory; a UTF-8 locale), stdin closed once the code is read, a fresh temporary working
+  directory per episode.
+
+The audit hook is the only layer between the code and the files the user can read: it stops
+mistakes, not an attacker (C extensions, or bugs in the hook, get around it).
 
 The namespace layer needs ``unshare`` (util-linux) and either root or unprivileged user
 namespaces; it is probed once per process and skipped (with a log line) where unavailable.
@@ -182,6 +177,11 @@ def _install(root, read_roots, max_forks, pid_ns):
 
     sys.addaudithook(hook)
 
+if cfg["site_packages"]:
+    # Started with -S (skips .pth processing, halves start-up): add site-packages by hand.
+    for _p in dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]):
+        if _p and _p not in sys.path:
+            sys.path.append(_p)
 if cfg["audit"]:
     _roots = set()
     for key in ("stdlib", "platstdlib", "purelib", "platlib"):
@@ -294,6 +294,9 @@ class PythonTool(Tool):
         namespaces: Use the ``unshare`` network/PID namespaces: None = when available,
             True = required (error if unavailable), False = never.
         audit_hook: Install the in-interpreter audit hook (files, sockets, spawning).
+        site_packages: Let the code import the packages installed next to the interpreter
+            (numpy, sympy, ...). ``.pth`` files are not processed (editable installs are not
+            importable).
         name: Tool name the model sees.
     """
 
@@ -318,6 +321,7 @@ class PythonTool(Tool):
         base_dir: str | Path | None = None,
         namespaces: bool | None = None,
         audit_hook: bool = True,
+        site_packages: bool = True,
         name: str = "python",
     ) -> None:
         if wall_time_s <= 0:
@@ -339,6 +343,7 @@ class PythonTool(Tool):
         self.base_dir = str(base_dir) if base_dir is not None else None
         self.namespaces = namespaces
         self.audit_hook = audit_hook
+        self.site_packages = site_packages
         # The sandbox enforces its own deadline; the ToolSet timeout is only a backstop.
         self.timeout_s = self.wall_time_s + 10.0
         # Output is already cut to ``output_chars`` (marker included); leave the ToolSet's
@@ -404,6 +409,7 @@ class PythonTool(Tool):
             "audit": self.audit_hook,
             "max_forks": self.max_forks if pid_ns else 0,
             "pid_ns": pid_ns,
+            "site_packages": self.site_packages,
         }
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin",
@@ -415,7 +421,7 @@ class PythonTool(Tool):
             "OPENBLAS_NUM_THREADS": "1",
             "MKL_NUM_THREADS": "1",
         }
-        cmd = [*prefix, self.python_executable, "-I", "-c", _BOOTSTRAP, json.dumps(config)]
+        cmd = [*prefix, self.python_executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(config)]
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *cmd,
@@ -474,12 +480,7 @@ class PythonTool(Tool):
         )
 
     def _to_result(self, run: SandboxRun) -> ToolResult:
-        stdout = run.stdout
-        if run.stdout_dropped:
-            stdout += f"...[truncated {run.stdout_dropped} bytes]\n"
-        stderr = run.stderr
-        if run.stderr_dropped:
-            stderr += f"...[truncated {run.stderr_dropped} bytes]\n"
+        stdout, stderr = run.stdout, run.stderr
         text = stdout
         if stderr:
             if text and not text.endswith("\n"):
@@ -546,15 +547,30 @@ def _killpg(pgid: int) -> None:
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[str, int]:
-    """Read to EOF, keeping the first ``cap`` bytes; return (text, bytes dropped)."""
-    kept = bytearray()
-    dropped = 0
+    """Read to EOF keeping the first and the last ``cap // 2`` bytes; return (text, dropped).
+
+    The dropped middle is replaced by a ``...[truncated N bytes]...`` marker, so a flood of
+    output costs bounded memory and the end of the output (often the traceback) survives.
+    """
+    half = max(1, cap // 2)
+    head = bytearray()
+    tail = bytearray()
+    total = 0
     while True:
         chunk = await stream.read(65536)
         if not chunk:
             break
-        room = cap - len(kept)
+        total += len(chunk)
+        room = half - len(head)
         if room > 0:
-            kept += chunk[:room]
-        dropped += max(0, len(chunk) - max(room, 0))
-    return kept.decode("utf-8", errors="replace"), dropped
+            head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            tail += chunk
+            if len(tail) > half:
+                del tail[: len(tail) - half]
+    dropped = total - len(head) - len(tail)
+    text = head.decode("utf-8", errors="replace")
+    if dropped:
+        text += f"...[truncated {dropped} bytes]..."
+    return text + tail.decode("utf-8", errors="replace"), dropped
