@@ -53,6 +53,7 @@ __all__ = [
     "merge_micro_batches",
     "non_tensor_list",
     "select_rows",
+    "shard_for_ranks",
     "split_by_count",
     "split_by_token_budget",
     "trajectories_to_batch",
@@ -391,7 +392,7 @@ def merge_micro_batches(
 
 
 def balance_across_ranks(
-    lengths: Sequence[int | float], n_ranks: int
+    lengths: Sequence[int | float], n_ranks: int, equal_size: bool = False
 ) -> tuple[list[list[int]], float]:
     """Spread sequences over ``n_ranks`` so that token loads are as equal as possible.
 
@@ -402,6 +403,9 @@ def balance_across_ranks(
     Args:
         lengths: token count of each sequence (``>= 0``).
         n_ranks: number of data-parallel ranks (``>= 1``).
+        equal_size: give every rank the same number of sequences (``len(lengths)`` must be a
+            multiple of ``n_ranks``); the start states are then consecutive ``n_ranks``-tuples
+            of the length-sorted items, one item per part.
 
     Returns:
         ``(assignment, max_min_ratio)``: ``assignment[r]`` are the indices for rank ``r``
@@ -415,9 +419,20 @@ def balance_across_ranks(
     counter = itertools.count()
     # heap of (-spread, tiebreak, parts) where parts = [(load, [indices]), ...] sorted by load desc
     heap: list[tuple[float, int, list[tuple[float, list[int]]]]] = []
-    for i, length in enumerate(lengths):
-        parts = [(float(length), [i])] + [(0.0, []) for _ in range(n_ranks - 1)]
-        heapq.heappush(heap, (-float(length), next(counter), parts))
+    if equal_size:
+        if len(lengths) % n_ranks:
+            raise BatchError(
+                f"balance_across_ranks: equal_size needs a multiple of n_ranks={n_ranks} "
+                f"sequences, got {len(lengths)}"
+            )
+        order = sorted(range(len(lengths)), key=lambda i: -float(lengths[i]))
+        for start in range(0, len(order), n_ranks):
+            parts = [(float(lengths[i]), [i]) for i in order[start : start + n_ranks]]
+            heapq.heappush(heap, (-(parts[0][0] - parts[-1][0]), next(counter), parts))
+    else:
+        for i, length in enumerate(lengths):
+            parts = [(float(length), [i])] + [(0.0, []) for _ in range(n_ranks - 1)]
+            heapq.heappush(heap, (-float(length), next(counter), parts))
     if not heap:
         return [[] for _ in range(n_ranks)], 1.0
     while len(heap) > 1:
@@ -433,3 +448,19 @@ def balance_across_ranks(
     hi, lo = max(loads), min(loads)
     ratio = 1.0 if hi == 0 else (float("inf") if lo == 0 else hi / lo)
     return assignment, ratio
+
+
+def shard_for_ranks(
+    batch: TensorDict, n_ranks: int, equal_size: bool = False, trim: bool = True
+) -> tuple[list[TensorDict], list[list[int]], float]:
+    """Split ``batch`` into one shard per data-parallel rank, balanced by valid token count.
+
+    Returns:
+        ``(shards, indices, max_min_ratio)`` as in :func:`balance_across_ranks`; ``shards[r]``
+        holds rows ``indices[r]`` (trimmed to their own padding by default). A rank with no
+        rows gets an empty shard (batch size 0).
+    """
+    lengths = [int(x) for x in batch["attention_mask"].sum(dim=1).tolist()]
+    indices, ratio = balance_across_ranks(lengths, n_ranks, equal_size=equal_size)
+    shards = [select_rows(batch, ix, trim) for ix in indices]
+    return shards, indices, ratio

@@ -17,6 +17,7 @@ from agentrl.batch import (
     merge_micro_batches,
     non_tensor_list,
     select_rows,
+    shard_for_ranks,
     split_by_count,
     split_by_token_budget,
     trajectories_to_batch,
@@ -322,11 +323,26 @@ def test_balance_edge_cases() -> None:
         balance_across_ranks([-1], 2)
 
 
+def test_balance_equal_size() -> None:
+    lengths = [100, 90, 10, 5, 3, 2]
+    assignment, ratio = balance_across_ranks(lengths, 2, equal_size=True)
+    assert [len(ix) for ix in assignment] == [3, 3]
+    loads = sorted(sum(lengths[i] for i in ix) for ix in assignment)
+    # start states (100|90), (10|5), (3|2); merge -> (105|100) -> (107|103)
+    assert loads == [103, 107] and ratio == pytest.approx(107 / 103)
+    with pytest.raises(BatchError, match="multiple of n_ranks=4"):
+        balance_across_ranks(lengths, 4, equal_size=True)
+
+
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.integers(0, 5000), max_size=64), st.integers(1, 8))
-def test_balance_property(lengths: list[int], n_ranks: int) -> None:
-    assignment, ratio = balance_across_ranks(lengths, n_ranks)
+@given(st.lists(st.integers(0, 5000), max_size=64), st.integers(1, 8), st.booleans())
+def test_balance_property(lengths: list[int], n_ranks: int, equal_size: bool) -> None:
+    if equal_size:
+        lengths = lengths[: len(lengths) - len(lengths) % n_ranks]
+    assignment, ratio = balance_across_ranks(lengths, n_ranks, equal_size=equal_size)
     assert len(assignment) == n_ranks
+    if equal_size:
+        assert {len(ix) for ix in assignment} <= {len(lengths) // n_ranks}
     flat = sorted(i for ix in assignment for i in ix)
     assert flat == list(range(len(lengths)))  # every index exactly once
     loads = [sum(lengths[i] for i in ix) for ix in assignment]
@@ -336,3 +352,18 @@ def test_balance_property(lengths: list[int], n_ranks: int) -> None:
     hi, lo = max(loads), min(loads)
     expected = 1.0 if hi == 0 else (float("inf") if lo == 0 else hi / lo)
     assert ratio == expected
+
+
+def test_shard_for_ranks_balances_tokens() -> None:
+    # valid lengths 10, 9, 2, 2, 1+... : prompt 1 + response n
+    masks = [[1] * 9, [1] * 8, [1], [1], [1] * 5, [1] * 4]
+    trajs = [_traj([1], m, uid=f"r{i}") for i, m in enumerate(masks)]
+    b = trajectories_to_batch(trajs, PAD)
+    shards, indices, ratio = shard_for_ranks(b, 2)
+    loads = [int(s["attention_mask"].sum()) for s in shards]
+    assert sorted(i for ix in indices for i in ix) == list(range(6))
+    assert ratio == pytest.approx(max(loads) / min(loads)) and ratio < 1.2
+    for shard, ix in zip(shards, indices, strict=True):
+        assert non_tensor_list(shard, "uid") == [f"r{i}" for i in ix]
+    shards, indices, _ = shard_for_ranks(b, 8)
+    assert sum(s.batch_size[0] for s in shards) == 6 and len(shards) == 8
