@@ -185,6 +185,8 @@ class ProxyRecorder:
         parser: tool-call format of the model's output (``agents.parsers.get_parser`` name).
         model_name: reported in responses and ``/v1/models``.
         default_max_tokens: ``max_tokens`` when the request gives none.
+        max_response_tokens: budget for everything after a segment's prompt (model and
+            environment tokens, as ``agent.max_response_tokens``); None = unlimited.
         max_context_tokens: context budget per segment (prompt + response); None = unlimited.
         default_sampling: base sampling params that request fields override.
     """
@@ -197,6 +199,7 @@ class ProxyRecorder:
         parser: str = "hermes",
         model_name: str = "agentrl-policy",
         default_max_tokens: int = 256,
+        max_response_tokens: int | None = None,
         max_context_tokens: int | None = None,
         default_sampling: SamplingParams | None = None,
     ) -> None:
@@ -207,6 +210,7 @@ class ProxyRecorder:
         self.parser = get_parser(parser)
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.max_response_tokens = max_response_tokens
         self.max_context_tokens = max_context_tokens
         self.default_sampling = default_sampling or SamplingParams()
         self._sessions: dict[str, _Session] = {}
@@ -298,7 +302,11 @@ class ProxyRecorder:
     ) -> _Segment:
         try:
             recorder = EpisodeRecorder.from_messages(
-                messages, self.tokenizer, tools=tools, max_context_tokens=self.max_context_tokens
+                messages,
+                self.tokenizer,
+                tools=tools,
+                max_response_tokens=self.max_response_tokens,
+                max_context_tokens=self.max_context_tokens,
             )
         except ValueError as exc:  # template errors, empty renders
             raise ProxyError(400, f"cannot render the messages: {exc}", param="messages") from exc
@@ -334,6 +342,13 @@ class ProxyRecorder:
             seg.turn_closed = True
             return True
         return False
+
+    def _decode(self, token_ids: Sequence[int]) -> str:
+        # As the native agents decode (agents.base.AgentContext.decode): special tool tags kept,
+        # a trailing end-of-turn token dropped, so both parse the same text.
+        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        eos = get_delta_renderer(self.tokenizer).end_of_turn_token
+        return text[: -len(eos)] if text.endswith(eos) else text
 
     def _eot_ids(self) -> list[int]:
         return list(get_delta_renderer(self.tokenizer).end_of_turn_ids)
@@ -411,7 +426,7 @@ class ProxyRecorder:
             version = gen.weight_version
         else:
             seg.finish_reason = "length"
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        text = self._decode(token_ids)
         parsed = self.parser.parse(text)
         tool_calls = []
         for call in parsed.calls:

@@ -450,6 +450,8 @@ class RewardManager:
         max_workers: most reward calls in flight (and the pool size).
         timeout_s: per-call time limit; a call over it scores 0.0 with an error (a process-pool
             call keeps running in its worker until it returns).
+        format_weight: adds ``format_weight * tool_format(traj, task)`` to every successful
+            score (``reward_info["tool_format"]`` reports the term); 0 = off.
 
     ``score(traj, task)`` never raises for a failing reward function; it raises
     :class:`RewardConfigError` only for a data source with no reward configured.
@@ -462,6 +464,7 @@ class RewardManager:
         executor: Executor = "async",
         max_workers: int = 4,
         timeout_s: float | None = None,
+        format_weight: float = 0.0,
     ) -> None:
         if executor not in ("async", "thread", "process"):
             raise RewardConfigError(
@@ -472,6 +475,7 @@ class RewardManager:
         self.executor: Executor = executor
         self.max_workers = max_workers
         self.timeout_s = timeout_s
+        self.format_weight = format_weight
         self._specs = dict(sources or {})
         self._fns: dict[str, RewardFn] = {
             source: resolve_reward_fn(spec) for source, spec in self._specs.items()
@@ -487,6 +491,19 @@ class RewardManager:
         self._latency_sum = 0.0
         self._latency_max = 0.0
         self._in_flight = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RewardManager:
+        """Build from the ``reward`` config section (``sources``, ``default``, ``executor``,
+        ``max_workers``, ``format_weight``; any object with those attributes)."""
+        return cls(
+            sources=dict(cfg.sources),
+            default=cfg.default,
+            executor=cfg.executor,
+            max_workers=cfg.max_workers,
+            timeout_s=getattr(cfg, "timeout_s", None),
+            format_weight=getattr(cfg, "format_weight", 0.0),
+        )
 
     @staticmethod
     def _check_picklable(source: str, fn: RewardFn) -> None:
@@ -565,8 +582,12 @@ class RewardManager:
                 else:
                     result = await self._run(fn, traj, task)
                 score, turn_rewards, info = _normalize_result(result, traj)
+                if self.format_weight:
+                    fmt = float(tool_format(traj, task)["score"])
+                    info["tool_format"] = fmt
+                    score += self.format_weight * fmt
                 error = None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self._counts["timeouts"] += 1
                 error = f"reward function timed out after {self.timeout_s} s"
                 score, turn_rewards, info = 0.0, None, {}

@@ -395,3 +395,22 @@ async def test_manager_pickles_after_use():
     assert scored.reward == 1.0
     mgr.close()
     clone.close()
+
+
+async def test_format_weight_adds_the_tool_format_term():
+    mgr = RewardManager(default="numeric_match", format_weight=0.5)
+    traj = make_traj("\\boxed{42}", tool_calls={"calculator": 1, "<invalid>": 1})
+    scored = await mgr.score(traj, make_task("42"))
+    assert scored.reward == 1.0 + 0.5 * 0.5 and scored.reward_info["tool_format"] == 0.5
+
+
+def test_from_config_reads_the_reward_section():
+    from agentrl.config import RewardConfig
+
+    mgr = RewardManager.from_config(
+        RewardConfig(executor="thread", max_workers=2, format_weight=0.1)
+    )
+    assert mgr.executor == "thread" and mgr.max_workers == 2 and mgr.format_weight == 0.1
+    assert mgr.reward_fn_for("calculator") is calculator_reward
+    assert mgr.reward_fn_for("gsm8k") is numeric_match
+    assert mgr.reward_fn_for("anything_else") is exact_match
