@@ -144,8 +144,8 @@ class AgentConfig(Section):
     """Token budget of the whole episode after the prompt (model and tool turns)."""
     max_parallel_calls: int = Field(default=1, ge=1)
     """Most tool calls executed from one model turn."""
-    tool_call_format: Literal["hermes", "json"] = "hermes"
-    """How tool calls are written by the model (`hermes`: `<tool_call>{...}</tool_call>`)."""
+    tool_call_format: str = "hermes"
+    """Tool-call parser: hermes (`<tool_call>{...}</tool_call>`), json, mistral, or a registered name."""
     system_prompt: str | None = None
     """System prompt prepended to every task that has none; None = the agent's own default."""
     episode_timeout_s: float = Field(default=300.0, gt=0)
