@@ -60,7 +60,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from agentrl.rollout.episode import EpisodeRecorder
+from agentrl.rollout.episode import EpisodeRecorder, get_delta_renderer
 from agentrl.types import Generation, Message, Policy, SamplingParams, StopReason, Task, Trajectory
 from agents.parsers import ParseResult, ToolCallParser, get_parser
 from tools import Tool, ToolEpisode, ToolResult, ToolSet
@@ -182,7 +182,7 @@ class AgentContext:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of generated tokens, special tool tags kept, a trailing end-of-turn token dropped."""
-        text = self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+        text = get_delta_renderer(self.tokenizer).decode(token_ids)
         eos = getattr(self.tokenizer, "eos_token", None)
         if eos and text.endswith(eos):
             text = text[: -len(eos)]

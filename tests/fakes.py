@@ -170,6 +170,7 @@ class ScriptedPolicy:
         self.requests: list[tuple[list[int], Any, str | None]] = []
         self._turns: dict[str | None, int] = {}
         self._encoded: dict[str, list[int]] = {}
+        self._logprobs: list[float] = []
         self.calls = 0
 
     def _ids(self, text: str) -> list[int]:
@@ -204,7 +205,9 @@ class ScriptedPolicy:
         finish = "stop"
         if len(ids) > sampling.max_tokens:
             ids, finish = ids[: sampling.max_tokens], "length"
-        logprobs = [-0.05 * (1 + i % 7) for i in range(len(ids))]
+        while len(self._logprobs) < len(ids):
+            self._logprobs.append(-0.05 * (1 + len(self._logprobs) % 7))
+        logprobs = self._logprobs[: len(ids)]
         return Generation(
             token_ids=ids, logprobs=logprobs, finish_reason=finish, weight_version=self.version
         )

@@ -40,6 +40,7 @@ Example::
 from __future__ import annotations
 
 import json
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,6 +106,10 @@ def render_prompt_ids(
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
+    return json.dumps(tools, sort_keys=True) if tools else ""
+
+
 class DeltaRenderer:
     """Renders the token delta of new messages appended after an assistant turn.
 
@@ -126,6 +131,7 @@ class DeltaRenderer:
             raise ChatTemplateError(f"end-of-turn token {eot!r} encodes to no ids")
         self._prefix_cache: dict[str, str] = {}
         self._tools_matter: dict[str, bool] = {}
+        self._prompts: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
         self._verified = False
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if hasattr(backend, "encode") else None
@@ -137,8 +143,36 @@ class DeltaRenderer:
             return list(self._backend.encode(text, add_special_tokens=False).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _prefix_text(self, tools: Sequence[dict[str, Any]] | None) -> str:
-        key = json.dumps(tools, sort_keys=True) if tools else ""
+    def prompt_ids(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None = None,
+        tools_key: str | None = None,
+    ) -> list[int]:
+        """:func:`render_prompt_ids`, cached: the samples of one task share their prompt."""
+        key = (
+            json.dumps(messages, sort_keys=True),
+            _tools_key(tools) if tools_key is None else tools_key,
+        )
+        ids = self._prompts.get(key)
+        if ids is None:
+            text = _render(self.tokenizer, messages, tools, add_generation_prompt=True)
+            ids = self._encode(text)
+            self._prompts[key] = ids
+            if len(self._prompts) > 1024:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return list(ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Text of ``token_ids`` with special tokens kept."""
+        if self._backend is not None:
+            return self._backend.decode(list(token_ids), skip_special_tokens=False)
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
+
+    def _prefix_text(self, tools: Sequence[dict[str, Any]] | None, key: str | None = None) -> str:
+        key = _tools_key(tools) if key is None else key
         cached = self._prefix_cache.get(key)
         if cached is not None:
             return cached
@@ -161,8 +195,9 @@ class DeltaRenderer:
         messages: Sequence[Message],
         tools: Sequence[dict[str, Any]] | None,
         add_generation_prompt: bool,
+        tools_key: str | None = None,
     ) -> str:
-        prefix = self._prefix_text(tools)
+        prefix = self._prefix_text(tools, tools_key)
         full = _render(self.tokenizer, [*_DUMMY_PREFIX, *messages], tools, add_generation_prompt)
         if not full.startswith(prefix):
             raise ChatTemplateError(
@@ -178,6 +213,7 @@ class DeltaRenderer:
         messages: Sequence[Message],
         tools: Sequence[dict[str, Any]] | None = None,
         add_generation_prompt: bool = True,
+        tools_key: str | None = None,
     ) -> list[int]:
         """Ids of ``messages`` as the template renders them after a finished assistant turn.
 
@@ -189,20 +225,20 @@ class DeltaRenderer:
         if tools:
             # Most templates render tools only in the system prompt, before the delta. Check that
             # once per tools list; if so, later deltas skip rendering the tools (the costly part).
-            key = json.dumps(tools, sort_keys=True)
+            key = _tools_key(tools) if tools_key is None else tools_key
             matter = self._tools_matter.get(key)
             if matter is None:
-                with_tools = self._delta_text(messages, tools, add_generation_prompt)
+                with_tools = self._delta_text(messages, tools, add_generation_prompt, key)
                 matter = with_tools != self._delta_text(messages, None, add_generation_prompt)
                 if len(self._tools_matter) > 64:
                     self._tools_matter.clear()
                 self._tools_matter[key] = matter
             if not matter:
-                tools = None
-        text = self._delta_text(messages, tools, add_generation_prompt)
+                tools, tools_key = None, ""
+        text = self._delta_text(messages, tools, add_generation_prompt, tools_key)
         delta = self._encode(text)
         if not self._verified:
-            prefix = self._prefix_text(tools)
+            prefix = self._prefix_text(tools, tools_key)
             full = prefix + text
             whole = list(self.tokenizer.encode(full, add_special_tokens=False))
             head = list(self.tokenizer.encode(prefix, add_special_tokens=False))
@@ -279,6 +315,7 @@ class EpisodeRecorder:
         self.policy_version: list[int] = []
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
+        self._tools_key = _tools_key(self.tools)
         self.max_response_tokens = max_response_tokens
         self.max_context_tokens = max_context_tokens
         self.end_of_turn_token = end_of_turn_token
@@ -300,8 +337,9 @@ class EpisodeRecorder:
         end_of_turn_token: str | None = None,
     ) -> EpisodeRecorder:
         """Start an episode from a conversation rendered with the generation prompt."""
+        renderer = get_delta_renderer(tokenizer, end_of_turn_token)
         return cls(
-            render_prompt_ids(tokenizer, messages, tools),
+            renderer.prompt_ids(messages, tools),
             tokenizer=tokenizer,
             tools=tools,
             max_response_tokens=max_response_tokens,
@@ -393,9 +431,10 @@ class EpisodeRecorder:
         if tok is None:
             raise ValueError("add_messages needs a tokenizer (pass it here or to the recorder)")
         renderer = get_delta_renderer(tok, self.end_of_turn_token)
-        delta = renderer.delta_ids(
-            messages, tools if tools is not None else self.tools, add_generation_prompt
-        )
+        if tools is None:
+            delta = renderer.delta_ids(messages, self.tools, add_generation_prompt, self._tools_key)
+        else:
+            delta = renderer.delta_ids(messages, tools, add_generation_prompt)
         added = self.close_turn()
         self.add_environment_tokens(delta)
         return added + delta
