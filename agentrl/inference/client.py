@@ -304,11 +304,13 @@ class PolicyClient:
         session_id: str | None = None,
         *,
         request_id: str | None = None,
+        extra_body: dict[str, Any] | None = None,
     ) -> Generation:
         """Sample a continuation of ``prompt_ids``; see the module doc for the version guarantee.
 
         ``session_id`` travels as the ``x-session-id`` header (the embedded server logs it; vLLM
         ignores it); ``request_id`` as ``x-request-id`` (both servers use it as the request id).
+        ``extra_body`` adds backend-specific request fields (e.g. vLLM's ``ignore_eos``).
         """
         model = await self._model_name()
         backend = await self._resolve_backend()
@@ -327,6 +329,7 @@ class PolicyClient:
             payload["seed"] = sampling.seed
         if sampling.stop_token_ids:
             payload["stop_token_ids"] = list(sampling.stop_token_ids)
+        payload.update(extra_body or {})
         headers = {}
         if session_id is not None:
             headers["x-session-id"] = session_id

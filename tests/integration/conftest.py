@@ -1,0 +1,110 @@
+"""Fixtures for integration tests that need real servers (vLLM, embedded) and a way to report
+measured numbers.
+
+vLLM is never skipped silently: when no vLLM python is found (``AGENTRL_VLLM_PYTHON`` or
+``.venv-vllm``), the vLLM tests FAIL and say to run ``make setup-vllm``, unless the run sets
+``AGENTRL_ALLOW_NO_VLLM=1`` explicitly. One vLLM server is shared by the whole test session
+(each start costs about a minute on CPU); tests that change its weights restore them.
+
+Measured numbers (e.g. logprob differences against ``transformers``) go through the
+``report_metric`` fixture: they become JUnit properties and are printed in pytest's terminal
+summary, with or without ``-s``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+_MEASUREMENTS: list[tuple[str, str, float]] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _MEASUREMENTS:
+        return
+    terminalreporter.section("measured values (agentrl integration tests)")
+    for test, name, value in _MEASUREMENTS:
+        terminalreporter.write_line(f"{test}: {name} = {value:.3g}")
+
+
+@pytest.fixture
+def report_metric(
+    request: pytest.FixtureRequest, record_property: Callable[[str, object], None]
+) -> Callable[[str, float], None]:
+    """``report_metric(name, value)``: record a measured number for the run's summary."""
+
+    def report(name: str, value: float) -> None:
+        record_property(name, value)
+        _MEASUREMENTS.append((request.node.nodeid, name, float(value)))
+
+    return report
+
+
+def vllm_python_or_fail() -> Path:
+    """The vLLM python, or a test failure that says how to get one (skip only when allowed)."""
+    from agentrl.inference.vllm_backend import VLLMNotAvailableError, resolve_vllm_python
+
+    try:
+        return resolve_vllm_python()
+    except VLLMNotAvailableError as exc:
+        if os.environ.get("AGENTRL_ALLOW_NO_VLLM") == "1":
+            pytest.skip(f"vLLM not installed and AGENTRL_ALLOW_NO_VLLM=1: {exc}")
+        pytest.fail(
+            f"{exc}\nThe vLLM integration tests need a real vLLM: run `make setup-vllm` "
+            "(or set AGENTRL_ALLOW_NO_VLLM=1 to skip them explicitly).",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A real vLLM server (CPU build) on the tiny model, shared by the whole session."""
+    from agentrl.inference.vllm_backend import launch_vllm_server
+
+    python = vllm_python_or_fail()
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    handle = launch_vllm_server(
+        tiny_model_dir,
+        python=python,
+        log_path=log_path,
+        dtype="float32",
+        max_model_len=2048,
+        startup_timeout_s=900,
+    )
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(scope="session")
+def embedded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """A real embedded server subprocess on the tiny model, shared by the whole session."""
+    from agentrl.inference.server import launch_embedded_server
+
+    tmp = tmp_path_factory.mktemp("embedded")
+    handle = launch_embedded_server(
+        tiny_model_dir,
+        log_path=tmp / "server.log",
+        request_log=tmp / "requests.jsonl",
+        startup_timeout_s=300,
+    )
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+@pytest.fixture(
+    scope="session",
+    params=[
+        pytest.param("embedded", id="embedded"),
+        pytest.param("vllm", id="vllm", marks=pytest.mark.vllm),
+    ],
+)
+def inference_server(request: pytest.FixtureRequest):
+    """Each backend in turn (embedded, then vLLM): the same test runs against both."""
+    return request.getfixturevalue(f"{request.param}_server")
