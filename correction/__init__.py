@@ -20,8 +20,9 @@ from correction.apply import CorrectionOutput, apply_correction
 from correction.bypass import bypass_ppo_clip_loss, bypass_reinforce_loss
 from correction.config import PRESETS, CorrectionConfig, LossType, preset
 from correction.diagnostics import DIAGNOSTIC_NAMES, offpolicy_metrics
-from correction.rejection import RejectionRule, RSOption, rejection_mask
-from correction.weights import ISLevel, is_weights
+from correction.rejection import rejection_mask
+from correction.types import ISLevel, RejectionRule, RSOption
+from correction.weights import is_weights
 
 __all__ = [
     "DIAGNOSTIC_NAMES",

@@ -22,14 +22,14 @@ Modes (``M`` = loss_mask, ``L`` = loss_mat, ``S`` = sequences with at least one 
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 
 import torch
 
 __all__ = ["LOSS_AGG_MODES", "LossAggMode", "agg_loss"]
 
 
-class LossAggMode(str, Enum):
+class LossAggMode(StrEnum):
     """How a ``[B, T]`` loss matrix is reduced to a scalar (names as in verl)."""
 
     TOKEN_MEAN = "token-mean"

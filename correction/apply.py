@@ -1,7 +1,7 @@
 """The one call the trainer makes per batch: IS weights + RS mask + diagnostics from one config.
 
-All three share a single set of batch statistics (see ``correction._common._Stats``), so the full
-correction pass reads the ``[B, T]`` tensors a small, fixed number of times.
+All three come out of one blocked pass over the batch (``correction._engine``), so the full
+correction reads each ``[B, T]`` tensor once.
 """
 
 from __future__ import annotations
@@ -10,11 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from correction._common import _Stats, check_pair, metrics_to_floats
+from correction._common import metrics_to_floats
+from correction._engine import correction_pass
 from correction.config import CorrectionConfig
-from correction.diagnostics import diagnostics_from_stats
-from correction.rejection import rejection_from_stats
-from correction.weights import is_weights_from_stats
 
 __all__ = ["CorrectionOutput", "apply_correction"]
 
@@ -56,20 +54,14 @@ def apply_correction(
         :class:`CorrectionOutput`. IS is computed on the original response mask (its statistics
         and batch normalization cover every response token), then zeroed where RS rejected.
     """
-    stats = _Stats(log_ratio, response_mask)
-    metrics: dict[str, torch.Tensor | float] = {}
-    keep, rs_metrics = rejection_from_stats(stats, config.rs_rules)
-    weights: torch.Tensor | None = None
-    if config.is_level is not None:
-        weights, is_metrics = is_weights_from_stats(
-            stats, config.is_level, config.is_threshold, config.is_batch_normalize
-        )
-        metrics.update(is_metrics)
-        if config.rs_rules:
-            weights = weights.mul_(keep)
-    metrics.update(rs_metrics)
-    if rollout_log_probs is not None:
-        check_pair("rollout_log_probs", rollout_log_probs, response_mask)
-        metrics.update(diagnostics_from_stats(stats, rollout_log_probs))
-    new_mask = response_mask if not config.rs_rules else keep.to(response_mask.dtype)
-    return CorrectionOutput(weights, new_mask, metrics_to_floats(metrics))
+    result = correction_pass(
+        log_ratio,
+        response_mask,
+        is_level=config.is_level,
+        threshold=config.is_threshold,
+        batch_normalize=config.is_batch_normalize,
+        rules=config.rs_rules,
+        rollout_log_probs=rollout_log_probs,
+    )
+    new_mask = response_mask if result.keep is None else result.keep.to(response_mask.dtype)
+    return CorrectionOutput(result.weights, new_mask, metrics_to_floats(result.metrics))

@@ -12,17 +12,16 @@ import difflib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from types import MappingProxyType
 from typing import Any
 
-from correction.rejection import RejectionRule, RSOption, as_rules
-from correction.weights import ISLevel, as_is_level
+from correction.types import ISLevel, RejectionRule, RSOption, as_is_level, as_rules
 
 __all__ = ["PRESETS", "CorrectionConfig", "LossType", "preset"]
 
 
-class LossType(str, Enum):
+class LossType(StrEnum):
     """Policy loss used in bypass mode (where π_rollout is the anchor)."""
 
     PPO_CLIP = "ppo_clip"

@@ -1,0 +1,416 @@
+"""The single pass behind every public function: IS weights, RS mask and diagnostics together.
+
+Why one engine: the three share their inputs (the masked log-ratio ℓ, ``expm1(ℓ)``, per-sequence
+sums and lengths), so computing them together reads each ``[B, T]`` tensor once per batch.
+
+How it stays fast on CPU: sequences are independent, so the batch is processed in blocks of rows
+small enough (``CPU_BLOCK_ELEMENTS``) that every temporary stays in cache; each block yields its
+slice of the outputs plus per-sequence ``[B]`` statistics, and all metrics are computed afterwards
+from those ``[B]`` vectors. On accelerators the whole batch is one block. The loop is over row
+blocks, never over tokens. The mask is used as a float multiplier (bool tensors and ``where`` are
+slow on CPU); values at padding are zeroed by that multiply and only re-read with ``where`` when it
+produced a non-finite sum (NaN/inf sitting in padding).
+
+Numerics: the shared per-token primitive is ``em1 = ρ − 1 = exp(ℓ) − 1`` (exactly 0 on padding, so
+plain sums are masked sums); ``k3 = em1 − ℓ`` and ``ρ² − 1 = 2·em1 + em1²`` are formed from it. ``exp``
+is used rather than ``expm1`` (twice as fast on CPU); in float32 this leaves an absolute error of about
+1e-7 per token in em1, far below any threshold in use, and exactly 0 where ℓ = 0 (pass float64
+inputs for bit-exact on-policy checks). ℓ is clamped to ±LOG_RATIO_BOUND where it is exponentiated (per
+token, and per-sequence sums/means). Per-sequence vectors are float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from correction._common import LOG_RATIO_BOUND, check_finite, check_pair, compute_dtype
+from correction.types import ISLevel, RejectionRule, RSOption
+
+CPU_BLOCK_ELEMENTS = 1 << 18
+"""Elements per row block on CPU (1 MiB of float32): temporaries stay in L2/L3 cache."""
+
+DIAGNOSTIC_NAMES: tuple[str, ...] = (
+    "kl",
+    "k3_kl",
+    "training_ppl",
+    "rollout_ppl",
+    "log_ppl_diff",
+    "log_ppl_abs_diff",
+    "ppl_ratio",
+    "chi2_token",
+    "chi2_seq",
+)
+
+_F64 = torch.float64
+Metrics = dict[str, torch.Tensor | float]
+
+
+@dataclass
+class PassResult:
+    """Outputs of :func:`correction_pass`.
+
+    weights: ``[B, T]`` IS weights (0 on padding and on RS-rejected tokens), or None.
+    keep: ``[B, T]`` float 0/1 mask after RS (compute dtype), or None when no rule was given.
+    metrics: 0-dim tensors or floats, converted by the caller with ``metrics_to_floats``.
+    """
+
+    weights: torch.Tensor | None
+    keep: torch.Tensor | None
+    metrics: Metrics
+
+
+def _row_blocks(batch: int, length: int, device: torch.device) -> Iterator[tuple[int, int]]:
+    if device.type != "cpu" or batch * length <= CPU_BLOCK_ELEMENTS:
+        yield 0, batch
+        return
+    rows = max(1, CPU_BLOCK_ELEMENTS // max(length, 1))
+    for start in range(0, batch, rows):
+        yield start, min(batch, start + rows)
+
+
+def _k3_of(lr: torch.Tensor) -> torch.Tensor:
+    clamped = torch.clamp(lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return torch.expm1(clamped) - clamped
+
+
+def _seq_stat(option: RSOption, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[rows]`` the per-sequence statistic of a sequence-scope option (float64)."""
+    length = rows["seq_len"].clamp(min=1.0)
+    if option is RSOption.SEQ_MAX_K2:  # padding zeros never raise a max of a statistic >= 0
+        lo, hi = rows["lr_min"], rows["lr_max"]
+        return 0.5 * torch.maximum(lo * lo, hi * hi)
+    if option is RSOption.SEQ_MAX_K3:  # k3 grows monotonically with |ℓ| on each side of 0
+        return torch.maximum(_k3_of(rows["lr_min"]), _k3_of(rows["lr_max"]))
+    if option.is_k1:
+        total = -rows["seq_sum"]
+    else:
+        total = rows["k2_sum"] if option.value.endswith("k2") else rows["k3_sum"]
+    return total if option.value.startswith("seq_sum") else total / length
+
+
+def _seq_keep(rule: RejectionRule, rows: dict[str, torch.Tensor]) -> torch.Tensor:
+    """``[rows]`` bool: the sequence passes the rule (sequences without valid tokens pass)."""
+    stat = _seq_stat(rule.option, rows)
+    if rule.option.is_k1:
+        assert rule.lower is not None  # resolved in RejectionRule.__post_init__
+        ok = (stat >= math.log(rule.lower)) & (stat <= math.log(rule.upper))
+    else:
+        ok = stat <= rule.upper
+    return ok | (rows["seq_len"] == 0)
+
+
+def _token_keep_into(
+    out: torch.Tensor,
+    rule: RejectionRule,
+    lr: torch.Tensor,
+    lr_c: torch.Tensor,
+    em1: torch.Tensor | None,
+) -> torch.Tensor:
+    """Write the float 0/1 keep mask of a token-scope rule into ``out`` (padding not yet masked)."""
+    if rule.option is RSOption.TOKEN_K1:
+        assert rule.lower is not None  # resolved in RejectionRule.__post_init__
+        # log L ≤ −ℓ ≤ log U  ⇔  clamp(ℓ, −log U, −log L) == ℓ
+        return torch.clamp(lr, -math.log(rule.upper), -math.log(rule.lower), out=out).eq_(lr)
+    if rule.option is RSOption.TOKEN_K2:  # ½ℓ² ≤ U  ⇔  |ℓ| ≤ √(2U)
+        return torch.abs(lr, out=out).le_(math.sqrt(2.0 * rule.upper))
+    assert em1 is not None  # k3 = em1 − ℓ ≤ U
+    return torch.sub(em1, lr_c, out=out).le_(rule.upper)
+
+
+def correction_pass(
+    log_ratio: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    is_level: ISLevel | None = None,
+    threshold: float = 2.0,
+    batch_normalize: bool = False,
+    rules: tuple[RejectionRule, ...] | None = None,
+    rollout_log_probs: torch.Tensor | None = None,
+    name: str = "log_ratio",
+) -> PassResult:
+    """IS weights (if ``is_level``), RS mask and metrics (if ``rules`` is not None) and diagnostics
+    (if ``rollout_log_probs``) for ``[B, T]`` inputs, in one blocked pass. See the module docstring.
+    """
+    check_pair(name, log_ratio, response_mask)
+    if rollout_log_probs is not None:
+        check_pair("rollout_log_probs", rollout_log_probs, response_mask)
+    dtype = compute_dtype(log_ratio)
+    batch, length = log_ratio.shape
+    device = log_ratio.device
+    token_rules = [r for r in rules or () if r.option.is_token]
+    seq_rules = [r for r in rules or () if not r.option.is_token]
+    options = {r.option for r in rules or ()}
+    diag = rollout_log_probs is not None
+    need_k3_rows = diag or bool(options & {RSOption.SEQ_SUM_K3, RSOption.SEQ_MEAN_K3})
+    need_k2_rows = bool(options & {RSOption.SEQ_SUM_K2, RSOption.SEQ_MEAN_K2})
+    need_minmax = bool(options & {RSOption.SEQ_MAX_K2, RSOption.SEQ_MAX_K3})
+    need_k3_tok = RSOption.TOKEN_K3 in options
+    need_em1 = is_level is ISLevel.TOKEN or need_k3_rows or need_k3_tok or diag
+    token_is = is_level is ISLevel.TOKEN
+
+    weights = torch.empty((batch, length), dtype=dtype, device=device) if is_level else None
+    keep = torch.empty((batch, length), dtype=dtype, device=device) if rules else None
+    rows: dict[str, list[torch.Tensor]] = defaultdict(list)
+    parts: dict[str, list[torch.Tensor]] = defaultdict(list)  # per-block scalars
+    blocks = list(_row_blocks(batch, length, device))
+    # Scratch buffers reused by every block (out= ops): fresh allocations per block cost more
+    # in page faults than the arithmetic they hold.
+    block_rows = max(r1 - r0 for r0, r1 in blocks)
+    ws_lr = torch.empty((block_rows, length), dtype=dtype, device=device)
+    ws_em1 = torch.empty_like(ws_lr) if need_em1 else None
+    ws_tmp = torch.empty_like(ws_lr)
+
+    for r0, r1 in blocks:
+        n_rows = r1 - r0
+        values = log_ratio[r0:r1].detach().to(dtype)
+        mask = response_mask[r0:r1].detach().to(dtype)
+        lr = torch.mul(values, mask, out=ws_lr[:n_rows])
+        seq_sum = lr.sum(dim=-1)
+        if not math.isfinite(float(seq_sum.sum())):
+            bool_mask = mask > 0
+            # raises if a response token is bad; otherwise the garbage sat in padding only
+            check_finite(name, values, bool_mask, row_offset=r0)
+            lr = torch.where(bool_mask, values, 0.0, out=lr)
+            seq_sum = lr.sum(dim=-1)
+        seq_len = mask.sum(dim=-1)
+        block: dict[str, torch.Tensor] = {"seq_sum": seq_sum.to(_F64), "seq_len": seq_len.to(_F64)}
+        if lr.numel():
+            lo, hi = torch.aminmax(lr)
+            lr_lo, lr_hi = float(lo), float(hi)
+        else:
+            lr_lo = lr_hi = 0.0
+        clamped = lr_lo < -LOG_RATIO_BOUND or lr_hi > LOG_RATIO_BOUND
+        lr_c = torch.clamp(lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) if clamped else lr
+        em1 = None
+        if ws_em1 is not None:
+            em1 = torch.exp(lr_c, out=ws_em1[:n_rows]).sub_(1.0)
+        if em1 is not None and (need_k3_rows or diag):
+            em1_sum = em1.sum(dim=-1).to(_F64)
+            block["em1_sum"] = em1_sum
+            clamped_sum = lr_c.sum(dim=-1).to(_F64) if clamped else block["seq_sum"]
+            # Σk3 = Σ(ρ − 1) − Σℓ: two row sums instead of a k3 tensor; the clamp removes the
+            # rounding sign-noise on exactly on-policy rows.
+            block["k3_sum"] = torch.clamp(em1_sum - clamped_sum, min=0.0)
+            if diag:
+                flat = em1.reshape(-1)
+                parts["em1_sq"].append(torch.dot(flat, flat).to(_F64))
+        if need_k2_rows:
+            block["k2_sum"] = 0.5 * torch.mul(lr, lr, out=ws_tmp[:n_rows]).sum(dim=-1).to(_F64)
+        if need_minmax and length == 0:
+            block["lr_min"] = block["lr_max"] = torch.zeros(r1 - r0, dtype=_F64, device=device)
+        elif need_minmax:
+            lo_rows, hi_rows = torch.aminmax(lr, dim=-1)
+            block["lr_min"], block["lr_max"] = lo_rows.to(_F64), hi_rows.to(_F64)
+
+        # --- IS weights (statistics over the original response mask) ---
+        if weights is not None:
+            w = weights[r0:r1]
+            if token_is:
+                assert em1 is not None
+                if threshold >= 1.0:
+                    # min(1 + em1, C) on valid tokens, 0 on padding (em1 == 0 there, mask adds 0)
+                    torch.clamp(em1, max=threshold - 1.0, out=w).add_(mask)
+                    # float compare into scratch + sum: bool tensors are slow on CPU
+                    truncated = torch.gt(em1, threshold - 1.0, out=ws_tmp[:n_rows])
+                else:
+                    torch.add(em1, 1.0, out=w).clamp_(max=threshold).mul_(mask)
+                    truncated = torch.gt(em1, threshold - 1.0, out=ws_tmp[:n_rows])
+                    truncated.mul_(mask)
+                parts["n_trunc"].append(truncated.sum().to(_F64))
+                flat_w = w.reshape(-1)
+                parts["w_sum"].append(flat_w.sum().to(_F64))
+                parts["w_sq"].append(torch.dot(flat_w, flat_w).to(_F64))
+                if flat_w.numel():
+                    # ℓ is 0 on padding, so the block's max (min) of ℓ is a valid token's value
+                    # whenever it is > 0 (< 0) or the block has no padding; else one masked pass.
+                    has_padding = float(block["seq_len"].sum()) < flat_w.numel()
+                    if lr_hi > 0 or not has_padding:
+                        w_max = min(math.exp(min(lr_hi, LOG_RATIO_BOUND)), threshold)
+                        parts["w_max"].append(torch.tensor(w_max, dtype=_F64))
+                    else:  # valid weights are > 0 and padding is 0
+                        parts["w_max"].append(flat_w.max().to(_F64))
+                    if lr_lo < 0 or not has_padding:
+                        w_min = min(math.exp(max(lr_lo, -LOG_RATIO_BOUND)), threshold)
+                        parts["w_min"].append(torch.tensor(w_min, dtype=_F64))
+                    else:
+                        parts["w_min"].append(torch.where(mask > 0, w, math.inf).min().to(_F64))
+            else:
+                log_w = block["seq_sum"]
+                if is_level is ISLevel.GEOMETRIC:
+                    log_w = log_w / block["seq_len"].clamp(min=1.0)
+                log_w = torch.clamp(log_w, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+                seq_w = torch.where(
+                    block["seq_len"] > 0, torch.clamp(torch.exp(log_w), max=threshold), 0.0
+                )
+                block["seq_w"] = seq_w
+                block["seq_trunc"] = (log_w > math.log(threshold)) & (block["seq_len"] > 0)
+                torch.mul(seq_w.to(dtype).unsqueeze(-1), mask, out=w)
+
+        # --- RS (AND of all rules) ---
+        if keep is not None:
+            k = keep[r0:r1]
+            for i, rule in enumerate(token_rules):
+                target = k if i == 0 else ws_tmp[:n_rows]
+                _token_keep_into(target, rule, lr, lr_c, em1).mul_(mask)
+                block[f"kept/{rule.option.value}"] = target.sum(dim=-1).to(_F64)
+                if i:
+                    k.mul_(target)
+            if not token_rules:
+                k.copy_(mask)
+            if seq_rules:
+                seq_keep_all = torch.ones(r1 - r0, dtype=torch.bool, device=device)
+                for rule in seq_rules:
+                    ok = _seq_keep(rule, block)
+                    block[f"seq_keep/{rule.option.value}"] = ok
+                    seq_keep_all &= ok
+                k.mul_(seq_keep_all.to(dtype).unsqueeze(-1))
+            block["kept"] = k.sum(dim=-1).to(_F64)
+            if weights is not None:
+                weights[r0:r1].mul_(k)
+
+        # --- diagnostics ---
+        if rollout_log_probs is not None:
+            rollout = rollout_log_probs[r0:r1].detach().to(dtype)
+            rollout_sum = torch.mul(rollout, mask, out=ws_tmp[:n_rows]).sum(dim=-1)
+            if not math.isfinite(float(rollout_sum.sum())):
+                bool_mask = mask > 0
+                check_finite("rollout_log_probs", rollout, bool_mask, row_offset=r0)
+                rollout_sum = torch.where(bool_mask, rollout, 0.0).sum(dim=-1)
+            block["rollout_sum"] = rollout_sum.to(_F64)
+
+        for key, value in block.items():
+            rows[key].append(value)
+
+    cat = {key: torch.cat(values) for key, values in rows.items()}  # at least one block ran
+    seq_len = cat["seq_len"]
+    n_tok = seq_len.sum()
+    valid = seq_len > 0
+    n_seq = valid.sum().to(_F64)
+    metrics: Metrics = {}
+    if is_level is not None:
+        assert weights is not None
+        metrics.update(_is_metrics(is_level, threshold, parts, cat, n_tok, n_seq, valid))
+        if batch_normalize:
+            mean = metrics["is_weight_mean"]
+            assert isinstance(mean, torch.Tensor)
+            factor = torch.where(mean > 0, mean, 1.0)
+            weights.div_(factor.to(dtype))
+            metrics["is_batch_norm_factor"] = factor
+    if rules is not None:
+        metrics.update(_rs_metrics(rules, cat, n_tok, n_seq, valid))
+    if rollout_log_probs is not None:
+        metrics.update(_diagnostics(parts, cat, n_tok, n_seq, valid))
+    return PassResult(weights, keep, metrics)
+
+
+def _sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(parts).sum().to(_F64) if parts else torch.zeros((), dtype=_F64)
+
+
+def _is_metrics(
+    level: ISLevel,
+    threshold: float,
+    parts: dict[str, list[torch.Tensor]],
+    cat: dict[str, torch.Tensor],
+    n_tok: torch.Tensor,
+    n_seq: torch.Tensor,
+    valid: torch.Tensor,
+) -> Metrics:
+    if level is ISLevel.TOKEN:
+        n = n_tok
+        w_sum, w_sq = _sum_parts(parts["w_sum"]), _sum_parts(parts["w_sq"])
+        n_trunc = _sum_parts(parts["n_trunc"])
+        w_max = torch.stack(parts["w_max"]).max() if parts["w_max"] else torch.zeros((), dtype=_F64)
+        w_min = torch.stack(parts["w_min"]).min() if parts["w_min"] else torch.zeros((), dtype=_F64)
+    else:
+        n = n_seq
+        seq_w = cat.get("seq_w", torch.zeros(0, dtype=_F64))
+        w_sum, w_sq = seq_w.sum(), torch.dot(seq_w, seq_w)
+        n_trunc = cat["seq_trunc"].sum().to(_F64) if "seq_trunc" in cat else torch.zeros(())
+        w_max = seq_w.max() if seq_w.numel() else torch.zeros((), dtype=_F64)
+        w_min = torch.where(valid, seq_w, math.inf).min() if seq_w.numel() else w_max
+    w_max = torch.where(n > 0, w_max, 0.0)
+    w_min = torch.where(n > 0, w_min, 0.0)
+    n_safe = n.clamp(min=1.0)
+    mean = w_sum / n_safe
+    var = torch.clamp(w_sq / n_safe - mean * mean, min=0.0)
+    return {
+        "is_weight_mean": mean,
+        "is_weight_max": w_max,
+        "is_weight_min": w_min,
+        "is_weight_std": torch.sqrt(var),
+        "is_frac_truncated": n_trunc.to(_F64) / n_safe,
+        # ESS = 1 / E[(w / E w)²] = (Σw)² / (n Σw²), a fraction in (0, 1].
+        "is_ess": torch.where(w_sq > 0, w_sum * w_sum / (n_safe * w_sq), 0.0),
+    }
+
+
+def _rs_metrics(
+    rules: tuple[RejectionRule, ...],
+    cat: dict[str, torch.Tensor],
+    n_tok: torch.Tensor,
+    n_seq: torch.Tensor,
+    valid: torch.Tensor,
+) -> Metrics:
+    if not rules:
+        return {"rs_masked_frac_token": 0.0, "rs_masked_frac_seq": 0.0}
+    seq_len = cat["seq_len"]
+    n_tok_safe, n_seq_safe = n_tok.clamp(min=1.0), n_seq.clamp(min=1.0)
+    metrics: Metrics = {}
+    for rule in rules:
+        name = rule.option.value
+        if rule.option.is_token:
+            kept = cat[f"kept/{name}"]
+            metrics[f"rs_masked_frac_token/{name}"] = (n_tok - kept.sum()) / n_tok_safe
+            metrics[f"rs_masked_frac_seq/{name}"] = (kept < seq_len).sum().to(_F64) / n_seq_safe
+        else:
+            dropped = ~cat[f"seq_keep/{name}"]
+            metrics[f"rs_masked_frac_token/{name}"] = (
+                torch.where(dropped, seq_len, 0.0).sum() / n_tok_safe
+            )
+            metrics[f"rs_masked_frac_seq/{name}"] = dropped.sum().to(_F64) / n_seq_safe
+    kept = cat["kept"]
+    metrics["rs_masked_frac_token"] = (n_tok - kept.sum()) / n_tok_safe
+    metrics["rs_masked_frac_seq"] = ((kept < seq_len) & valid).sum().to(_F64) / n_seq_safe
+    return metrics
+
+
+def _diagnostics(
+    parts: dict[str, list[torch.Tensor]],
+    cat: dict[str, torch.Tensor],
+    n_tok: torch.Tensor,
+    n_seq: torch.Tensor,
+    valid: torch.Tensor,
+) -> Metrics:
+    if float(n_tok) == 0:
+        return dict.fromkeys(DIAGNOSTIC_NAMES, 0.0)
+    length = cat["seq_len"].clamp(min=1.0)
+    n_tok_safe, n_seq_safe = n_tok.clamp(min=1.0), n_seq.clamp(min=1.0)
+
+    def seq_mean(per_seq: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, per_seq, 0.0).sum() / n_seq_safe
+
+    rollout_mean = cat["rollout_sum"] / length  # [B] mean log π_rollout
+    lr_mean = cat["seq_sum"] / length
+    train_mean = rollout_mean + lr_mean  # [B] mean log π_train
+    log_ppl_diff = -lr_mean  # log ppl_train − log ppl_rollout
+    bounded_sum = torch.clamp(cat["seq_sum"], -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    return {
+        "kl": -cat["seq_sum"].sum() / n_tok_safe,
+        "k3_kl": cat["k3_sum"].sum() / n_tok_safe,
+        "training_ppl": seq_mean(torch.exp(-train_mean)),
+        "rollout_ppl": seq_mean(torch.exp(-rollout_mean)),
+        "log_ppl_diff": seq_mean(log_ppl_diff),
+        "log_ppl_abs_diff": seq_mean(log_ppl_diff.abs()),
+        "ppl_ratio": seq_mean(
+            torch.exp(torch.clamp(log_ppl_diff, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
+        ),
+        # ρ² − 1 = 2(ρ − 1) + (ρ − 1)²: accurate for ρ ≈ 1.
+        "chi2_token": (2.0 * cat["em1_sum"].sum() + _sum_parts(parts["em1_sq"])) / n_tok_safe,
+        "chi2_seq": seq_mean(torch.exp(2.0 * bounded_sum)) - 1.0,
+    }
