@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib
 import inspect
 import json
 import logging
+import sys
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -82,7 +84,8 @@ class ToolResult(BaseModel):
 
     ``content`` is what the model reads (the tool message). ``reward`` is an optional step
     reward; ``stop`` asks the agent to end the episode (``StopReason.TOOL_STOP``); ``error``
-    marks a failed call (the content then starts with ``error:``); ``metrics`` are numbers the
+    marks a failed call (the content then starts with ``error:``); ``timed_out`` marks a call
+    the ToolSet cut off at its timeout (``error`` is then set too); ``metrics`` are numbers the
     tool wants averaged into ``tools/<name>/<key>``.
     """
 
@@ -90,6 +93,7 @@ class ToolResult(BaseModel):
     reward: float | None = None
     stop: bool = False
     error: bool = False
+    timed_out: bool = False
     metrics: dict[str, float] = Field(default_factory=dict)
 
 
@@ -207,6 +211,60 @@ class FunctionTool(Tool):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
+
+    def __reduce__(self) -> Any:
+        # A module-level ``@tool`` replaces its function in the module, so pickle by reference
+        # (like a function); anything else pickles by value, rebuilding the dynamic model.
+        module = sys.modules.get(getattr(self.fn, "__module__", "") or "")
+        qualname = getattr(self.fn, "__qualname__", "")
+        if module is not None and "<locals>" not in qualname:
+            obj: Any = module
+            for part in qualname.split("."):
+                obj = getattr(obj, part, None)
+            if obj is self:
+                return (_import_attr, (module.__name__, qualname))
+            if isinstance(obj, FunctionTool) and obj.fn is self.fn:
+                # The function is only reachable through another tool made from it.
+                ref = _Ref(module.__name__, qualname + ".fn")
+                return (_rebuild_function_tool, (ref, *self._options()))
+        return (_rebuild_function_tool, (self.fn, *self._options()))
+
+    def _options(self) -> tuple[Any, ...]:
+        return (self.name, self.description, self.timeout_s, self.max_output_chars)
+
+
+class _Ref:
+    """A picklable pointer to ``module.qualname`` (resolved when the tool is rebuilt)."""
+
+    def __init__(self, module: str, qualname: str) -> None:
+        self.module = module
+        self.qualname = qualname
+
+    def resolve(self) -> Any:
+        return _import_attr(self.module, self.qualname)
+
+
+def _import_attr(module: str, qualname: str) -> Any:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _rebuild_function_tool(
+    fn: Callable[..., Any] | _Ref,
+    name: str,
+    description: str,
+    timeout_s: float | None,
+    max_output_chars: int | None,
+) -> FunctionTool:
+    return FunctionTool(
+        fn.resolve() if isinstance(fn, _Ref) else fn,
+        name=name,
+        description=description,
+        timeout_s=timeout_s,
+        max_output_chars=max_output_chars,
+    )
 
 
 def _to_result(out: Any) -> ToolResult | str:
@@ -382,6 +440,48 @@ class ToolSet:
         self._lock = threading.Lock()
         self._stats: dict[str, _Stats] = {}
         self._unknown_calls = 0
+
+    @classmethod
+    def from_names(
+        cls,
+        names: Sequence[str],
+        *,
+        options: dict[str, dict[str, Any]] | None = None,
+        extra: Sequence[Tool] = (),
+        **limits: Any,
+    ) -> ToolSet:
+        """A ToolSet of tools looked up by name (:func:`get_tool`), e.g. from a config.
+
+        ``options[name]`` are that tool's constructor arguments; ``extra`` are Tool objects
+        added as they are; ``limits`` go to the constructor (``timeout_s``,
+        ``max_output_chars``, ``truncate_side``, ``release_timeout_s``)::
+
+            ToolSet.from_names(["calculator", "python"], options={"python": {"wall_time_s": 2}},
+                               timeout_s=10, max_output_chars=2000)
+        """
+        options = options or {}
+        unknown = set(options) - set(names)
+        if unknown:
+            raise ValueError(
+                f"options given for tools that are not enabled: {sorted(unknown)}; "
+                f"enabled: {list(names)}"
+            )
+        built: list[Tool] = []
+        for name in names:
+            try:
+                built.append(get_tool(name, **options.get(name, {})))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"cannot build tool {name!r}: {exc}") from exc
+        return cls([*built, *extra], **limits)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     # -- introspection --
     def names(self) -> list[str]:
@@ -567,6 +667,7 @@ class ToolEpisode:
             return ToolResult(
                 content=f"error: tool {t.name!r} timed out after {_fmt_s(timeout)} s",
                 error=True,
+                timed_out=True,
             ), True
         if isinstance(out, _CreateError):
             cause = out.__cause__
@@ -666,9 +767,9 @@ def _fmt_s(seconds: float | None) -> str:
 
 # ---- registry of built-in and user tools ----------------------------------------------------
 
-_REGISTRY: dict[str, Callable[..., Tool]] = {}
+_REGISTRY: dict[str, Tool] = {}
 _BUILTINS = {
-    "calculator": ("tools.calculator", "make_calculator"),
+    "calculator": ("tools.calculator", "Calculator"),
     "python": ("tools.python_sandbox", "PythonTool"),
     "search": ("tools.search", "SearchTool"),
 }
@@ -684,14 +785,8 @@ def register_tool(t: Tool) -> Tool:
         raise TypeError(f"register_tool takes a Tool, got {type(t).__name__}")
     if t.name in _REGISTRY or t.name in _BUILTINS:
         raise ValueError(f"a tool named {t.name!r} is already registered; pick another name")
-    _REGISTRY[t.name] = lambda **kw: t if not kw else _reject_kwargs(t.name, kw)
+    _REGISTRY[t.name] = t
     return t
-
-
-def _reject_kwargs(name: str, kwargs: dict[str, Any]) -> Tool:
-    raise TypeError(
-        f"tool {name!r} was registered as an instance and takes no options; got {sorted(kwargs)}"
-    )
 
 
 def get_tool(name: str, **kwargs: Any) -> Tool:
@@ -701,13 +796,16 @@ def get_tool(name: str, **kwargs: Any) -> Tool:
     ``get_tool("python", wall_time_s=2)``, ``get_tool("search", corpus_path="docs.jsonl")``).
     """
     if name in _BUILTINS:
-        import importlib
-
         module_name, attr = _BUILTINS[name]
         factory = getattr(importlib.import_module(module_name), attr)
         return factory(**kwargs)
     if name in _REGISTRY:
-        return _REGISTRY[name](**kwargs)
+        if kwargs:
+            raise TypeError(
+                f"tool {name!r} was registered as an instance and takes no options; "
+                f"got {sorted(kwargs)}"
+            )
+        return _REGISTRY[name]
     known = ", ".join(sorted([*_BUILTINS, *_REGISTRY]))
     raise KeyError(f"no tool named {name!r}; known tools: {known}")
 

@@ -22,11 +22,20 @@ import ast
 import math
 import operator
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
-from tools.base import FunctionTool, ToolResult, tool
+from pydantic import BaseModel, ConfigDict, Field
 
-__all__ = ["CalculatorError", "evaluate", "format_number", "make_calculator"]
+from tools.base import Tool, ToolResult
+
+__all__ = [
+    "Calculator",
+    "CalculatorError",
+    "calculator",
+    "evaluate",
+    "format_number",
+    "make_calculator",
+]
 
 
 class CalculatorError(ValueError):
@@ -169,43 +178,70 @@ def format_number(value: int | float) -> str:
     return repr(value)
 
 
+class _Args(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    expression: str = Field(description='The expression to evaluate, e.g. "(3 + 4) * 2 ** 10 / 7".')
+
+
+class Calculator(Tool):
+    """``calculator(expression)``: exact arithmetic with bounded work (see :func:`evaluate`).
+
+    Args:
+        max_length: Longest expression accepted, in characters.
+        max_exponent: Largest ``|exponent|`` of ``**``.
+        max_int_digits: Most decimal digits of an integer result.
+        name: Tool name the model sees.
+    """
+
+    description = (
+        "Evaluate an arithmetic expression exactly. Supports numbers, parentheses and the "
+        "operators + - * / // % ** (also ^ for power). Integers are exact."
+    )
+    arguments_model: ClassVar[type[BaseModel] | None] = _Args
+
+    def __init__(
+        self,
+        *,
+        max_length: int = 1000,
+        max_exponent: int = 10_000,
+        max_int_digits: int = 4000,
+        name: str = "calculator",
+    ) -> None:
+        self.name = name
+        self.max_length = max_length
+        self.max_exponent = max_exponent
+        self.max_int_digits = max_int_digits
+
+    def evaluate(self, expression: str) -> int | float:
+        """:func:`evaluate` with this tool's limits."""
+        return evaluate(
+            expression,
+            max_length=self.max_length,
+            max_exponent=self.max_exponent,
+            max_int_digits=self.max_int_digits,
+        )
+
+    # Evaluation is microseconds of CPU: it runs inline on the event loop, not in a thread.
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        try:
+            value = self.evaluate(arguments["expression"])
+        except CalculatorError as exc:
+            return ToolResult(content=f"error: {exc}", error=True)
+        return ToolResult(content=format_number(value))
+
+
 def make_calculator(
     *,
     max_length: int = 1000,
     max_exponent: int = 10_000,
     max_int_digits: int = 4000,
     name: str = "calculator",
-) -> FunctionTool:
-    """A ``calculator(expression: str)`` tool with the given limits."""
-
-    def calculator(expression: str) -> ToolResult:
-        """Evaluate an arithmetic expression exactly.
-
-        Supports numbers, parentheses and the operators + - * / // % ** (also ^ for power).
-        Integers are exact and unbounded up to a size limit.
-
-        Args:
-            expression: The expression to evaluate, e.g. "(3 + 4) * 2 ** 10 / 7".
-        """
-        try:
-            value = evaluate(
-                expression,
-                max_length=max_length,
-                max_exponent=max_exponent,
-                max_int_digits=max_int_digits,
-            )
-        except CalculatorError as exc:
-            return ToolResult(content=f"error: {exc}", error=True)
-        return ToolResult(content=format_number(value))
-
-    # Evaluation is microseconds of CPU: run inline instead of in a thread.
-    async def acalculator(expression: str) -> ToolResult:
-        return calculator(expression)
-
-    acalculator.__doc__ = calculator.__doc__
-    acalculator.__name__ = name
-    return tool(acalculator, name=name)
+) -> Calculator:
+    """A calculator tool with the given limits (same as ``Calculator(...)``)."""
+    return Calculator(
+        max_length=max_length, max_exponent=max_exponent, max_int_digits=max_int_digits, name=name
+    )
 
 
-calculator = make_calculator()
+calculator = Calculator()
 """The default calculator tool (also ``get_tool("calculator")``)."""

@@ -235,18 +235,34 @@ class SearchTool(Tool):
         self.top_k = top_k
         self.max_k = max_k
         self.snippet_chars = snippet_chars
-        self._args: type[BaseModel] = create_model(
-            f"{name}_arguments",
+        self._args: type[BaseModel] = self._arguments_model()
+        self.parameters = clean_schema(self._args)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_args")  # a dynamic pydantic model does not pickle; rebuilt on load
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+        self._args = self._arguments_model()
+
+    def _arguments_model(self) -> type[BaseModel]:
+        return create_model(
+            f"{self.name}_arguments",
             __config__=ConfigDict(extra="forbid"),
             query=(str, Field(description="What to look for (keywords or a question).")),
             k=(
                 int,
                 Field(
-                    top_k, ge=1, le=max_k, description=f"How many results to return (1-{max_k})."
+                    self.top_k,
+                    ge=1,
+                    le=self.max_k,
+                    description=f"How many results to return (1-{self.max_k}).",
                 ),
             ),
         )
-        self.parameters = clean_schema(self._args)
 
     def validate_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
         model = self._args.model_validate(arguments)

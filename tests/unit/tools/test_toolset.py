@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import threading
 import time
 from typing import Any
@@ -376,3 +377,54 @@ def test_registry_builtins_and_user_tools(tmp_path):
         register_tool(unique_echo_tool_for_registry)
     with pytest.raises(KeyError, match="known tools"):
         get_tool("no_such_tool")
+
+
+def test_from_names_builds_configured_tools(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": 1, "title": "t", "text": "hello world"}\n')
+    ts = ToolSet.from_names(
+        ["calculator", "python", "search"],
+        options={
+            "python": {"wall_time_s": 2.0, "memory_mb": 128},
+            "search": {"corpus_path": corpus},
+        },
+        extra=[add],
+        timeout_s=3.0,
+        max_output_chars=100,
+        truncate_side="middle",
+    )
+    assert ts.names() == ["calculator", "python", "search", "add"]
+    assert ts.get("python").wall_time_s == 2.0  # type: ignore[union-attr]
+    assert ts.timeout_s == 3.0 and ts.max_output_chars == 100 and ts.truncate_side == "middle"
+    with pytest.raises(ValueError, match="not enabled"):
+        ToolSet.from_names(["calculator"], options={"python": {}})
+    with pytest.raises(ValueError, match="cannot build tool 'search'"):
+        ToolSet.from_names(["search"])  # no corpus configured
+
+
+async def test_timeouts_are_flagged_on_the_result():
+    ts = ToolSet([slow], timeout_s=0.01)
+    async with ts.episode() as ep:
+        r = await ep.call("slow", {"seconds": 1})
+    assert r.timed_out and r.error
+
+
+async def test_toolsets_and_builtin_tools_pickle(tmp_path):
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_text('{"id": 1, "title": "t", "text": "hello world"}\n')
+    ts = ToolSet.from_names(
+        ["calculator", "python", "search"], options={"search": {"corpus_path": corpus}}, extra=[add]
+    )
+    async with ts.episode() as ep:
+        await ep.call("add", {"a": 1, "b": 2})
+    clone = pickle.loads(pickle.dumps(ts))
+    assert clone.names() == ts.names()
+    assert clone.schemas() == ts.schemas()
+    assert clone.get("add") is add  # module-level @tool pickles by reference
+    assert clone.metrics()["tools/add/calls"] == 1
+    async with clone.episode() as ep:
+        assert (await ep.call("add", {"a": 1, "b": 2})).content == "3"
+        assert (await ep.call("calculator", {"expression": "2**5"})).content == "32"
+        assert "[1] t (id: 1" in (await ep.call("search", {"query": "hello"})).content
+    local = tool(big.fn, name="renamed")  # not reachable by name: pickled by value
+    assert pickle.loads(pickle.dumps(local)).schema() == local.schema()
