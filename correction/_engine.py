@@ -175,7 +175,7 @@ def correction_pass(
             bool_mask = mask > 0
             # raises if a response token is bad; otherwise the garbage sat in padding only
             check_finite(name, values, bool_mask, row_offset=r0)
-            lr = torch.where(bool_mask, values, 0.0, out=lr)
+            lr = torch.where(bool_mask, values, torch.zeros((), dtype=dtype, device=device), out=lr)
             seq_sum = lr.sum(dim=-1)
         seq_len = mask.sum(dim=-1)
         block: dict[str, torch.Tensor] = {"seq_sum": seq_sum.to(_F64), "seq_len": seq_len.to(_F64)}
