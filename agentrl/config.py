@@ -41,7 +41,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 if TYPE_CHECKING:
     from correction import CorrectionConfig
@@ -322,14 +330,20 @@ class CorrectionSection(Section):
     rs_rules: list[RejectionRuleConfig] = Field(default_factory=list)
     """Rejection-sampling rules, AND-combined (each `{option, upper, lower}`)."""
 
+    @model_serializer(mode="wrap")
+    def _dump_preset_and_explicit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # With a preset, dumping every field would turn the preset's values into explicit
+        # overrides on reload; keep the preset and what was set explicitly, nothing else.
+        data = handler(self)
+        if self.preset is None:
+            return data
+        keep = set(self.model_fields_set) | {"preset"}
+        return {key: value for key, value in data.items() if key in keep}
+
     def explicit_fields(self) -> dict[str, Any]:
         """The mirrored fields that were set explicitly (not left at their default)."""
         names = set(self.model_fields_set) - {"preset"}
-        return {
-            name: value
-            for name, value in self.model_dump(mode="json").items()
-            if name in names and name != "preset"
-        }
+        return self.model_dump(mode="json", include=names)
 
     def to_correction_config(self) -> CorrectionConfig:
         """The `correction.CorrectionConfig` this section describes (imports torch lazily)."""

@@ -10,6 +10,8 @@ import typing
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from agentrl import config as config_mod
@@ -306,7 +308,10 @@ def test_flatten_gives_dotted_string_params() -> None:
     assert flat["data.train_files"] == '["a", "b"]'
     assert flat["trainer.betas"] == "[0.9, 0.999]"
     assert flat["reward.sources.calculator"] == "calculator"
-    assert flat["algorithm.correction.rs_rules"] == "[]"
+    assert "algorithm.correction.rs_rules" not in flat  # the preset decides it
+    plain = load_config(None, ["algorithm.correction.is_level=token"]).flatten()
+    assert plain["algorithm.correction.rs_rules"] == "[]"
+    assert plain["algorithm.correction.is_level"] == "token"
 
 
 def test_yaml_round_trip(tmp_path: Path) -> None:
@@ -339,6 +344,26 @@ def test_checkpoint_shared_dir_resolution() -> None:
 def test_correction_explicit_fields_track_what_was_set() -> None:
     sec = CorrectionSection.model_validate({"preset": "icepop", "is_threshold": 5.0})
     assert sec.explicit_fields() == {"is_threshold": 5.0}
+
+
+def test_preset_round_trip_does_not_freeze_defaults(tmp_path: Path) -> None:
+    # dumping every mirror field next to a preset would override the preset on reload
+    cfg = load_config(
+        None,
+        [
+            "algorithm.correction.preset=decoupled_seq_is_rs",
+            "algorithm.correction.is_threshold=4.0",
+        ],
+    )
+    dumped = cfg.model_dump(mode="json")["algorithm"]["correction"]
+    assert dumped == {"preset": "decoupled_seq_is_rs", "is_threshold": 4.0}
+    again = load_config(_write(tmp_path, cfg.to_yaml()))
+    assert again.algorithm.correction.explicit_fields() == {"is_threshold": 4.0}
+    assert again.algorithm.correction.to_correction_config() == (
+        cfg.algorithm.correction.to_correction_config()
+    )
+    no_preset = load_config(None, ["algorithm.correction.is_level=token"])
+    assert "is_threshold" in no_preset.model_dump()["algorithm"]["correction"]
 
 
 def _correction():
@@ -478,3 +503,32 @@ def test_docs_mention_every_key() -> None:
                 assert f"### `{path}`" in md, path
             for name in leaves:
                 assert f"| `{name}` |" in md, f"{path}.{name}"
+
+
+# ---- properties ---------------------------------------------------------------------------
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(min_value=1e-300, max_value=1e300, allow_nan=False, allow_infinity=False))
+def test_float_overrides_parse_as_written(x: float) -> None:
+    # repr() gives forms like 1e-06 and 1e+20 that PyYAML's YAML 1.1 rules would keep as strings
+    assert load_config(None, [f"trainer.lr={x!r}"]).trainer.lr == x
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=0, max_value=10**6), st.booleans())
+def test_int_and_bool_overrides(n: int, flag: bool) -> None:
+    cfg = load_config(None, [f"trainer.max_staleness={n}", f"tracking.enabled={str(flag).lower()}"])
+    assert cfg.trainer.max_staleness == n and cfg.tracking.enabled is flag
+    assert cfg.flatten()["trainer.max_staleness"] == str(n)
+
+
+def test_config_pickles() -> None:
+    import pickle
+
+    cfg = load_config(REPO / "configs" / "quickstart.yaml")
+    again = pickle.loads(pickle.dumps(cfg))
+    assert again == cfg
+    assert (
+        again.algorithm.correction.explicit_fields() == cfg.algorithm.correction.explicit_fields()
+    )
