@@ -96,6 +96,8 @@ class EngineOutput:
     """Oldest weight version among the tokens (the engine's version if no token was made)."""
     token_versions: list[int]
     """Weight version that sampled each token."""
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Per token, the ``num_top_logprobs`` most likely ``(token_id, logprob)`` (processed)."""
     queued_s: float = 0.0
     """Seconds from submit to the start of the prefill."""
     total_s: float = 0.0
@@ -113,6 +115,8 @@ class _Request:
     generator: torch.Generator | None
     submitted: float
     started: float = 0.0
+    num_top_logprobs: int = 0
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
@@ -283,8 +287,14 @@ class InferenceEngine:
         prompt_ids: list[int],
         sampling: SamplingParams,
         request_id: str | None = None,
+        *,
+        num_top_logprobs: int = 0,
     ) -> concurrent.futures.Future[EngineOutput]:
-        """Queue a request; the future resolves with its :class:`EngineOutput`."""
+        """Queue a request; the future resolves with its :class:`EngineOutput`.
+
+        ``num_top_logprobs > 0`` also records that many top alternatives per token.
+        Raises :class:`EngineRequestError` if the request cannot be served.
+        """
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, sampling)
         gen: torch.Generator | None = None
@@ -303,6 +313,7 @@ class InferenceEngine:
             future=concurrent.futures.Future(),
             generator=gen,
             submitted=time.monotonic(),
+            num_top_logprobs=max(0, int(num_top_logprobs)),
         )
         with self._cond:
             if self._closing:
@@ -317,13 +328,15 @@ class InferenceEngine:
         prompt_ids: list[int],
         sampling: SamplingParams,
         request_id: str | None = None,
+        *,
+        num_top_logprobs: int = 0,
     ) -> EngineOutput:
         """Async wrapper of :meth:`submit`; cancelling the await aborts the request."""
-        fut = self.submit(prompt_ids, sampling, request_id)
+        fut = self.submit(prompt_ids, sampling, request_id, num_top_logprobs=num_top_logprobs)
         try:
             return await asyncio.wrap_future(fut)
         except asyncio.CancelledError:
-            self._abort_future(fut)
+            self.cancel(fut)
             raise
 
     def pause(self) -> None:
@@ -416,7 +429,9 @@ class InferenceEngine:
             self._cond.notify_all()
         return fut.result()
 
-    def _abort_future(self, fut: concurrent.futures.Future[EngineOutput]) -> None:
+    def cancel(self, fut: concurrent.futures.Future[EngineOutput]) -> None:
+        """Abort the request behind ``fut`` (from :meth:`submit`) at the next step; no-op if done."""
+
         def _mark() -> None:
             for r in itertools.chain(self._rows, self._waiting):
                 if r.future is fut:
@@ -627,6 +642,14 @@ class InferenceEngine:
         req.output_ids.append(tok)
         req.logprobs.append(float(lp[tok].item()))
         req.versions.append(self._version)
+        if req.num_top_logprobs:
+            top = torch.topk(lp, min(req.num_top_logprobs, lp.shape[-1]))
+            req.top_logprobs.append(
+                [
+                    (int(i), float(v))
+                    for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                ]
+            )
         self.stats["generation_tokens"] += 1
         if tok in req.stop_ids:
             self._finish(req, "stop")
@@ -651,6 +674,7 @@ class InferenceEngine:
                 finish_reason=reason,
                 weight_version=min(req.versions) if req.versions else self._version,
                 token_versions=list(req.versions),
+                top_logprobs=list(req.top_logprobs) if req.num_top_logprobs else None,
                 queued_s=(req.started or now) - req.submitted,
                 total_s=now - req.submitted,
             )

@@ -1,0 +1,242 @@
+"""The embedded engine: sampling math, continuous batching equals single requests, controls."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.inference.engine import (
+    EngineRequestError,
+    InferenceEngine,
+    WeightLoadError,
+    process_logits,
+    sample_token,
+)
+from agentrl.types import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path):
+    eng = InferenceEngine(tiny_model_dir, max_batch_size=4, seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def _prompts() -> list[list[int]]:
+    # Different lengths so the batch is ragged (left padding is exercised).
+    return [[(7 * i + j) % 250 for j in range(3 + 5 * i)] for i in range(6)]
+
+
+def _reference_logprobs(
+    model, prompt: list[int], out: list[int], temperature: float
+) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + out])).logits[0, len(prompt) - 1 : -1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(out)[:, None])[:, 0]
+
+
+# ---- sampling math ----------------------------------------------------------------------------
+def test_process_logits_greedy_is_unscaled_log_softmax() -> None:
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    lp = process_logits(logits, 0.0, -1, 1.0)
+    assert torch.allclose(lp, torch.log_softmax(logits, -1))
+    assert sample_token(lp, 0.0, None) == 1
+
+
+def test_process_logits_temperature_topk_topp() -> None:
+    logits = torch.tensor([0.0, 1.0, 2.0, 3.0])
+    lp = process_logits(logits, 0.5, -1, 1.0)
+    assert torch.allclose(lp, torch.log_softmax(logits / 0.5, -1))
+    topk = process_logits(logits, 1.0, 2, 1.0)
+    assert torch.isinf(topk[:2]).all() and torch.allclose(
+        topk[2:], torch.log_softmax(torch.tensor([2.0, 3.0]), -1)
+    )
+    # probs ~ [0.032, 0.087, 0.237, 0.644]; top_p=0.8 keeps {3, 2} (drops mass <= 0.2).
+    topp = process_logits(logits, 1.0, -1, 0.8)
+    assert torch.isinf(topp[:2]).all()
+    assert torch.allclose(topp.exp().sum(), torch.tensor(1.0))
+    # top_p tiny still keeps the most likely token.
+    assert torch.isfinite(process_logits(logits, 1.0, -1, 1e-6)).sum() == 1
+
+
+def test_seeded_sampling_follows_the_distribution() -> None:
+    lp = torch.log(torch.tensor([0.1, 0.6, 0.3]))
+    gen = torch.Generator().manual_seed(0)
+    draws = [sample_token(lp, 1.0, gen) for _ in range(2000)]
+    freq = torch.bincount(torch.tensor(draws), minlength=3).float() / len(draws)
+    assert torch.allclose(freq, lp.exp(), atol=0.04)
+
+
+# ---- batching ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+def test_batched_equals_single_and_matches_hf_forward(engine, hf_model, temperature: float) -> None:
+    prompts = _prompts()
+    params = [
+        SamplingParams(max_tokens=6 + 3 * i, temperature=temperature, seed=100 + i)
+        for i in range(len(prompts))
+    ]
+    # 6 concurrent requests with max_batch_size=4: two wait and join mid-flight.
+    futs = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    batched = [f.result(timeout=120) for f in futs]
+    for p, sp, b in zip(prompts, params, batched, strict=True):
+        single = engine.submit(p, sp).result(timeout=120)
+        assert b.token_ids == single.token_ids
+        assert b.logprobs == pytest.approx(single.logprobs, abs=1e-5)
+        ref = _reference_logprobs(hf_model, p, b.token_ids, temperature)
+        assert torch.allclose(torch.tensor(b.logprobs), ref, atol=1e-4)
+        assert b.finish_reason in ("stop", "length")
+        if b.finish_reason == "length":
+            assert len(b.token_ids) == sp.max_tokens
+        assert b.token_versions == [0] * len(b.token_ids) and b.weight_version == 0
+
+
+def test_requests_join_a_running_batch(engine) -> None:
+    long = engine.submit(
+        [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[])
+    )
+    time.sleep(0.05)
+    short = engine.submit([4, 5], SamplingParams(max_tokens=2, temperature=0.0)).result(timeout=60)
+    assert not long.done() or long.result().finish_reason == "stop"
+    assert len(short.token_ids) <= 2
+    ref = engine.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0)).result(
+        timeout=60
+    )
+    assert long.result(timeout=60).token_ids == ref.token_ids
+
+
+def test_stop_token_and_max_tokens_zero(engine) -> None:
+    greedy = engine.submit([10, 11, 12], SamplingParams(max_tokens=5, temperature=0.0)).result()
+    stop_at = greedy.token_ids[1]
+    out = engine.submit(
+        [10, 11, 12], SamplingParams(max_tokens=5, temperature=0.0, stop_token_ids=[stop_at])
+    ).result()
+    first = greedy.token_ids.index(stop_at)
+    assert out.token_ids == greedy.token_ids[: first + 1] and out.finish_reason == "stop"
+    empty = engine.submit([10], SamplingParams(max_tokens=0)).result()
+    assert empty.token_ids == [] and empty.finish_reason == "length"
+
+
+def test_validation_names_the_field(engine) -> None:
+    with pytest.raises(EngineRequestError) as e:
+        engine.submit([engine.vocab_size], SamplingParams())
+    assert e.value.param == "prompt"
+    with pytest.raises(EngineRequestError) as e:
+        engine.submit([], SamplingParams())
+    assert e.value.param == "prompt"
+    with pytest.raises(EngineRequestError) as e:
+        engine.submit([1, 2], SamplingParams(max_tokens=engine.max_model_len))
+    assert e.value.param == "max_tokens"
+    with pytest.raises(EngineRequestError) as e:
+        engine.submit([1] * engine.max_model_len, SamplingParams(max_tokens=0))
+    assert e.value.param == "prompt"
+
+
+# ---- controls ----------------------------------------------------------------------------------
+def test_pause_parks_requests_and_resume_finishes_them(engine) -> None:
+    engine.pause()
+    try:
+        assert engine.is_paused
+        fut = engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
+        with pytest.raises(concurrent.futures.TimeoutError):
+            fut.result(timeout=0.3)
+        assert engine.num_waiting == 1
+    finally:
+        engine.resume()
+    assert len(fut.result(timeout=60).token_ids) <= 3
+
+
+def test_abort_all_returns_partial_outputs(engine) -> None:
+    engine.pause()
+    futs = [engine.submit([1, 2], SamplingParams(max_tokens=50)) for _ in range(3)]
+    assert engine.abort_all() == 3
+    engine.resume()
+    outs = [f.result(timeout=10) for f in futs]
+    assert all(o.finish_reason == "abort" for o in outs)
+
+
+def test_weight_swap_changes_outputs_and_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from safetensors.torch import save_file
+
+    from agentrl.inference.tiny_model import build_tiny_model
+
+    eng = InferenceEngine(tiny_model_dir, max_batch_size=2)
+    try:
+        sp = SamplingParams(max_tokens=8, temperature=0.0)
+        before = eng.submit([5, 6, 7], sp).result()
+        info0 = eng.weight_info()
+        other = build_tiny_model(tmp_path / "other", seed=123)
+        assert eng.load_weights_from_path(other) == 1
+        after = eng.submit([5, 6, 7], sp).result()
+        assert after.weight_version == 1
+        assert after.logprobs != before.logprobs
+        info1 = eng.weight_info()
+        assert info1["version"] == 1 and info1["checksum"] != info0["checksum"]
+        assert info1["num_params"] == info0["num_params"]
+        # Back to the original weights from bytes, with an explicit version.
+        orig = InferenceEngine(tiny_model_dir, max_batch_size=1)
+        try:
+            state = {k: v.clone().contiguous() for k, v in orig.model.state_dict().items()}
+        finally:
+            orig.close()
+        save_file(state, str(tmp_path / "orig.safetensors"))
+        assert eng.load_weights_from_bytes((tmp_path / "orig.safetensors").read_bytes(), 7) == 7
+        again = eng.submit([5, 6, 7], sp).result()
+        assert again.token_ids == before.token_ids and again.weight_version == 7
+        assert eng.weight_info()["checksum"] == info0["checksum"]
+        # Bad updates change nothing.
+        with pytest.raises(WeightLoadError, match="do not name a parameter"):
+            eng.load_state_dict({"nope": torch.zeros(1)})
+        with pytest.raises(WeightLoadError, match="shape"):
+            eng.load_state_dict({"lm_head.weight": torch.zeros(3, 3)})
+        with pytest.raises(WeightLoadError, match="missing"):
+            eng.load_state_dict({"lm_head.weight": state["lm_head.weight"]})
+        with pytest.raises(WeightLoadError, match="safetensors"):
+            eng.load_weights_from_bytes(b"not safetensors")
+        assert eng.weight_version == 7 and eng.weight_info()["checksum"] == info0["checksum"]
+        assert eng.set_weight_version(9) == 9
+    finally:
+        eng.close()
+
+
+def test_close_aborts_pending_and_is_idempotent(tiny_model_dir: Path) -> None:
+    eng = InferenceEngine(tiny_model_dir, max_batch_size=1)
+    eng.pause()
+    fut = eng.submit([1, 2], SamplingParams(max_tokens=5))
+    eng.close()
+    eng.close()
+    assert fut.result(timeout=10).finish_reason == "abort"
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.submit([1], SamplingParams())
+
+
+def test_submit_is_thread_safe(engine) -> None:
+    results: list = []
+
+    def worker(i: int) -> None:
+        results.append(engine.submit([i + 1, i + 2], SamplingParams(max_tokens=3, seed=i)).result())
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(results) == 8
+
+
+async def test_generate_async(engine) -> None:
+    out = await engine.generate([3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
+    assert 1 <= len(out.token_ids) <= 4
