@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from agentrl.inference.client import PauseMode, PolicyClient
+from agentrl.inference.client import InferenceServerError, PauseMode, PolicyClient
 from agentrl.types import SamplingParams
 
 __all__ = [
@@ -218,9 +218,8 @@ class PushReport:
         lines = [f"weight push of version {self.version} ({self.transport}):"]
         for s in self.servers.values():
             state = "ok" if s.ok else f"FAILED at {s.stage}: {s.error}"
-            lines.append(
-                f"  {s.url}: on version {s.version}, {'PAUSED' if s.paused else 'serving'}, {state}"
-            )
+            serving = "PAUSED" if s.paused else "unreachable" if s.version is None else "serving"
+            lines.append(f"  {s.url}: on version {s.version}, {serving}, {state}")
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:
@@ -281,7 +280,9 @@ class CheckpointEngine:
         """
         t0 = time.perf_counter()
         report = PushReport(version=version, transport=self.transport.name)
-        staged = self.transport.stage(state_dict, version)
+        # Serialized in a thread: a 100M-parameter model takes about a second, and the event
+        # loop (agent loops, other servers' requests) keeps running meanwhile.
+        staged = await asyncio.to_thread(self.transport.stage, state_dict, version)
         report.num_bytes = staged.num_bytes
         report.stage_seconds = time.perf_counter() - t0
         statuses = await asyncio.gather(*(self._push_one(c, staged) for c in self.clients))
@@ -297,10 +298,14 @@ class CheckpointEngine:
     async def _push_one(self, client: PolicyClient, staged: StagedWeights) -> ServerPushStatus:
         status = ServerPushStatus(url=client.base_url)
         t0 = time.perf_counter()
+        pause_sent = False
         paused = False
         try:
             async with asyncio.timeout(self.push_timeout_s):
                 status.stage = "pause"
+                # A pause whose answer is lost (timeout, dropped connection) may still take
+                # effect on the server, so the resume below runs once the pause was sent.
+                pause_sent = True
                 await client.pause(self.pause_mode)
                 paused = True
                 status.stage = "transfer"
@@ -314,14 +319,18 @@ class CheckpointEngine:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            if paused:
+            if pause_sent:
                 try:
                     await asyncio.wait_for(client.resume(), timeout=30.0)
                 except Exception as exc:
-                    status.paused = True
-                    status.error = (status.error + "; " if status.error else "") + (
-                        f"resume failed: {type(exc).__name__}: {exc}"
-                    )
+                    # An unreachable server (dead, or never reached by the pause) is reported
+                    # as unreachable below (version None), not as paused.
+                    gone = isinstance(exc, InferenceServerError) and exc.connection_failed
+                    status.paused = paused and not gone
+                    if paused:
+                        status.error = (status.error + "; " if status.error else "") + (
+                            f"resume failed: {type(exc).__name__}: {exc}"
+                        )
             try:
                 status.version = await asyncio.wait_for(client.weight_version(), timeout=10.0)
             except Exception:

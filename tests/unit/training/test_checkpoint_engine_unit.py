@@ -1,0 +1,320 @@
+"""CheckpointEngine unit tests: the transports (staging, atomic version dirs, cleanup, bytes),
+``make_transport``, the report, and the push procedure against the scripted fake server
+(``tests/fakes.py``). Real servers are in ``tests/integration/test_checkpoint_engine.py``."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+
+from agentrl.inference.client import PolicyClient
+from agentrl.training.checkpoint_engine import (
+    CheckpointEngine,
+    HttpStreamTransport,
+    PushReport,
+    ServerPushStatus,
+    SharedDirTransport,
+    StagedWeights,
+    WeightPushError,
+    make_transport,
+)
+from tests.fakes import FakeInferenceServer
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model.embed_tokens.weight": torch.randn(16, 8, generator=g),
+        "model.norm.weight": torch.ones(8),
+        "lm_head.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+    }
+
+
+def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype, k
+        assert torch.equal(a[k], b[k]), k
+
+
+# ---- transports -------------------------------------------------------------------------------
+
+
+def test_shared_dir_stage_writes_one_complete_version_dir(tmp_path: Path) -> None:
+    transport = SharedDirTransport(tmp_path / "w")
+    state = _state()
+    staged = transport.stage(state, 3)
+    assert staged.version == 3
+    assert staged.path == tmp_path / "w" / "v3"
+    assert staged.data is None
+    file = tmp_path / "w" / "v3" / "model.safetensors"
+    assert staged.num_bytes == file.stat().st_size > 0
+    _assert_same(load_file(str(file)), state)
+    # Nothing half-written is left next to it.
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["v3"]
+
+
+def test_shared_dir_restaging_a_version_replaces_it_and_clears_a_crashed_tmp(
+    tmp_path: Path,
+) -> None:
+    transport = SharedDirTransport(tmp_path)
+    transport.stage(_state(0), 5)
+    # A stage that crashed half-way leaves only its hidden tmp dir behind.
+    (tmp_path / ".v5.tmp").mkdir()
+    (tmp_path / ".v5.tmp" / "model.safetensors").write_bytes(b"garbage")
+    staged = transport.stage(_state(1), 5)
+    assert staged.path is not None
+    _assert_same(load_file(str(staged.path / "model.safetensors")), _state(1))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v5"]
+
+
+def test_shared_dir_stage_is_atomic_a_failed_write_keeps_the_old_version(tmp_path: Path) -> None:
+    transport = SharedDirTransport(tmp_path)
+    transport.stage(_state(0), 2)
+    bad = {"a": torch.zeros(2), "b": torch.zeros(4).as_strided((4,), (0,))}  # non-contiguous
+    with pytest.raises(ValueError, match="contiguous"):
+        transport.stage(bad, 2)
+    # The previous complete v2 was not replaced by a partial one.
+    _assert_same(load_file(str(tmp_path / "v2" / "model.safetensors")), _state(0))
+
+
+def test_shared_dir_cleanup_keeps_only_the_latest_version(tmp_path: Path) -> None:
+    transport = SharedDirTransport(tmp_path)
+    for v in (1, 2, 3):
+        transport.stage(_state(v), v)
+    (tmp_path / "unrelated.txt").write_text("kept")
+    transport.cleanup(keep_version=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["unrelated.txt", "v3"]
+    transport.remove()
+    assert not tmp_path.exists()
+
+
+def test_shared_dir_default_root_is_tmpfs_when_available() -> None:
+    transport = SharedDirTransport()
+    try:
+        assert transport.root.is_dir()
+        assert transport.root.name.startswith("agentrl-weights-")
+        if Path("/dev/shm").is_dir():
+            assert transport.root.parent == Path("/dev/shm")
+    finally:
+        transport.remove()
+
+
+def test_http_stage_bytes_load_back_to_identical_tensors() -> None:
+    state = _state(7)
+    staged = HttpStreamTransport().stage(state, 9)
+    assert staged.version == 9
+    assert staged.path is None
+    assert staged.data is not None
+    assert staged.num_bytes == len(staged.data)
+    _assert_same(load(staged.data), state)
+
+
+def test_both_transports_move_the_same_bytes(tmp_path: Path) -> None:
+    state = _state(2)
+    http = HttpStreamTransport().stage(state, 1)
+    shared = SharedDirTransport(tmp_path).stage(state, 1)
+    assert shared.path is not None
+    assert (shared.path / "model.safetensors").read_bytes() == http.data
+
+
+def test_make_transport_builds_each_transport(tmp_path: Path) -> None:
+    shared = make_transport("shared_dir", shared_dir=tmp_path / "w")
+    assert isinstance(shared, SharedDirTransport)
+    assert shared.root == tmp_path / "w"
+    assert isinstance(make_transport("http"), HttpStreamTransport)
+
+
+def test_make_transport_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"checkpoint\.transport='ftp'.*shared_dir.*http"):
+        make_transport("ftp")
+    with pytest.raises(NotImplementedError, match=r"checkpoint\.transport='nccl'.*GPU"):
+        make_transport("nccl")
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def test_report_describes_each_server_and_raises_when_one_failed() -> None:
+    report = PushReport(version=4, transport="http", num_bytes=100)
+    report.servers = {
+        "http://a": ServerPushStatus("http://a", stage="done", version=4, verify_max_abs_diff=2e-6),
+        "http://b": ServerPushStatus("http://b", stage="transfer", version=3, error="HTTP 400"),
+        "http://c": ServerPushStatus("http://c", stage="pause", version=None, error="refused"),
+    }
+    assert not report.ok
+    assert report.max_abs_diff == pytest.approx(2e-6)
+    text = report.describe()
+    assert "http://a: on version 4, serving, ok" in text
+    assert "http://b: on version 3, serving, FAILED at transfer: HTTP 400" in text
+    assert "http://c: on version None, unreachable, FAILED at pause" in text
+    metrics = report.metrics()
+    assert metrics["weight_sync/failed_servers"] == 2.0
+    assert metrics["weight_sync/bytes"] == 100.0
+    assert metrics["weight_sync/verify_max_abs_diff"] == pytest.approx(2e-6)
+    with pytest.raises(WeightPushError, match="http://b") as info:
+        report.raise_if_failed()
+    assert info.value.report is report
+
+
+def test_an_empty_report_is_not_ok() -> None:
+    assert not PushReport(version=1).ok
+
+
+# ---- the push procedure against scripted servers ----------------------------------------------
+
+
+def _clients(*fakes: FakeInferenceServer) -> list[PolicyClient]:
+    return [
+        PolicyClient(f.url, transport=f.transport(), max_retries=1, backoff_s=0.01) for f in fakes
+    ]
+
+
+class _FailingLoad(HttpStreamTransport):
+    """Raises in ``load`` for one URL (a trainer-side transfer failure) and records the server's
+    paused state while loading."""
+
+    def __init__(self, fail_url: str, fakes: list[FakeInferenceServer]) -> None:
+        self.fail_url = fail_url
+        self.fakes = fakes
+        self.paused_during_load: dict[str, bool] = {}
+
+    async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+        fake = next(f for f in self.fakes if f.url == client.base_url)
+        self.paused_during_load[client.base_url] = fake.paused
+        if client.base_url == self.fail_url:
+            raise OSError("transfer broke")
+        await super().load(client, staged)
+
+
+async def test_push_pauses_loads_resets_sets_version_and_resumes_in_order() -> None:
+    a, b = FakeInferenceServer("http://a", version=2), FakeInferenceServer("http://b", version=2)
+    engine = CheckpointEngine(_clients(a, b), HttpStreamTransport(), pause_mode="abort")
+    report = await engine.push(_state(), 3)
+    assert report.ok, report.describe()
+    assert report.transport == "http"
+    assert report.num_bytes > 0
+    for fake in (a, b):
+        assert fake.version == 3
+        assert not fake.paused
+        paths = [p for p, _ in fake.control_calls]
+        assert paths == [
+            "/pause",
+            "/update_weights",
+            "/reset_prefix_cache",
+            "/update_weight_version",
+            "/resume",
+        ]
+        assert fake.control_calls[0][1]["mode"] == "abort"
+    assert set(report.metrics()) >= {
+        "weight_sync/push_s",
+        "weight_sync/stage_s",
+        "weight_sync/bytes",
+        "weight_sync/failed_servers",
+    }
+
+
+async def test_a_failed_transfer_still_resumes_and_reports_the_old_version() -> None:
+    a, b = FakeInferenceServer("http://a", version=1), FakeInferenceServer("http://b", version=1)
+    transport = _FailingLoad("http://b", [a, b])
+    engine = CheckpointEngine(_clients(a, b), transport)
+    report = await engine.push(_state(), 2)
+    assert transport.paused_during_load == {"http://a": True, "http://b": True}
+    assert not report.ok
+    sa, sb = report.servers["http://a"], report.servers["http://b"]
+    assert sa.ok and sa.version == 2
+    assert sb.stage == "transfer" and sb.version == 1 and not sb.paused
+    assert sb.error is not None and "transfer broke" in sb.error
+    assert not a.paused and not b.paused
+    assert ("/resume", {}) in b.control_calls
+    with pytest.raises(WeightPushError, match=r"http://b: on version 1, serving, FAILED"):
+        report.raise_if_failed()
+
+
+async def test_an_unreachable_server_is_reported_unreachable_not_paused() -> None:
+    a, b = FakeInferenceServer("http://a"), FakeInferenceServer("http://b")
+    b.alive = False
+    engine = CheckpointEngine(_clients(a, b), HttpStreamTransport(), push_timeout_s=5)
+    report = await asyncio.wait_for(engine.push(_state(), 1), timeout=30)
+    sb = report.servers["http://b"]
+    assert sb.stage == "pause" and sb.version is None and not sb.paused
+    assert "unreachable" in report.describe()
+    assert report.servers["http://a"].ok and a.version == 1 and not a.paused
+
+
+async def test_a_hanging_transfer_is_bounded_by_push_timeout_and_resumed() -> None:
+    class Hang(HttpStreamTransport):
+        async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+            await asyncio.sleep(3600)
+
+    a = FakeInferenceServer("http://a")
+    engine = CheckpointEngine(_clients(a), Hang(), push_timeout_s=0.2)
+    report = await asyncio.wait_for(engine.push(_state(), 1), timeout=10)
+    status = report.servers["http://a"]
+    assert status.stage == "transfer" and "TimeoutError" in (status.error or "")
+    assert not a.paused and a.version == 0
+
+
+async def test_a_cancelled_push_still_resumes_the_server() -> None:
+    a = FakeInferenceServer("http://a")
+    loading = asyncio.Event()
+
+    class Slow(HttpStreamTransport):
+        async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+            loading.set()
+            await asyncio.sleep(3600)
+
+    engine = CheckpointEngine(_clients(a), Slow())
+    task = asyncio.create_task(engine.push(_state(), 1))
+    await asyncio.wait_for(loading.wait(), timeout=10)
+    assert a.paused
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not a.paused
+
+
+async def test_verify_compares_probe_logprobs_with_the_trainers_score() -> None:
+    # The fake answers every token with logprob -0.5.
+    a = FakeInferenceServer("http://a")
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def score(prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        seen.append((prompt_ids, token_ids))
+        return [-0.5 + 1e-6] * len(token_ids)
+
+    engine = CheckpointEngine(
+        _clients(a), HttpStreamTransport(), probe_prompt_ids=[5, 6], probe_tokens=3
+    )
+    report = await engine.push(_state(), 1, score=score)
+    assert report.ok
+    assert seen == [([5, 6], [7, 8, 9])]
+    assert report.max_abs_diff == pytest.approx(1e-6, abs=1e-9)
+    assert report.metrics()["weight_sync/verify_max_abs_diff"] == pytest.approx(1e-6, abs=1e-9)
+    probe = a.generate_requests[-1]["body"]
+    assert probe["temperature"] == 1.0 and probe["max_tokens"] == 3
+
+
+async def test_verify_mismatch_fails_loudly_and_async_score_is_awaited() -> None:
+    a = FakeInferenceServer("http://a")
+
+    async def score(prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        return [-0.4] * len(token_ids)
+
+    engine = CheckpointEngine(_clients(a), HttpStreamTransport(), verify_tolerance=1e-3)
+    report = await engine.push(_state(), 1, score=score)
+    status = report.servers["http://a"]
+    assert not report.ok and status.stage == "verify"
+    assert status.verify_max_abs_diff == pytest.approx(0.1)
+    with pytest.raises(WeightPushError, match=r"http://a.*verify.*verify_tolerance"):
+        report.raise_if_failed()
+    assert not a.paused
+
+
+def test_engine_needs_a_server() -> None:
+    with pytest.raises(ValueError, match="at least one server"):
+        CheckpointEngine([], HttpStreamTransport())
