@@ -188,7 +188,17 @@ def correction_pass(
         lr_c = torch.clamp(lr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) if clamped else lr
         em1 = None
         if ws_em1 is not None:
-            em1 = torch.exp(lr_c, out=ws_em1[:n_rows]).sub_(1.0)
+            rho = torch.exp(lr_c, out=ws_em1[:n_rows])  # ρ; exactly 1 on padding
+            if token_is:
+                # w = min(ρ, C) from ρ itself, not from ρ − 1 (which rounds tiny ρ to 0)
+                assert weights is not None
+                torch.clamp(rho, max=threshold, out=weights[r0:r1]).mul_(mask)
+                # float compare into scratch + sum: bool tensors are slow on CPU
+                truncated = torch.gt(rho, threshold, out=ws_tmp[:n_rows])
+                if threshold < 1.0:  # padding's ρ = 1 would count
+                    truncated.mul_(mask)
+                parts["n_trunc"].append(truncated.sum().to(_F64))
+            em1 = rho.sub_(1.0)  # ρ − 1, exactly 0 on padding
         if em1 is not None and (need_k3_rows or diag):
             em1_sum = em1.sum(dim=-1).to(_F64)
             block["em1_sum"] = em1_sum
@@ -210,18 +220,7 @@ def correction_pass(
         # --- IS weights (statistics over the original response mask) ---
         if weights is not None:
             w = weights[r0:r1]
-            if token_is:
-                assert em1 is not None
-                if threshold >= 1.0:
-                    # min(1 + em1, C) on valid tokens, 0 on padding (em1 == 0 there, mask adds 0)
-                    torch.clamp(em1, max=threshold - 1.0, out=w).add_(mask)
-                    # float compare into scratch + sum: bool tensors are slow on CPU
-                    truncated = torch.gt(em1, threshold - 1.0, out=ws_tmp[:n_rows])
-                else:
-                    torch.add(em1, 1.0, out=w).clamp_(max=threshold).mul_(mask)
-                    truncated = torch.gt(em1, threshold - 1.0, out=ws_tmp[:n_rows])
-                    truncated.mul_(mask)
-                parts["n_trunc"].append(truncated.sum().to(_F64))
+            if token_is:  # the weights were written right after exp above
                 flat_w = w.reshape(-1)
                 parts["w_sum"].append(flat_w.sum().to(_F64))
                 parts["w_sq"].append(torch.dot(flat_w, flat_w).to(_F64))
