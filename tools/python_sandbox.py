@@ -51,6 +51,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -74,7 +75,7 @@ logger = logging.getLogger(__name__)
 # sets the resource limits, installs the audit hook, then reads the user's code from stdin and
 # executes it as ``__main__``. Kept dependency-free: only builtin modules before the hook.
 _BOOTSTRAP = r"""
-import json, os, resource, sys, sysconfig, threading
+import json, os, resource, sys, sysconfig
 cfg = json.loads(sys.argv[1])
 sys.argv = ["<code>"]
 sys.dont_write_bytecode = True
@@ -90,14 +91,17 @@ os.open(os.devnull, os.O_RDONLY)
 sys.stdin = open(0, closefd=False)
 
 def _install(root, read_roots, max_forks, pid_ns):
-    import _posixsubprocess
+    # Everything the hook needs is bound here; no user code ever runs inside the hook (paths
+    # must be str/bytes/pathlib objects, so no user __fspath__ runs between check and use).
+    import _posixsubprocess, pathlib, socket
     def _no_spawn(*a, **k):
-        raise PermissionError("starting programs is disabled in the sandbox")
+        raise PermissionError("sandbox: starting programs is disabled")
     _posixsubprocess.fork_exec = _no_spawn
-    realpath, sep, fspath = os.path.realpath, os.sep, os.fspath
-    local = threading.local()
-    forks = [max_forks]
-    os.register_at_fork(after_in_child=lambda: forks.__setitem__(0, 0))
+    realpath, sep, fsdecode = os.path.realpath, os.sep, os.fsdecode
+    PATH_TYPES = (pathlib.PosixPath, pathlib.PurePosixPath)
+    AF_UNIX = socket.AF_UNIX
+    state = {"forks": max_forks, "busy": False}
+    os.register_at_fork(after_in_child=lambda: state.__setitem__("forks", 0))
     WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
     READ_OK = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/zero")
     READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob", "glob.glob/2", "os.getxattr",
@@ -116,64 +120,83 @@ def _install(root, read_roots, max_forks, pid_ns):
            "socket.gethostbyname_ex", "socket.getnameinfo", "http.client.connect",
            "urllib.Request", "ftplib.connect", "smtplib.connect", "telnetlib.Telnet.open",
            "webbrowser.open"}
+    # Introspection that could reach the hook's own frames and state.
+    DENY = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
+            "sys.settrace", "sys.setprofile", "sys.addaudithook", "resource.setrlimit",
+            "resource.prlimit", "os.setuid", "os.setgid"}
     BLOCKED_IMPORTS = {"ctypes", "_ctypes", "_posixsubprocess"}
+    SIMPLE = (int, float, type(None), tuple, bool)
 
-    def inside(path, roots):
-        if isinstance(path, int):
-            return True
-        p = realpath(fspath(path) if not isinstance(path, bytes) else os.fsdecode(path))
-        return any(p == r or p.startswith(r + sep) for r in roots)
+    def as_text(path):
+        t = type(path)
+        if t is str:
+            return path
+        if t is bytes:
+            return fsdecode(path)
+        if t in PATH_TYPES:
+            return str(path)
+        raise PermissionError(
+            f"sandbox: pass file paths as str, bytes or pathlib paths, not {t.__name__}")
 
     def check(path, write):
-        if path is None or isinstance(path, int):
+        text = as_text(path)
+        p = realpath(text)
+        if p == root or p.startswith(root + sep):
             return
-        if inside(path, (root,)):
-            return
-        if not write and (inside(path, read_roots) or
-                          realpath(os.fsdecode(fspath(path))) in READ_OK):
-            return
-        raise PermissionError(
-            f"sandbox: access to {os.fsdecode(fspath(path))!r} is outside the working directory")
+        if not write:
+            if p in READ_OK:
+                return
+            for r in read_roots:
+                if p == r or p.startswith(r + sep):
+                    return
+        raise PermissionError(f"sandbox: access to {text!r} is outside the working directory")
 
     def hook(event, args):
-        if getattr(local, "busy", False):
+        if state["busy"]:
             return
-        local.busy = True
-        try:
-            if event == "open":
-                path, mode, flags = (list(args) + [None, None, None])[:3]
-                write = bool(mode and any(c in mode for c in "wax+")) or bool(
-                    (flags or 0) & WRITE_FLAGS)
-                check(path, write)
-            elif event in FS_EVENTS:
-                write = event not in READ_EVENTS
-                for a in args:
-                    if isinstance(a, (str, bytes, os.PathLike)):
-                        check(a, write)
-            elif event in SPAWN:
-                raise PermissionError("sandbox: starting programs is disabled")
-            elif event == "os.fork":
-                if forks[0] <= 0:
-                    raise PermissionError(
-                        "sandbox: fork is disabled" if max_forks == 0 or not pid_ns
-                        else "sandbox: fork limit reached (children may not fork)")
-                forks[0] -= 1
-            elif event in ("os.kill", "os.killpg") and not pid_ns:
-                if args and args[0] not in (0, os.getpid()):
-                    raise PermissionError("sandbox: signalling other processes is disabled")
-            elif event == "socket.__new__":
-                import socket as _s
-                if len(args) > 1 and args[1] not in (getattr(_s, "AF_UNIX", 1),):
-                    raise PermissionError("sandbox: network access is disabled")
-            elif event in NET:
+        if event == "open":
+            path, mode, flags = args
+            if type(path) is int:
+                return
+            write = bool(mode and any(c in mode for c in "wax+")) or bool(
+                (flags or 0) & WRITE_FLAGS)
+            check(path, write)
+        elif event in FS_EVENTS:
+            write = event not in READ_EVENTS
+            for a in args:
+                if not isinstance(a, SIMPLE):
+                    check(a, write)
+        elif event in SPAWN:
+            raise PermissionError("sandbox: starting programs is disabled")
+        elif event == "os.fork":
+            if state["forks"] <= 0:
+                raise PermissionError(
+                    "sandbox: fork is disabled" if max_forks == 0 or not pid_ns
+                    else "sandbox: fork limit reached (children may not fork)")
+            state["forks"] -= 1
+        elif event in ("os.kill", "os.killpg") and not pid_ns:
+            if args and args[0] not in (0, os.getpid()):
+                raise PermissionError("sandbox: signalling other processes is disabled")
+        elif event == "socket.__new__":
+            if len(args) > 1 and args[1] != AF_UNIX:
                 raise PermissionError("sandbox: network access is disabled")
-            elif event == "import" and args and args[0] in BLOCKED_IMPORTS:
-                raise ImportError(f"sandbox: module {args[0]!r} is disabled")
-            elif event.startswith("ctypes.") or event in ("resource.setrlimit", "resource.prlimit",
-                                                          "sys.addaudithook", "os.setuid"):
-                raise PermissionError(f"sandbox: {event} is disabled")
-        finally:
-            local.busy = False
+        elif event in NET:
+            raise PermissionError("sandbox: network access is disabled")
+        elif event == "import" and args and args[0] in BLOCKED_IMPORTS:
+            raise ImportError(f"sandbox: module {args[0]!r} is disabled")
+        elif event in DENY or event.startswith("ctypes."):
+            raise PermissionError(f"sandbox: {event} is disabled")
+        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__code__":
+            raise PermissionError("sandbox: replacing a function's code is disabled")
+        elif event == "object.__getattr__" and len(args) > 1 and args[1] == "tb_frame":
+            # A traceback through the hook must not hand out the hook's frames.
+            state["busy"] = True
+            try:
+                name = args[0].tb_frame.f_code.co_filename
+            finally:
+                state["busy"] = False
+            if name == "<string>":
+                raise PermissionError("sandbox: the sandbox's own frames are hidden")
 
     sys.addaudithook(hook)
 
@@ -191,27 +214,12 @@ if cfg["audit"]:
             pass
     _install(os.path.realpath(os.getcwd()), tuple(sorted(_roots)), cfg["max_forks"],
              cfg["pid_ns"])
-del _install, cfg, json, resource, sysconfig, threading
-
-def _main(source):
-    import traceback
-    g = {"__name__": "__main__", "__builtins__": __builtins__}
-    try:
-        exec(compile(source, "<code>", "exec"), g)
-    except SystemExit:
-        raise
-    except BaseException as exc:
-        # Hide the sandbox's own frames (the bootstrap and the audit hook run as "<string>").
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != "<string>"]
-        sys.stderr.write("Traceback (most recent call last):\n")
-        sys.stderr.write("".join(traceback.format_list(frames)))
-        sys.stderr.write("".join(traceback.format_exception_only(type(exc), exc)))
-        sys.stderr.flush()
-        os._exit(1)
-    finally:
-        sys.stdout.flush()
-
-_main(code)
+del _install, cfg, json, resource, sysconfig
+_source = code
+del code
+# An uncaught exception is printed by the interpreter's C code (exit status 1); the parent
+# removes the sandbox's own "<string>" frames from it.
+exec(compile(_source, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
 _PROBE_LOCK = threading.Lock()
@@ -480,7 +488,7 @@ class PythonTool(Tool):
         )
 
     def _to_result(self, run: SandboxRun) -> ToolResult:
-        stdout, stderr = run.stdout, run.stderr
+        stdout, stderr = run.stdout, _hide_sandbox_frames(run.stderr)
         text = stdout
         if stderr:
             if text and not text.endswith("\n"):
@@ -532,6 +540,14 @@ _SIGNAL_HINTS: dict[int, str] = {
     signal.SIGXFSZ: "file size limit",
     signal.SIGSEGV: "crashed; often the memory limit",
 }
+
+
+_SANDBOX_FRAME = re.compile(r'^  File "<string>", line \d+, in .*\n', re.MULTILINE)
+
+
+def _hide_sandbox_frames(stderr: str) -> str:
+    """Drop the bootstrap's and the audit hook's traceback lines (they run as ``<string>``)."""
+    return _SANDBOX_FRAME.sub("", stderr)
 
 
 def _signal_name(signum: int) -> str:

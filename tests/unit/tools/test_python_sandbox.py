@@ -358,3 +358,65 @@ def test_constructor_checks():
         PythonTool(memory_mb=1)
     schema = PythonTool().schema()["function"]
     assert schema["name"] == "python" and schema["parameters"]["required"] == ["code"]
+
+
+_TAMPER = """
+import gc, os, sys, traceback
+
+class Sneaky:  # a path that looks inside the first time and outside the second
+    calls = 0
+    def __fspath__(self):
+        Sneaky.calls += 1
+        return 'inside.txt' if Sneaky.calls % 2 else '/etc/passwd'
+
+attempts = {
+    "pathlike": lambda: os.remove(Sneaky()),  # os.* audits the object, not the str
+    "gc": lambda: gc.get_objects(),
+    "settrace": lambda: sys.settrace(lambda *a: None),
+    "code": lambda: setattr(attempts["gc"], "__code__", (lambda: 1).__code__),
+}
+open('inside.txt', 'w').write('fine')
+print(open(Sneaky()).read())  # open() converts once, then audits the str it opens
+for name, attempt in attempts.items():
+    try:
+        attempt(); print(name, "ALLOWED")
+    except PermissionError as e:
+        print(name, "blocked")
+try:
+    open('/etc/passwd')
+except PermissionError as e:
+    tb = e.__traceback__
+    try:
+        while tb is not None:
+            frame = tb.tb_frame
+            tb = tb.tb_next
+        print("frames ALLOWED")
+    except PermissionError:
+        print("frames blocked")
+try:
+    1 / 0
+except ZeroDivisionError:
+    traceback.print_exc(file=sys.stdout)  # ordinary tracebacks still work
+"""
+
+
+async def test_hook_resists_simple_tampering():
+    r = await PythonTool().run(_TAMPER)
+    lines = r.content.splitlines()
+    assert lines[:6] == [
+        "fine",
+        "pathlike blocked",
+        "gc blocked",
+        "settrace blocked",
+        "code blocked",
+        "frames blocked",
+    ], r.content
+    assert lines[-1] == "ZeroDivisionError: division by zero"
+    assert not r.error
+
+
+async def test_output_before_an_exception_is_kept():
+    r = await PythonTool().run("print('before')\nraise ValueError('bad input')")
+    assert r.error
+    assert r.content.startswith("before\nTraceback (most recent call last):\n")
+    assert r.content.rstrip().endswith("ValueError: bad input")
