@@ -1,0 +1,330 @@
+"""The trainable policy: log-probs of response tokens, and the PPO-style update.
+
+Why it exists: the trainer's correctness hinges on computing exactly the quantity the inference
+servers report. :meth:`Actor.compute_log_probs` uses the servers' convention (DESIGN section 3):
+log-softmax of ``logits / temperature`` at the position *before* each response token, no
+top-k/top-p mask.
+
+Guarantees:
+
+- Micro-batches are packed by a token budget (``micro_batch_max_tokens``) and trimmed to their
+  own padded length; losses are aggregated with the *mini-batch's* token/sequence counts, so
+  gradient accumulation gives the full mini-batch gradient whatever the packing.
+- float32 on CPU; bf16 weights on GPU with the log-softmax in float32.
+- Any local Hugging Face causal-LM directory loads (``AutoModelForCausalLM``).
+- ``state_dict_for_push()`` returns contiguous CPU tensors under the Hugging Face parameter
+  names, so the same file serves the embedded server and vLLM's ``reload_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tensordict import TensorDict
+
+from agentrl.algos import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logprobs_from_logits,
+    policy_loss,
+)
+from agentrl.batch import merge_micro_batches, split_by_token_budget
+
+__all__ = ["Actor", "ActorConfig", "FrozenPolicy"]
+
+
+@dataclass
+class ActorConfig:
+    """The optimizer and loss settings the actor needs (filled from ``ExperimentConfig``)."""
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    lr_schedule: str = "constant"
+    temperature: float = 1.0
+    micro_batch_max_tokens: int = 4096
+    ppo_epochs: int = 1
+    mini_batch_size: int | None = None
+    policy_loss: str = "vanilla"
+    loss_agg_mode: str = "token-mean"
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
+            dtype
+        ]
+    except KeyError:
+        raise ValueError(
+            f"model.dtype={dtype!r}; use 'auto', 'float32', 'bfloat16' or 'float16'"
+        ) from None
+
+
+def load_causal_lm(
+    model_dir: str | Path, *, device: torch.device, dtype: torch.dtype, trust_remote_code: bool
+) -> Any:
+    """``AutoModelForCausalLM`` on ``device`` (typed Any: transformers' stubs are partial)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, trust_remote_code=trust_remote_code
+    )
+    module: Any = model  # transformers' stubs mistype .to() on pretrained models
+    return module.to(device)
+
+
+class FrozenPolicy:
+    """A causal LM used only for log-probs: the reference policy for KL, and the base of Actor."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        temperature: float = 1.0,
+        micro_batch_max_tokens: int = 4096,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> None:
+        self.temperature = temperature
+        self.micro_batch_max_tokens = micro_batch_max_tokens
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = load_causal_lm(
+            model_dir, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code
+        )
+        # Dropout off: the recomputed π_old must equal the π_θ of the first update step.
+        self.model.eval()
+
+    # ---- forward ------------------------------------------------------------------------
+    def _forward(
+        self, mb: TensorDict, *, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs ``[b, R]`` (and entropy ``[b, R]``) of the micro-batch's response tokens."""
+        input_ids = mb["input_ids"].to(self.device)
+        attention_mask = mb["attention_mask"].to(self.device)
+        position_ids = mb["position_ids"].to(self.device)
+        responses = mb["responses"].to(self.device)
+        prompt_len = mb["prompts"].shape[1]
+        resp_len = responses.shape[1]
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).logits
+        logits = logits[:, prompt_len - 1 : prompt_len - 1 + resp_len].float()
+        logp = logprobs_from_logits(logits, responses, temperature=self.temperature)
+        entropy = None
+        if with_entropy:
+            entropy = entropy_from_logits(logits / self.temperature)
+        return logp, entropy
+
+    def _micro_batches(self, batch: TensorDict) -> tuple[list[TensorDict], list[list[int]]]:
+        return split_by_token_budget(batch, max(1, self.micro_batch_max_tokens))
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
+        """π of every response token under the current weights, ``[B, R]`` float32 (0 on padding)."""
+        was_training = self.model.training
+        self.model.eval()
+        resp_len = batch["responses"].shape[1]
+        micro, indices = self._micro_batches(batch)
+        outputs = [self._forward(mb, with_entropy=False)[0].cpu() for mb in micro]
+        self.model.train(was_training)
+        if not outputs:
+            return torch.zeros(0, resp_len)
+        out = merge_micro_batches(outputs, indices, width=resp_len)
+        return out * batch["response_mask"].float()
+
+
+class Actor(FrozenPolicy):
+    """A Hugging Face causal LM with AdamW, warmup + constant/cosine LR, and the policy update."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        config: ActorConfig,
+        *,
+        device: str = "auto",
+        dtype: str = "auto",
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__(
+            model_dir,
+            temperature=config.temperature,
+            micro_batch_max_tokens=config.micro_batch_max_tokens,
+            device=device,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+        )
+        self.config = config
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=config.lr,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        self.global_step = 0
+
+    # ---- learning-rate schedule ---------------------------------------------------------
+    def _lr_lambda(self, step: int) -> float:
+        c = self.config
+        if c.warmup_steps > 0 and step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.lr_schedule == "constant":
+            return 1.0
+        if c.lr_schedule == "cosine":
+            span = max(1, c.total_steps - c.warmup_steps)
+            progress = min(1.0, (step - c.warmup_steps) / span)
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        raise ValueError(f"trainer.lr_schedule={c.lr_schedule!r}; use 'constant' or 'cosine'")
+
+    # ---- update -------------------------------------------------------------------------
+    def update(self, batch: TensorDict) -> dict[str, float]:
+        """PPO epochs over mini-batches; one optimizer step per mini-batch.
+
+        ``batch`` must hold ``old_log_probs`` (π_old, or π_rollout in bypass mode),
+        ``advantages``, ``response_mask`` (after rejection sampling) and optionally
+        ``rollout_is_weights`` and ``ref_log_prob``.
+        """
+        c = self.config
+        n = batch.batch_size[0]
+        mini = c.mini_batch_size or n
+        resp_width = batch["responses"].shape[1]
+        sums: dict[str, float] = {}
+        counts: dict[str, int] = {}
+
+        def acc(key: str, value: float) -> None:
+            sums[key] = sums.get(key, 0.0) + float(value)
+            counts[key] = counts.get(key, 0) + 1
+
+        for _ in range(c.ppo_epochs):
+            for start in range(0, n, mini):
+                mb_full = batch[start : start + mini]
+                mask = mb_full["response_mask"].float()
+                global_tokens = mask.sum().item()
+                global_seqs = (mask.sum(dim=1) > 0).sum().item()
+                self.optimizer.zero_grad(set_to_none=True)
+                micro, _ = self._micro_batches(mb_full)
+                for mb in micro:
+                    logp, entropy = self._forward(mb, with_entropy=True)
+                    m = mb["response_mask"].to(self.device).float()
+                    kwargs = dict(c.loss_kwargs)
+                    # Micro-batches are trimmed to their own width: seq-mean-token-sum-norm
+                    # needs one constant divisor for all of them (the batch's response width).
+                    kwargs.setdefault("loss_scale_factor", float(resp_width))
+                    if "rollout_is_weights" in mb and c.policy_loss != "bypass":
+                        kwargs["rollout_is_weights"] = mb["rollout_is_weights"].to(self.device)
+                    pg_loss, pg_metrics = policy_loss(
+                        c.policy_loss,
+                        mb["old_log_probs"].to(self.device),
+                        logp,
+                        mb["advantages"].to(self.device),
+                        m,
+                        loss_agg_mode=c.loss_agg_mode,
+                        global_tokens=global_tokens,
+                        global_seqs=global_seqs,
+                        **kwargs,
+                    )
+                    loss = pg_loss
+                    assert entropy is not None
+                    ent = agg_loss(
+                        entropy,
+                        m,
+                        c.loss_agg_mode,
+                        global_tokens=global_tokens,
+                        global_seqs=global_seqs,
+                        loss_scale_factor=float(resp_width),
+                    )
+                    if c.entropy_coeff:
+                        loss = loss - c.entropy_coeff * ent
+                    if c.use_kl_loss and "ref_log_prob" in mb:
+                        kl_mat = kl_penalty(
+                            logp, mb["ref_log_prob"].to(self.device), c.kl_loss_type
+                        )
+                        kl = agg_loss(
+                            kl_mat,
+                            m,
+                            c.loss_agg_mode,
+                            global_tokens=global_tokens,
+                            global_seqs=global_seqs,
+                            loss_scale_factor=float(resp_width),
+                        )
+                        loss = loss + c.kl_loss_coef * kl
+                        acc("actor/kl_loss", kl.item())
+                    loss.backward()
+                    acc("actor/pg_loss", pg_loss.item())
+                    acc("actor/entropy", ent.item())
+                    for k, v in pg_metrics.items():
+                        acc(f"actor/{k}", v)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+                if not torch.isfinite(grad_norm):
+                    self.optimizer.zero_grad(set_to_none=True)
+                    acc("actor/skipped_nonfinite_grad", 1.0)
+                else:
+                    self.optimizer.step()
+                acc("actor/grad_norm", float(grad_norm))
+        self.scheduler.step()
+        self.global_step += 1
+        metrics = {k: sums[k] / counts[k] for k in sums}
+        # pg_loss and entropy were accumulated per micro-batch with global normalizers: their
+        # per-mini-batch value is the *sum* over micro-batches, so report sums per mini-batch.
+        for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+            if key in sums:
+                n_mini = c.ppo_epochs * math.ceil(n / mini)
+                metrics[key] = sums[key] / max(1, n_mini)
+        metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        return metrics
+
+    # ---- weights ------------------------------------------------------------------------
+    def state_dict_for_push(self) -> dict[str, torch.Tensor]:
+        """Hugging Face-named, contiguous CPU tensors (tied weights appear once)."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for name, tensor in self.model.state_dict().items():
+            key = tensor.data_ptr()
+            if key in seen:
+                continue
+            seen.add(key)
+            out[name] = tensor.detach().to("cpu").contiguous()
+        return out
+
+    def save_pretrained(self, out_dir: str | Path) -> None:
+        self.model.save_pretrained(str(out_dir), safe_serialization=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "global_step": self.global_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.global_step = int(state["global_step"])

@@ -1,0 +1,111 @@
+"""Actor: log-probs by the servers' convention, micro-batching invariance, and the update."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from agentrl.batch import trajectories_to_batch
+from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
+from agentrl.types import StopReason, Trajectory
+
+PAD = 256
+
+
+def _trajectories(n: int, seed: int = 0) -> list[Trajectory]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = rng.randint(3, 9)
+        r = rng.randint(2, 12)
+        mask = [1 if rng.random() < 0.7 else 0 for _ in range(r)]
+        mask[0] = 1
+        out.append(
+            Trajectory(
+                prompt_ids=[rng.randrange(256) for _ in range(p)],
+                response_ids=[rng.randrange(256) for _ in range(r)],
+                loss_mask=mask,
+                rollout_logprobs=[-1.0 if m else 0.0 for m in mask],
+                policy_version=[0 if m else -1 for m in mask],
+                uid=f"g{i // 2}",
+                index=i % 2,
+                reward=float(i % 2),
+                stop_reason=StopReason.EOS,
+            )
+        )
+    return out
+
+
+def _reference_logprobs(model_dir: Path, traj: Trajectory, temperature: float) -> list[float]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([traj.prompt_ids + traj.response_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    p = len(traj.prompt_ids)
+    return [logp[p - 1 + t, tok].item() for t, tok in enumerate(traj.response_ids)]
+
+
+@pytest.mark.parametrize("budget", [16, 10_000])
+def test_log_probs_match_unpadded_forward(tiny_model_dir: Path, budget: int) -> None:
+    trajs = _trajectories(5)
+    batch = trajectories_to_batch(trajs, pad_token_id=PAD)
+    policy = FrozenPolicy(
+        tiny_model_dir, temperature=0.7, micro_batch_max_tokens=budget, device="cpu"
+    )
+    logp = policy.compute_log_probs(batch)
+    assert logp.shape == batch["responses"].shape
+    for row, traj in enumerate(trajs):
+        ref = _reference_logprobs(tiny_model_dir, traj, 0.7)
+        got = logp[row, : len(ref)]
+        mask = torch.tensor(traj.loss_mask, dtype=torch.float32)
+        torch.testing.assert_close(got, torch.tensor(ref) * mask, atol=1e-5, rtol=0)
+        assert torch.all(logp[row, len(ref) :] == 0)
+
+
+def _prepared_batch(actor: Actor, trajs: list[Trajectory]):
+    batch = trajectories_to_batch(trajs, pad_token_id=PAD)
+    batch["old_log_probs"] = actor.compute_log_probs(batch)
+    rewards = torch.tensor([t.reward for t in trajs])
+    adv = (rewards - rewards.mean())[:, None] * batch["response_mask"].float()
+    batch["advantages"] = adv
+    return batch
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
+def test_gradient_accumulation_matches_full_batch(tiny_model_dir: Path, mode: str) -> None:
+    trajs = _trajectories(6, seed=1)
+    grads = []
+    for budget in (12, 100_000):
+        cfg = ActorConfig(lr=1e-3, micro_batch_max_tokens=budget, loss_agg_mode=mode, grad_clip=1e9)
+        actor = Actor(tiny_model_dir, cfg, device="cpu")
+        batch = _prepared_batch(actor, trajs)
+        actor.update(batch)
+        grads.append(
+            torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None])
+        )
+    assert grads[0].abs().sum() > 0
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_update_raises_logprob_of_positive_advantage_tokens(tiny_model_dir: Path) -> None:
+    trajs = _trajectories(4, seed=2)
+    actor = Actor(tiny_model_dir, ActorConfig(lr=3e-3, ppo_epochs=4), device="cpu")
+    batch = _prepared_batch(actor, trajs)
+    before = batch["old_log_probs"].clone()
+    metrics = actor.update(batch)
+    after = actor.compute_log_probs(batch)
+    mask = batch["response_mask"].float()
+    adv = batch["advantages"]
+    gain = ((after - before) * torch.sign(adv) * mask).sum() / mask.sum()
+    assert gain > 0, gain
+    for key in ("actor/pg_loss", "actor/entropy", "actor/grad_norm", "actor/lr", "actor/ppo_kl"):
+        assert key in metrics, sorted(metrics)
+    pushed = actor.state_dict_for_push()
+    assert set(pushed) == set(actor.model.state_dict())
+    assert all(t.device.type == "cpu" and t.is_contiguous() for t in pushed.values())
