@@ -195,6 +195,9 @@ def create_app(
     Gauge("agentrl_weight_version", "Current weight version", registry=registry).set_function(
         lambda: engine.weight_version
     )
+    Gauge(
+        "agentrl_decode_steps", "Batched decode steps run so far", registry=registry
+    ).set_function(lambda: engine.stats["decode_steps"])
     Gauge("agentrl_is_paused", "1 while generation is paused", registry=registry).set_function(
         lambda: float(engine.is_paused)
     )
