@@ -83,9 +83,7 @@ def main() -> None:
     )
 
     def full() -> object:
-        return correction.apply_correction(
-            config, train - rollout, mask, rollout_log_probs=rollout
-        )
+        return correction.apply_correction(config, train - rollout, mask, rollout_log_probs=rollout)
 
     def reference() -> object:
         return torch.addcmul(train, rollout, mask)

@@ -42,7 +42,12 @@ def is_weights(
                     w[b, t] = seq_ws[-1]
     if normalize:
         if level == "token":
-            valid = [float(w[b, t]) for b in range(w.shape[0]) for t in range(w.shape[1]) if mask[b, t] > 0]
+            valid = [
+                float(w[b, t])
+                for b in range(w.shape[0])
+                for t in range(w.shape[1])
+                if mask[b, t] > 0
+            ]
             mean = sum(valid) / len(valid)
         else:
             mean = sum(seq_ws) / len(seq_ws)
@@ -99,14 +104,18 @@ def diagnostics(train: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) 
     train_ppl = [math.exp(-mean(tr_rows[i])) for i in seqs]
     rollout_ppl = [math.exp(-mean(ro_rows[i])) for i in seqs]
     diff = [mean(ro_rows[i]) - mean(tr_rows[i]) for i in seqs]
-    return {
-        "kl": mean([-x for x in tokens]),
-        "k3_kl": mean([math.exp(x) - 1 - x for x in tokens]),
-        "training_ppl": mean(train_ppl),
-        "rollout_ppl": mean(rollout_ppl),
-        "log_ppl_diff": mean(diff),
-        "log_ppl_abs_diff": mean([abs(d) for d in diff]),
-        "ppl_ratio": mean([math.exp(d) for d in diff]),
-        "chi2_token": mean([math.exp(2 * x) for x in tokens]) - 1.0,
-        "chi2_seq": mean([math.exp(2 * _clamp(sum(lr_rows[i]))) for i in seqs]) - 1.0,
-    } if n else {}
+    return (
+        {
+            "kl": mean([-x for x in tokens]),
+            "k3_kl": mean([math.exp(x) - 1 - x for x in tokens]),
+            "training_ppl": mean(train_ppl),
+            "rollout_ppl": mean(rollout_ppl),
+            "log_ppl_diff": mean(diff),
+            "log_ppl_abs_diff": mean([abs(d) for d in diff]),
+            "ppl_ratio": mean([math.exp(d) for d in diff]),
+            "chi2_token": mean([math.exp(2 * x) for x in tokens]) - 1.0,
+            "chi2_seq": mean([math.exp(2 * _clamp(sum(lr_rows[i]))) for i in seqs]) - 1.0,
+        }
+        if n
+        else {}
+    )

@@ -85,7 +85,7 @@ def test_bf16_input_is_computed_in_float32() -> None:
 
 
 def test_invalid_level_and_threshold_name_the_argument() -> None:
-    with pytest.raises(ValueError, match="level='tokens'.*token"):
+    with pytest.raises(ValueError, match=r"level='tokens'.*token"):
         is_weights(LR, MASK, "tokens")
     with pytest.raises(ValueError, match="threshold must be a finite number > 0"):
         is_weights(LR, MASK, "token", threshold=0.0)
