@@ -1,7 +1,7 @@
 """Input validation, the log-ratio bound and metric conversion shared by the correction modules.
 
 Guarantees:
-- Values at padding positions (``response_mask == 0``) are never read: they may be NaN or ±inf.
+- Values at padding positions (``response_mask == 0``) never affect a result: they may be NaN or ±inf.
 - A non-finite value at a response position raises ``ValueError`` naming the tensor and the first
   bad ``[b, t]`` (see ``check_finite``).
 - The log-ratio is clamped to ``[-LOG_RATIO_BOUND, LOG_RATIO_BOUND]`` wherever it is exponentiated
