@@ -35,6 +35,8 @@ session are serialized (a per-session lock); sessions run concurrently.
 from __future__ import annotations
 
 import asyncio
+import copy
+import dataclasses
 import json
 import socket
 import time
@@ -176,6 +178,14 @@ class _Session:
     prefix_breaks: int = 0
 
 
+def _draft(seg: _Segment) -> _Segment:
+    """A copy of ``seg`` that can be extended without touching ``seg``."""
+    rec = copy.copy(seg.recorder)
+    for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "policy_version"):
+        setattr(rec, name, list(getattr(seg.recorder, name)))
+    return dataclasses.replace(seg, recorder=rec, tool_calls=dict(seg.tool_calls))
+
+
 class ProxyRecorder:
     """The proxy's logic without HTTP: sessions, segments, generation, OpenAI responses.
 
@@ -297,9 +307,7 @@ class ProxyRecorder:
         }
 
     # ---- recording --------------------------------------------------------------------------
-    def _new_segment(
-        self, session: _Session, messages: list[Message], tools: list | None
-    ) -> _Segment:
+    def _new_segment(self, messages: list[Message], tools: list | None) -> _Segment:
         try:
             recorder = EpisodeRecorder.from_messages(
                 messages,
@@ -310,10 +318,7 @@ class ProxyRecorder:
             )
         except ValueError as exc:  # template errors, empty renders
             raise ProxyError(400, f"cannot render the messages: {exc}", param="messages") from exc
-        seg = _Segment(recorder=recorder, tools_key=_tools_key(tools))
-        session.segments.append(seg)
-        self._counts["segments"] += 1
-        return seg
+        return _Segment(recorder=recorder, tools_key=_tools_key(tools))
 
     def _continue(self, seg: _Segment, messages: list[Message], tools: list | None) -> bool:
         """Append the new part of ``messages`` to ``seg`` if it continues it; else False."""
@@ -384,14 +389,23 @@ class ProxyRecorder:
         session = self._session(session_id)
         async with session.lock:
             self._counts["requests"] += 1
-            seg = session.segments[-1] if session.segments else None
-            if seg is None:
-                seg = self._new_segment(session, messages, tools)
-            elif not self._continue(seg, messages, tools):
-                session.prefix_breaks += 1
-                self._counts["prefix_breaks"] += 1
-                seg = self._new_segment(session, messages, tools)
-            return await self._generate(session, seg, messages, req)
+            # Work on a draft and commit it only once the generation succeeded: a failed or
+            # cancelled request (which the client may retry) leaves the session untouched.
+            current = session.segments[-1] if session.segments else None
+            draft = _draft(current) if current is not None else None
+            continued = draft is not None and self._continue(draft, messages, tools)
+            if draft is None or not continued:
+                draft = self._new_segment(messages, tools)
+            completion = await self._generate(session, draft, messages, req)
+            if continued:
+                session.segments[-1] = draft
+            else:
+                if current is not None:
+                    session.prefix_breaks += 1
+                    self._counts["prefix_breaks"] += 1
+                session.segments.append(draft)
+                self._counts["segments"] += 1
+            return completion
 
     async def _generate(
         self, session: _Session, seg: _Segment, messages: list[Message], req: ChatCompletionRequest
@@ -417,8 +431,9 @@ class ProxyRecorder:
                     502, f"the policy failed to generate: {type(exc).__name__}: {exc}"
                 ) from exc
             seg.generate_s += time.perf_counter() - start
+            before = len(rec.response_ids)
             rec.add_generation(gen)
-            kept = min(len(gen.token_ids), len(rec.response_ids))  # a budget cut may drop the tail
+            kept = len(rec.response_ids) - before  # a budget cut may drop the tail
             token_ids, logprobs = list(gen.token_ids[:kept]), list(gen.logprobs[:kept])
             eot = self._eot_ids()
             seg.turn_closed = token_ids[-len(eot) :] == eot

@@ -43,10 +43,12 @@ class ScriptedTextPolicy:
         self.version = version
         self.requests: list[tuple[list[int], SamplingParams, str | None]] = []
         self.fail = False
+        self.fail_next = 0
 
     async def generate(self, prompt_ids, sampling, session_id=None) -> Generation:
         self.requests.append((list(prompt_ids), sampling, session_id))
-        if self.fail:
+        if self.fail or self.fail_next > 0:
+            self.fail_next -= 1
             raise RuntimeError("server exploded")
         reply = self.replies.pop(0)
         text, finish = reply if isinstance(reply, tuple) else (reply, "stop")
@@ -300,3 +302,35 @@ async def test_create_proxy_app_in_process(tok):
         assert r.status_code == 200 and r.json()["model"] == "tiny"
     (traj,) = app.state.recorder.finish("a")
     assert traj.num_sampled_tokens == 3
+
+
+async def test_a_failed_request_leaves_the_session_untouched_for_the_retry(tok):
+    def run_episode(policy, proxy, retries):
+        async def go():
+            client = AsyncOpenAI(
+                base_url=proxy.session_url("s"), api_key="unused", max_retries=retries
+            )
+            _CLIENTS.append(client)
+            msgs: list[Any] = [{"role": "user", "content": "q"}]
+            r1 = await client.chat.completions.create(model="m", messages=msgs, tools=[CALC_TOOL])
+            msgs += [r1.choices[0].message.model_dump(), {"role": "tool", "content": "5"}]
+            policy.fail_next = 1 if retries else 0  # the second request fails once, then succeeds
+            await client.chat.completions.create(model="m", messages=msgs, tools=[CALC_TOOL])
+            return proxy.finish("s")
+
+        return go()
+
+    clean_policy = ScriptedTextPolicy(tok, [CALL_TEXT, "\\boxed{5}"])
+    async with RecordingProxy(clean_policy, tok) as proxy:
+        (clean,) = await run_episode(clean_policy, proxy, retries=0)
+    flaky_policy = ScriptedTextPolicy(tok, [CALL_TEXT, "\\boxed{5}"])
+    async with RecordingProxy(flaky_policy, tok) as proxy:
+        (retried,) = await run_episode(flaky_policy, proxy, retries=1)
+        assert proxy.metrics()["proxy/errors"] == 1.0
+        assert proxy.metrics()["proxy/prefix_breaks"] == 0.0
+    assert (
+        len(flaky_policy.requests) == 3
+        and flaky_policy.requests[1][0] == flaky_policy.requests[2][0]
+    )
+    for name in ("prompt_ids", "response_ids", "loss_mask", "rollout_logprobs", "policy_version"):
+        assert getattr(retried, name) == getattr(clean, name), name
