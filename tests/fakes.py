@@ -43,6 +43,8 @@ class FakeInferenceServer:
         self.generate_requests: list[dict[str, Any]] = []
         self.completed: list[dict[str, Any]] = []
         self.control_calls: list[tuple[str, Any]] = []
+        self.paths: list[str] = []
+        """Every path requested, in order (including health and probes)."""
         self.gate = asyncio.Event()
         self.gate.set()
         self.bump_version_during_generate = False
@@ -65,6 +67,7 @@ class FakeInferenceServer:
         if not self.alive:
             raise httpx.ConnectError("connection refused (fake server is down)", request=request)
         path = request.url.path
+        self.paths.append(path)
         is_json = request.headers.get("content-type", "").startswith("application/json")
         body: Any = json.loads(request.content) if request.content and is_json else None
         if path == "/health":

@@ -201,6 +201,7 @@ class PolicyClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self._probe_lock = asyncio.Lock()  # one model/backend probe, however many callers
         self.version_straddles = 0
         """Generations whose weight version changed while they ran (vLLM only; see module doc)."""
         self._http = httpx.AsyncClient(
@@ -283,18 +284,22 @@ class PolicyClient:
     # ---- generation ---------------------------------------------------------------------
     async def _model_name(self) -> str:
         if self.model is None:
-            body = await self._json("GET", "/v1/models")
-            data = body.get("data") or []
-            if not data:
-                raise InferenceError(f"{self.base_url}/v1/models lists no model")
-            self.model = str(data[0]["id"])
+            async with self._probe_lock:
+                if self.model is None:
+                    body = await self._json("GET", "/v1/models")
+                    data = body.get("data") or []
+                    if not data:
+                        raise InferenceError(f"{self.base_url}/v1/models lists no model")
+                    self.model = str(data[0]["id"])
         return self.model
 
     async def _resolve_backend(self) -> Backend:
         if self.backend == "auto":
-            raw = (await self._json("GET", "/weight_info")).get("weight_version")
-            # The embedded server numbers versions with ints; vLLM stores a string.
-            self.backend = "embedded" if isinstance(raw, int) else "vllm"
+            async with self._probe_lock:
+                if self.backend == "auto":
+                    raw = (await self._json("GET", "/weight_info")).get("weight_version")
+                    # The embedded server numbers versions with ints; vLLM stores a string.
+                    self.backend = "embedded" if isinstance(raw, int) else "vllm"
         return self.backend
 
     async def generate(

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
 from agentrl.inference.pool import ServerPool
@@ -20,6 +22,17 @@ from agentrl.types import SamplingParams
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 N_REQUESTS = 64
+
+
+async def running_requests(base_url: str) -> float:
+    """The server's ``*num_requests_running`` gauge from ``/metrics``."""
+    async with httpx.AsyncClient() as http:
+        text = (await http.get(base_url + "/metrics", timeout=10)).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if not line.startswith("#") and "num_requests_running" in line.split(" ", 1)[0]
+    )
 
 
 def read_request_log(path: Path) -> list[dict]:
@@ -58,10 +71,11 @@ async def test_killing_one_of_two_servers_mid_flight_loses_and_duplicates_nothin
                 )
                 for i, p in enumerate(prompts)
             ]
-            async with asyncio.timeout(60):
-                while pool.stats()[victim.base_url].outstanding < N_REQUESTS // 4:
-                    await asyncio.sleep(0.01)
-            await asyncio.sleep(0.5)  # let decoding start
+            # Kill the victim while it is decoding a batch of our requests.
+            deadline = time.monotonic() + 120
+            while await running_requests(victim.base_url) < N_REQUESTS // 8:
+                assert time.monotonic() < deadline, "the victim never ran our requests"
+                await asyncio.sleep(0.02)
             victim.kill()
             gens = await asyncio.wait_for(asyncio.gather(*tasks), timeout=600)
             stats = pool.stats()

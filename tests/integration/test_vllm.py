@@ -9,6 +9,7 @@ pass (reported in the terminal summary and as JUnit properties).
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -146,14 +147,15 @@ async def wait_until_all_running(
 ) -> None:
     """Wait until every unfinished task's request is in the server's running batch (a request
     still on its way would be queued by a pause and only run after the resume)."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            pending = sum(not t.done() for t in tasks)
-            if pending == 0:
-                raise AssertionError("every request finished before the test could pause")
-            if await running_requests(base_url) >= pending:
-                return
-            await asyncio.sleep(0.05)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = sum(not t.done() for t in tasks)
+        if pending == 0:
+            raise AssertionError("every request finished before the test could pause")
+        if await running_requests(base_url) >= pending:
+            return
+        assert time.monotonic() < deadline, f"requests not running after {timeout_s} s"
+        await asyncio.sleep(0.05)
 
 
 async def test_pause_abort_ends_in_flight_requests_and_resume_serves_again(inference_server):

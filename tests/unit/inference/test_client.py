@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -45,6 +47,18 @@ async def test_generate_embedded_style_parses_tokens_logprobs_and_body_version()
     assert body["temperature"] == 0.7 and body["seed"] == 5 and body["stop_token_ids"] == [9]
     assert "top_k" not in body  # off by default: the server's own default is "off" too
     assert req["headers"]["x-session-id"] == "ep-1"
+
+
+async def test_concurrent_first_calls_probe_the_server_once():
+    fake = FakeInferenceServer(version_in_body=False)
+    async with make_client(fake) as client:
+        gens = await asyncio.gather(
+            *(client.generate([i], SamplingParams(max_tokens=1)) for i in range(10))
+        )
+    assert [g.token_ids for g in gens] == [[i + 1] for i in range(10)]
+    assert fake.paths.count("/v1/models") == 1
+    # one backend probe, then a read before and after each of the 10 generations
+    assert fake.paths.count("/weight_info") == 1 + 2 * 10
 
 
 async def test_generate_sends_top_k_only_when_on():

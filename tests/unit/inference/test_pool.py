@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
@@ -32,9 +33,10 @@ def make_pool(n: int = 2, **kwargs) -> tuple[ServerPool, list[FakeInferenceServe
 
 
 async def wait_until(predicate, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.005)
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
 
 
 async def test_pool_is_a_policy_and_answers():
