@@ -178,6 +178,8 @@ def _answer_number(text: str) -> tuple[Fraction | None, str]:
 def _numbers_close(a: Fraction, b: Fraction, rel_tol: float, abs_tol: float) -> bool:
     if a == b:
         return True
+    if a.denominator == 1 and b.denominator == 1:
+        return False  # integers compare exactly: 999999 is not 1000000 at any tolerance
     return math.isclose(float(a), float(b), rel_tol=rel_tol, abs_tol=abs_tol)
 
 
@@ -223,8 +225,8 @@ def numeric_match(
 
     The answer is, in order: the last ``\\boxed{...}``, the text after the last ``####``
     (GSM8K), else the last number in the final assistant message. Numbers compare exactly as
-    fractions (so ``1,234``, ``1234.0`` and ``2468/2`` are equal), else within ``rel_tol`` /
-    ``abs_tol`` (``reward_spec`` may override both).
+    fractions (so ``1,234``, ``1234.0`` and ``2468/2`` are equal); when either is not an
+    integer, also within ``rel_tol`` / ``abs_tol`` (``reward_spec`` may override both).
     """
     rel_tol = float(task.reward_spec.get("rel_tol", rel_tol))
     abs_tol = float(task.reward_spec.get("abs_tol", abs_tol))

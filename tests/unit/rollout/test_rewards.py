@@ -414,3 +414,29 @@ def test_from_config_reads_the_reward_section():
     assert mgr.reward_fn_for("calculator") is calculator_reward
     assert mgr.reward_fn_for("gsm8k") is numeric_match
     assert mgr.reward_fn_for("anything_else") is exact_match
+
+
+# ---- properties ---------------------------------------------------------------------------
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_FORMATS = [
+    "\\boxed{{{}}}",
+    "so the answer is\n#### {}",
+    "We compute it step by step: 12 + 3 = 15, and finally {}",
+    "The answer is \\boxed{{{}}}.",
+]
+
+
+@given(n=st.integers(-(10**12), 10**12), fmt=st.sampled_from(_FORMATS), commas=st.booleans())
+def test_numeric_match_finds_any_integer_in_any_supported_format(n, fmt, commas):
+    written = f"{n:,}" if commas else str(n)
+    traj = make_traj(fmt.format(written))
+    assert numeric_match(traj, make_task(str(n)))["score"] == 1.0
+    assert numeric_match(traj, make_task(str(n + 1)))["score"] == 0.0
+
+
+@given(n=st.integers(0, 10**9), d=st.integers(0, 10**6 - 1))
+def test_parse_number_is_exact_for_fractions_and_decimals(n, d):
+    assert parse_number(f"{n}/{d + 1}") == Fraction(n, d + 1)
+    assert parse_number(f"{n}.{d:06d}") == Fraction(n) + Fraction(d, 10**6)
