@@ -250,7 +250,7 @@ def correction_pass(
                 block["seq_trunc"] = (log_w > math.log(threshold)) & (block["seq_len"] > 0)
                 torch.mul(seq_w.to(dtype).unsqueeze(-1), mask, out=w)
 
-        # --- RS (AND of all rules) ---
+        # --- RS: token-scope rules here (AND), sequence-scope rules after the loop ---
         if keep is not None:
             k = keep[r0:r1]
             for i, rule in enumerate(token_rules):
@@ -261,15 +261,11 @@ def correction_pass(
                     k.mul_(target)
             if not token_rules:
                 k.copy_(mask)
-            if seq_rules:
-                seq_keep_all = torch.ones(r1 - r0, dtype=torch.bool, device=device)
-                for rule in seq_rules:
-                    ok = _seq_keep(rule, block)
-                    block[f"seq_keep/{rule.option.value}"] = ok
-                    seq_keep_all &= ok
-                k.mul_(seq_keep_all.to(dtype).unsqueeze(-1))
-            block["kept"] = k.sum(dim=-1).to(_F64)
-            if weights is not None:
+            if len(token_rules) == 1:
+                block["kept_token"] = block[f"kept/{token_rules[0].option.value}"]
+            elif token_rules:
+                block["kept_token"] = k.sum(dim=-1).to(_F64)
+            if weights is not None and token_rules:
                 weights[r0:r1].mul_(k)
 
         # --- diagnostics ---
@@ -287,6 +283,23 @@ def correction_pass(
 
     cat = {key: torch.cat(values) for key, values in rows.items()}  # at least one block ran
     seq_len = cat["seq_len"]
+    if keep is not None:
+        kept = cat.get("kept_token", seq_len)
+        if seq_rules:
+            # Sequence-scope rules need only [B] statistics: decide once, then zero just the rows
+            # that were dropped (index_fill touches those rows only).
+            seq_keep_all = torch.ones_like(seq_len, dtype=torch.bool)
+            for rule in seq_rules:
+                ok = _seq_keep(rule, cat)
+                cat[f"seq_keep/{rule.option.value}"] = ok
+                seq_keep_all &= ok
+            dropped = (~seq_keep_all).nonzero().view(-1)
+            if dropped.numel():
+                keep.index_fill_(0, dropped, 0.0)
+                if weights is not None:
+                    weights.index_fill_(0, dropped, 0.0)
+            kept = torch.where(seq_keep_all, kept, 0.0)
+        cat["kept"] = kept
     n_tok = seq_len.sum()
     valid = seq_len > 0
     n_seq = valid.sum().to(_F64)
