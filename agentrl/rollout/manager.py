@@ -201,6 +201,32 @@ class WorkerConfig:
     agent_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Agent name -> keyword arguments of its constructor."""
 
+    @classmethod
+    def from_config(
+        cls,
+        agent: Any,
+        sampling: SamplingParams | None = None,
+        *,
+        max_context_tokens: int | None = None,
+        agent_kwargs: dict[str, dict[str, Any]] | None = None,
+    ) -> WorkerConfig:
+        """From the ``agent`` config section (``agentrl.config.AgentConfig``, or any object
+        with its fields: ``max_turns``, ``max_response_tokens``, ``max_parallel_calls``,
+        ``tool_call_format``, ``system_prompt``, ``episode_timeout_s``)."""
+        return cls(
+            sampling=sampling or SamplingParams(),
+            limits=AgentLimits(
+                max_turns=agent.max_turns,
+                max_response_tokens=agent.max_response_tokens,
+                max_context_tokens=max_context_tokens,
+                max_parallel_calls=agent.max_parallel_calls,
+            ),
+            tool_call_format=agent.tool_call_format,
+            system_prompt=agent.system_prompt,
+            episode_timeout_s=agent.episode_timeout_s,
+            agent_kwargs=dict(agent_kwargs or {}),
+        )
+
 
 class AgentLoopWorker:
     """Runs episodes: builds the context, runs the agent, turns failures into trajectories, scores.

@@ -347,3 +347,19 @@ def test_bad_arguments_are_clear(tok):
         AgentLoopManager(ScriptedPolicy(tok, ["x"]), tok, config=WorkerConfig(tool_call_format="x"))
     with pytest.raises(ValueError, match="n_samples"):
         AgentLoopManager(ScriptedPolicy(tok, ["x"]), tok).stream([], n_samples=0)
+
+
+def test_worker_config_from_the_agent_config_section():
+    from agentrl.config import AgentConfig
+
+    section = AgentConfig(max_turns=3, max_parallel_calls=2, system_prompt="Be brief.")
+    cfg = WorkerConfig.from_config(section, SamplingParams(max_tokens=64), max_context_tokens=2048)
+    assert cfg.limits == AgentLimits(
+        max_turns=3,
+        max_response_tokens=section.max_response_tokens,
+        max_context_tokens=2048,
+        max_parallel_calls=2,
+    )
+    assert cfg.system_prompt == "Be brief." and cfg.sampling.max_tokens == 64
+    assert cfg.episode_timeout_s == section.episode_timeout_s
+    assert cfg.tool_call_format == section.tool_call_format
