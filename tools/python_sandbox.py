@@ -5,38 +5,44 @@ the rollout worker down with them (an infinite loop, a memory bomb, a stray ``fo
 without reaching the network or the files of the machine.
 
 **This is a best-effort sandbox, not a security boundary against hostile code.** It contains
-the mistakes a model makes while learning; it does not stop a determined attacker (the
-process runs as the same user, on the same kernel, with the same file permissions). Run
-untrusted workloads in a container or VM as well.
+the mistakes a model makes while learning; a determined attacker with native code (a C
+extension, a kernel bug) can get further. Run untrusted workloads in a container or VM too.
 
 Layers, each on by default (``PythonTool`` arguments turn some off, for tests), and who
 enforces them:
 
 - **wall-time deadline** (parent process): the whole process group is SIGKILLed at
   ``wall_time_s`` (start-up included), on cancellation, and after every run (stragglers).
-- **namespaces** (kernel; ``unshare``): a new network namespace (only a down loopback, so
-  every ``connect`` fails, even to 127.0.0.1); a new PID namespace (the code runs as PID 1;
-  when it exits or is killed, every process it forked is killed by the kernel, even one that
-  called ``setsid``); a new user namespace where available (limits cannot be raised again).
+- **namespaces** (kernel; ``unshare``): a network namespace (only a down loopback, so every
+  ``connect`` fails, even to 127.0.0.1); a PID namespace (the code runs as PID 1; when it
+  exits or is killed, the kernel kills every process it forked, even one that called
+  ``setsid``); a user namespace where available (limits cannot be raised again).
+- **private root file system** (kernel; mount namespace + ``chroot``): the code sees a
+  tmpfs root holding only ``/usr`` (and the ``/bin``, ``/lib``... links), the Python
+  installation (both read-only), ``/dev/{null,zero,random,urandom}``, a ``/dev/shm`` and
+  ``/tmp`` tmpfs, and its working directory (read-write) at its real path. ``/etc``, home
+  directories, the project, other episodes' directories: none of it exists in there. All
+  capabilities are dropped (``setpriv``) before the interpreter starts.
 - **resource limits** (kernel; ``setrlimit`` before the code runs): RLIMIT_AS
   (``memory_mb``), RLIMIT_CPU (``cpu_time_s``), RLIMIT_FSIZE (``max_file_mb``),
   RLIMIT_NOFILE, RLIMIT_CORE = 0, and RLIMIT_NPROC when not root.
 - **audit hook** (interpreter; PEP 578): opening, listing and changing files only inside the
   working directory (reading also inside the Python installation, for imports; symlinks are
-  resolved first); no sockets but AF_UNIX ones, no ``connect``/``bind``/DNS; no
-  ``exec``/``system``/``Popen``/spawn; no ``ctypes``; no ``setrlimit``; ``fork`` at most
-  ``max_forks`` times from the top process, never from a child, and not at all without the
-  PID namespace (nothing else could reap an escaped child).
+  resolved first; paths must be ``str``/``bytes``/``pathlib`` objects); no sockets but
+  AF_UNIX ones, no ``connect``/``bind``/DNS; no ``exec``/``system``/``Popen``/spawn; no
+  ``ctypes``; no ``setrlimit``; no ``gc``/trace/frame introspection that would reach the
+  hook itself; ``fork`` at most ``max_forks`` times from the top process, never from a
+  child, and not at all without the PID namespace (nothing else could reap an escaped child).
 - **environment** (parent): ``python -I -S`` (no user site, no ``PYTHON*`` variables, no
-  ``.pth`` files), a scrubbed environment (``PATH``; ``HOME`` and ``TMPDIR`` = the working
-  directory; a UTF-8 locale), stdin closed once the code is read, a fresh temporary working
-  directory per episode.
+  ``.pth`` files; site-packages added explicitly), a scrubbed environment (``PATH``; ``HOME``
+  and ``TMPDIR`` = the working directory; a UTF-8 locale), stdin closed once the code is
+  read, a fresh temporary working directory per episode.
 
-The audit hook is the only layer between the code and the files the user can read: it stops
-mistakes, not an attacker (C extensions, or bugs in the hook, get around it).
-
-The namespace layer needs ``unshare`` (util-linux) and either root or unprivileged user
-namespaces; it is probed once per process and skipped (with a log line) where unavailable.
+Which layers a machine supports is probed once per process and interpreter
+(:func:`isolation`): ``unshare`` (util-linux) with root or unprivileged user namespaces gives
+the namespaces; ``mount`` and ``chroot`` add the private root. Missing layers are skipped with
+a warning (``namespaces=True`` / ``mount_namespace=True`` make them mandatory); without the
+private root, the audit hook alone keeps the code out of the user's files.
 
 State: each episode gets its own temporary directory (created on the first call, removed on
 ``release``); files persist across the calls of an episode, Python variables do not (every
@@ -67,7 +73,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tools.base import Tool, ToolResult, truncate
 
-__all__ = ["PythonTool", "SandboxRun", "namespace_prefix"]
+__all__ = [
+    "Isolation",
+    "PythonTool",
+    "SandboxRun",
+    "interpreter_info",
+    "isolation",
+    "namespace_prefix",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +88,9 @@ logger = logging.getLogger(__name__)
 # sets the resource limits, installs the audit hook, then reads the user's code from stdin and
 # executes it as ``__main__``. Kept dependency-free: only builtin modules before the hook.
 _BOOTSTRAP = r"""
-import json, os, resource, sys, sysconfig
+import json, os, resource, sys
 cfg = json.loads(sys.argv[1])
+os.chdir(cfg["cwd"])
 sys.argv = ["<code>"]
 sys.dont_write_bytecode = True
 for name, value in cfg["rlimits"].items():
@@ -200,21 +214,14 @@ def _install(root, read_roots, max_forks, pid_ns):
 
     sys.addaudithook(hook)
 
-if cfg["site_packages"]:
-    # Started with -S (skips .pth processing, halves start-up): add site-packages by hand.
-    for _p in dict.fromkeys([sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]):
-        if _p and _p not in sys.path:
-            sys.path.append(_p)
+# Started with -S (no .pth processing, half the start-up): site-packages are added by hand.
+for _p in cfg["site_dirs"]:
+    if _p not in sys.path:
+        sys.path.append(_p)
 if cfg["audit"]:
-    _roots = set()
-    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
-        try:
-            _roots.add(os.path.realpath(sysconfig.get_path(key)))
-        except KeyError:
-            pass
-    _install(os.path.realpath(os.getcwd()), tuple(sorted(_roots)), cfg["max_forks"],
+    _install(os.path.realpath(os.getcwd()), tuple(cfg["read_roots"]), cfg["max_forks"],
              cfg["pid_ns"])
-del _install, cfg, json, resource, sysconfig
+del _install, cfg, json, resource
 _source = code
 del code
 # An uncaught exception is printed by the interpreter's C code (exit status 1); the parent
@@ -222,44 +229,239 @@ del code
 exec(compile(_source, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
-_PROBE_LOCK = threading.Lock()
-_PROBED: dict[bool, list[str] | None] = {}
+# Runs inside the new user+mount namespace, before the code: builds a private root file
+# system holding only /usr (and the /bin, /lib... links), the Python installation (read-only),
+# a few device nodes, and the working directory (read-write) at its real path, then chroots
+# into it. Mounts made here are private to the namespace and vanish with it.
+_MOUNT_SCRIPT = r"""
+set -e
+CHROOT=$1; MOUNT=$2; R=$3; W=$4; shift 4
+mount() { "$MOUNT" "$@"; }
+mount -t tmpfs -o size=64m,mode=755 agentrl-sandbox "$R"
+ro() {
+  if [ -d "$1" ]; then mkdir -p "$R$1"; else mkdir -p "$R$(dirname "$1")"; : > "$R$1"; fi
+  mount --rbind "$1" "$R$1"
+  mount -o remount,bind,ro "$R$1"
+}
+ro /usr
+for d in /bin /sbin /lib /lib32 /lib64 /libx32; do
+  if [ -L "$d" ]; then ln -s "$(readlink "$d")" "$R$d"; elif [ -d "$d" ]; then ro "$d"; fi
+done
+while [ "$1" != "--" ]; do ro "$1"; shift; done
+shift
+mkdir -p "$R/dev/shm" "$R/tmp"
+for f in null zero urandom random; do : > "$R/dev/$f"; mount --bind "/dev/$f" "$R/dev/$f"; done
+mount -t tmpfs -o size=64m agentrl-shm "$R/dev/shm"
+mkdir -p "$R$W"
+mount --bind "$W" "$R$W"
+exec "$CHROOT" "$R" "$@"
+"""
+
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
-def namespace_prefix(user_namespace: bool = True) -> list[str] | None:
-    """The ``unshare`` command prefix that isolates network and PIDs here, or None.
+@dataclass(frozen=True)
+class Isolation:
+    """How this machine can isolate a sandboxed run (see :func:`isolation`)."""
 
-    Probed once per process: first with a user namespace (``-U -r``: works as root and, where
-    unprivileged user namespaces are enabled, as any user), then without (needs root).
+    prefix: tuple[str, ...]
+    """The ``unshare`` command (user where available, network, PID and maybe mount)."""
+    mount: bool
+    """Whether the run sees a private root file system (working directory + Python only)."""
+    bind_paths: tuple[str, ...] = ()
+    """Read-only paths the private root holds besides /usr (the Python installation)."""
+    setpriv: tuple[str, ...] = ()
+    """Command that drops every capability before the interpreter starts (may be empty)."""
+
+
+_PROBE_LOCK = threading.RLock()
+_PROBED: dict[tuple[str, bool], Isolation | None] = {}
+
+
+_INFO: dict[str, dict[str, list[str]]] = {}
+_INFO_PROBE = (
+    "import sys, json, sysconfig\n"
+    "paths = sysconfig.get_paths()\n"
+    "print(json.dumps({'prefixes': [sys.prefix, sys.base_prefix, sys.exec_prefix,\n"
+    "    sys.base_exec_prefix], 'site_dirs': [paths['purelib'], paths['platlib']],\n"
+    "    'stdlib_dirs': [paths['stdlib'], paths['platstdlib']]}))"
+)
+
+
+def interpreter_info(python_executable: str) -> dict[str, list[str]]:
+    """Prefixes, site-packages and stdlib directories of an interpreter (cached).
+
+    Asked of the interpreter itself, with ``site`` on, so a virtual environment reports its own
+    site-packages (under ``-S`` it would report the base installation's).
     """
     with _PROBE_LOCK:
-        if user_namespace in _PROBED:
-            return _PROBED[user_namespace]
-        result: list[str] | None = None
+        if python_executable not in _INFO:
+            out = subprocess.run(
+                [python_executable, "-I", "-c", _INFO_PROBE],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            )
+            _INFO[python_executable] = json.loads(out.stdout)
+        return _INFO[python_executable]
+
+
+def _python_paths(python_executable: str) -> tuple[str, ...]:
+    """Directories the interpreter needs (its prefixes), minus what /usr already covers."""
+    info = interpreter_info(python_executable)
+    candidates: set[str] = set()
+    for prefix in [*info["prefixes"], *info["site_dirs"], *info["stdlib_dirs"]]:
+        candidates.add(os.path.abspath(prefix))
+        candidates.add(os.path.realpath(prefix))
+    exe_dir = os.path.dirname(os.path.abspath(python_executable))
+    candidates.update({exe_dir, os.path.dirname(os.path.realpath(python_executable))})
+    for extra in ("/etc/ld.so.cache", "/etc/localtime"):
+        if os.path.exists(extra):
+            candidates.add(extra)
+
+    def covered(path: str, by: str) -> bool:
+        return path == by or path.startswith(by.rstrip("/") + "/")
+
+    kept: list[str] = []
+    for path in sorted(candidates, key=len):
+        if any(covered(path, d) or covered(os.path.realpath(path), d) for d in _SYSTEM_DIRS):
+            continue
+        if any(covered(path, k) for k in kept):
+            continue
+        if os.path.realpath(path) != path and any(os.path.islink(p) for p in _ancestors(path)):
+            continue  # reached through a symlinked directory; its real path is bound instead
+        kept.append(path)
+    return tuple(kept)
+
+
+def _ancestors(path: str) -> list[str]:
+    parts = path.strip("/").split("/")
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts) - 1)]
+
+
+def isolation(python_executable: str | None = None, mount: bool = True) -> Isolation | None:
+    """The strongest isolation ``unshare`` offers here for this interpreter, or None.
+
+    Probed once per process and interpreter, in order: user + mount + network + PID
+    namespaces (a private root file system), mount without a user namespace (needs root), then
+    the same without the mount namespace. A candidate counts only if a real run of the
+    interpreter succeeds under it.
+    """
+    exe = python_executable or sys.executable
+    key = (exe, mount)
+    with _PROBE_LOCK:
+        if key in _PROBED:
+            return _PROBED[key]
+        result: Isolation | None = None
         unshare = shutil.which("unshare")
-        true_bin = shutil.which("true")
-        if unshare and true_bin:
-            candidates = [[unshare, "-n", "-p", "-f", "--kill-child"]]
-            if user_namespace:
-                candidates.insert(0, [unshare, "-U", "-r", "-n", "-p", "-f", "--kill-child"])
-            for prefix in candidates:
-                try:
-                    proc = subprocess.run(
-                        [*prefix, true_bin], capture_output=True, timeout=10, check=False
-                    )
-                except (OSError, subprocess.TimeoutExpired):
+        if unshare:
+            base = ["-n", "-p", "-f", "--kill-child"]
+            user = ["-U", "-r"]
+            candidates: list[tuple[list[str], bool]] = []
+            if mount and _sbin("chroot") and _sbin("mount"):
+                candidates += [
+                    ([unshare, *user, "-m", *base], True),
+                    ([unshare, "-m", *base], True),
+                ]
+            candidates += [([unshare, *user, *base], False), ([unshare, *base], False)]
+            try:
+                paths = _python_paths(exe)
+            except (OSError, subprocess.SubprocessError, ValueError):
+                paths = None
+            setpriv_bin = "/usr/bin/setpriv" if os.path.exists("/usr/bin/setpriv") else None
+            setpriv = (
+                (setpriv_bin, "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs")
+                if setpriv_bin
+                else ()
+            )
+            for prefix, with_mount in candidates:
+                if with_mount and paths is None:
                     continue
-                if proc.returncode == 0:
-                    result = prefix
+                iso = Isolation(
+                    prefix=tuple(prefix),
+                    mount=with_mount,
+                    bind_paths=paths or (),
+                    setpriv=setpriv if with_mount else (),
+                )
+                if _probe(iso, exe):
+                    result = iso
                     break
         if result is None:
             logger.warning(
                 "python sandbox: 'unshare' cannot create namespaces here; running without the "
-                "network/PID namespace layer (audit hook and resource limits still apply, fork "
-                "is disabled)"
+                "namespace layers (audit hook and resource limits still apply, fork is disabled)"
             )
-        _PROBED[user_namespace] = result
+        elif not result.mount and mount:
+            logger.warning(
+                "python sandbox: no private root file system here (mount namespace "
+                "unavailable); file isolation rests on the audit hook alone"
+            )
+        _PROBED[key] = result
         return result
+
+
+def _probe(iso: Isolation, exe: str) -> bool:
+    workdir = tempfile.mkdtemp(prefix="agentrl-probe-")
+    try:
+        cmd, root = _command(iso, Path(workdir), [exe, "-I", "-S", "-c", "pass"])
+        try:
+            proc = subprocess.run(
+                cmd,
+                capture_output=True,
+                timeout=30,
+                check=False,
+                cwd=workdir,
+                env=_sandbox_env(Path(workdir)),
+            )
+        finally:
+            if root:
+                os.rmdir(root)
+        return proc.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _command(iso: Isolation | None, workdir: Path, argv: list[str]) -> tuple[list[str], str]:
+    """The full command for ``argv`` under ``iso``, and the mount point it needs ('' if none).
+
+    The caller removes the (empty, on the host) mount point directory after the run.
+    """
+    if iso is None:
+        return list(argv), ""
+    if not iso.mount:
+        return [*iso.prefix, *argv], ""
+    root = tempfile.mkdtemp(prefix="agentrl-root-", dir=str(workdir.parent))
+    cmd = [
+        *iso.prefix,
+        "sh",
+        "-c",
+        _MOUNT_SCRIPT,
+        "agentrl-sandbox",
+        _sbin("chroot") or "chroot",
+        _sbin("mount") or "mount",
+        root,
+        str(workdir),
+        *iso.bind_paths,
+        "--",
+        *iso.setpriv,
+        *argv,
+    ]
+    return cmd, root
+
+
+def _sbin(name: str) -> str | None:
+    """Absolute path of a system tool (sandboxed runs get a minimal PATH without sbin)."""
+    return shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+
+
+def namespace_prefix(user_namespace: bool = True) -> list[str] | None:
+    """The ``unshare`` prefix in use for this interpreter (None: no namespaces here)."""
+    del user_namespace  # kept for backwards compatibility; the probe picks the best option
+    iso = isolation()
+    return list(iso.prefix) if iso is not None else None
 
 
 @dataclass
@@ -305,6 +507,9 @@ class PythonTool(Tool):
         site_packages: Let the code import the packages installed next to the interpreter
             (numpy, sympy, ...). ``.pth`` files are not processed (editable installs are not
             importable).
+        mount_namespace: Give the code a private root file system (only /usr, the Python
+            installation, read-only, and the working directory): None = when available,
+            True = required, False = never. Needs ``namespaces``.
         name: Tool name the model sees.
     """
 
@@ -330,6 +535,7 @@ class PythonTool(Tool):
         namespaces: bool | None = None,
         audit_hook: bool = True,
         site_packages: bool = True,
+        mount_namespace: bool | None = None,
         name: str = "python",
     ) -> None:
         if wall_time_s <= 0:
@@ -352,6 +558,7 @@ class PythonTool(Tool):
         self.namespaces = namespaces
         self.audit_hook = audit_hook
         self.site_packages = site_packages
+        self.mount_namespace = mount_namespace
         # The sandbox enforces its own deadline; the ToolSet timeout is only a backstop.
         self.timeout_s = self.wall_time_s + 10.0
         # Output is already cut to ``output_chars`` (marker included); leave the ToolSet's
@@ -384,24 +591,30 @@ class PythonTool(Tool):
         finally:
             await self.release(workdir)
 
-    async def _prefix(self) -> list[str]:
+    async def _isolation(self) -> Isolation | None:
         if self.namespaces is False:
-            return []
-        prefix = await asyncio.to_thread(namespace_prefix)
-        if prefix is None:
-            if self.namespaces:
-                raise RuntimeError(
-                    "PythonTool(namespaces=True) but 'unshare' cannot create network/PID "
-                    "namespaces here; run as root, enable unprivileged user namespaces, or pass "
-                    "namespaces=None to fall back to the audit hook"
-                )
-            return []
-        return prefix
+            return None
+        iso = await asyncio.to_thread(
+            isolation, self.python_executable, self.mount_namespace is not False
+        )
+        if iso is None and self.namespaces:
+            raise RuntimeError(
+                "PythonTool(namespaces=True) but 'unshare' cannot create network/PID "
+                "namespaces here; run as root, enable unprivileged user namespaces, or pass "
+                "namespaces=None to fall back to the audit hook"
+            )
+        if self.mount_namespace and (iso is None or not iso.mount):
+            raise RuntimeError(
+                "PythonTool(mount_namespace=True) but no private root file system can be "
+                "built here (needs unshare -m, mount and chroot); pass mount_namespace=None"
+            )
+        return iso
 
     async def run_raw(self, code: str, workdir: Path) -> SandboxRun:
         """Run ``code`` in ``workdir`` under every enabled layer; never leaves a process behind."""
-        prefix = await self._prefix()
-        pid_ns = bool(prefix)
+        info = await asyncio.to_thread(interpreter_info, self.python_executable)
+        iso = await self._isolation()
+        pid_ns = iso is not None
         rlimits: dict[str, int] = {
             "RLIMIT_AS": self.memory_mb * 1024 * 1024,
             "RLIMIT_CPU": math.ceil(self.cpu_time_s),
@@ -417,29 +630,29 @@ class PythonTool(Tool):
             "audit": self.audit_hook,
             "max_forks": self.max_forks if pid_ns else 0,
             "pid_ns": pid_ns,
-            "site_packages": self.site_packages,
+            "site_dirs": list(dict.fromkeys(info["site_dirs"])) if self.site_packages else [],
+            "read_roots": sorted(
+                {os.path.realpath(p) for p in [*info["stdlib_dirs"], *info["site_dirs"]]}
+            ),
+            "cwd": str(workdir),
         }
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin",
-            "HOME": str(workdir),
-            "TMPDIR": str(workdir),
-            "LANG": "C.UTF-8",
-            "LC_ALL": "C.UTF-8",
-            "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1",
-            "MKL_NUM_THREADS": "1",
-        }
-        cmd = [*prefix, self.python_executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(config)]
+        env = _sandbox_env(workdir)
+        argv = [self.python_executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(config)]
+        cmd, mount_point = _command(iso, workdir, argv)
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *cmd,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            cwd=str(workdir),
-            env=env,
-            start_new_session=True,
-        )
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                cwd=str(workdir),
+                env=env,
+                start_new_session=True,
+            )
+        except BaseException:
+            _rmdir(mount_point)
+            raise
         cap = 4 * self.output_chars + 4096
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         out_task = asyncio.ensure_future(_read_capped(proc.stdout, cap))
@@ -474,6 +687,7 @@ class PythonTool(Tool):
             done, pending = await asyncio.wait({out_task, err_task}, timeout=1.0)
             for task in pending:
                 task.cancel()
+            _rmdir(mount_point)
         wall = time.monotonic() - start
         stdout, out_dropped = out_task.result() if out_task in done else ("", 0)
         stderr, err_dropped = err_task.result() if err_task in done else ("", 0)
@@ -555,6 +769,26 @@ def _signal_name(signum: int) -> str:
         return signal.Signals(signum).name
     except ValueError:
         return f"signal {signum}"
+
+
+def _sandbox_env(workdir: Path) -> dict[str, str]:
+    """The whole environment of a sandboxed run: nothing inherited from the parent."""
+    return {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(workdir),
+        "TMPDIR": str(workdir),
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+
+
+def _rmdir(path: str) -> None:
+    if path:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def _killpg(pgid: int) -> None:

@@ -7,6 +7,7 @@ These tests start real (short) subprocesses: about 0.3 s each.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import os
 import time
@@ -15,11 +16,15 @@ from pathlib import Path
 import pytest
 
 from tools import ToolSet
-from tools.python_sandbox import PythonTool, namespace_prefix
+from tools.python_sandbox import PythonTool, isolation
 
-HAVE_NS = namespace_prefix() is not None
+ISOLATION = isolation()
 needs_ns = pytest.mark.skipif(
-    not HAVE_NS, reason="unshare cannot create network/PID namespaces on this machine"
+    ISOLATION is None, reason="unshare cannot create network/PID namespaces on this machine"
+)
+needs_mount = pytest.mark.skipif(
+    ISOLATION is None or not ISOLATION.mount,
+    reason="no mount namespace here (unshare -m, mount, chroot)",
 )
 
 
@@ -95,12 +100,52 @@ async def test_cannot_read_outside_the_working_directory(tmp_path, target):
     assert "TOPSECRET" not in r.content and "root:x:0" not in r.content
 
 
-async def test_control_without_the_audit_hook_the_parent_dir_is_readable(tmp_path):
-    (tmp_path / "secret.txt").write_text("TOPSECRET")
-    r = await PythonTool(base_dir=tmp_path, audit_hook=False).run(
+_KERNEL_READS = """
+import os
+for target in ['/etc/passwd', '../secret.txt', {secret!r}, {repo_file!r}]:
+    try:
+        print(target, 'LEAKED', open(target).read()[:20])
+    except OSError as e:
+        print(target, type(e).__name__)
+try:
+    open({python_file!r}, 'a').write('x')
+    print('python install WRITABLE')
+except OSError as e:
+    print('python install', type(e).__name__, e.strerror)
+print(sorted(os.listdir('/')))
+print(sorted(os.listdir('/etc')))
+"""
+
+
+@needs_mount
+async def test_private_root_file_system_alone_hides_the_host(tmp_path):
+    """The kernel layer by itself (no audit hook): the host's files are simply not there."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET")
+    repo_file = str(Path(__file__).resolve())
+    python_file = os.path.realpath(os.__file__)
+    code = _KERNEL_READS.format(secret=str(secret), repo_file=repo_file, python_file=python_file)
+    r = await PythonTool(base_dir=tmp_path, audit_hook=False).run(code)
+    lines = r.content.splitlines()
+    assert lines[:4] == [
+        "/etc/passwd FileNotFoundError",
+        "../secret.txt FileNotFoundError",
+        f"{secret} FileNotFoundError",
+        f"{repo_file} FileNotFoundError",
+    ], r.content
+    assert lines[4] == "python install OSError Read-only file system"
+    root_listing = set(ast.literal_eval(lines[5]))
+    assert not root_listing & {"home", "proc", "sys", "var", "mnt", "opt", "srv", "boot"}
+    assert set(ast.literal_eval(lines[6])) <= {"ld.so.cache", "localtime"}
+
+
+async def test_control_without_namespaces_or_hook_the_host_is_readable(tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOPSECRET")
+    r = await PythonTool(base_dir=tmp_path, audit_hook=False, namespaces=False).run(
         "print(open('../secret.txt').read())"
     )
-    assert r.content == "TOPSECRET\n"  # so the test above would fail if the hook did nothing
+    assert r.content == "TOPSECRET\n"  # so the tests above would fail if both layers did nothing
 
 
 async def test_cannot_write_outside_or_escape_by_symlink_or_chdir(tmp_path):
