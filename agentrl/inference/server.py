@@ -654,6 +654,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not (Path(args.model_dir) / "config.json").is_file():
+        print(
+            f"agentrl serve-model: {args.model_dir!r} is not a Hugging Face model directory "
+            "(no config.json); pass a directory written by save_pretrained or `agentrl tiny-model`",
+            file=sys.stderr,
+        )
+        return 2
     import torch
     import uvicorn
 
