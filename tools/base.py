@@ -43,6 +43,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import inspect
@@ -193,7 +194,14 @@ class FunctionTool(Tool):
         self.max_output_chars = max_output_chars
         self.is_async = inspect.iscoroutinefunction(fn)
         self._model = arguments_model(fn, arg_docs, model_name=f"{self.name}_arguments")
-        self.parameters = clean_schema(self._model)
+        try:
+            self.parameters = clean_schema(self._model)
+        except Exception as exc:  # pydantic cannot express some type or default in JSON schema
+            raise TypeError(
+                f"tool {self.name!r}: cannot build a JSON schema from its signature ({exc}); "
+                "use JSON-friendly types and defaults (str, int, float, bool, list, dict, "
+                "Literal, Enum, pydantic models)"
+            ) from exc
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]  # copies __doc__, __name__
 
     def validate_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -700,6 +708,12 @@ class ToolEpisode:
                 state = await t.create()
             except Exception as exc:
                 raise _CreateError() from exc
+            if self._closed:
+                # The episode ended while this state was being created: free it now, since
+                # aclose() has already run and will not see it.
+                with contextlib.suppress(Exception):
+                    await t.release(state)
+                raise RuntimeError("episode already ended")
             self._states[t.name] = state
             return state
 

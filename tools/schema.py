@@ -13,8 +13,9 @@ Guarantees:
   pydantic's ``title`` keys are dropped, and ``Optional[X] = None`` shows as plain ``X``
   (not required), which small models handle better than ``anyOf``.
 - :func:`parse_docstring` reads Google style (``Args:`` / ``Arguments:`` / ``Parameters:``
-  followed by ``name (type): text``) and NumPy style (``Parameters`` + dashes, then
-  ``name : type`` and an indented description) docstrings.
+  followed by ``name (type): text``), NumPy style (``Parameters`` + dashes, then
+  ``name : type`` and an indented description) and Sphinx style (``:param name: text``)
+  docstrings.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ _GOOGLE_SECTIONS = {
 }
 _GOOGLE_ARG_SECTIONS = {"args", "arguments", "parameters", "params"}
 _GOOGLE_ARG = re.compile(r"^(\*{0,2}\w+)\s*(?:\(([^)]*)\))?\s*:\s*(.*)$")
+_SPHINX_PARAM = re.compile(r"^:param\s+(?:[^:]*\s)?(\w+)\s*:(.*)$")
+_SPHINX_FIELD = re.compile(r"^:(?:returns?|rtype|raises?|type|yields?)\b[^:]*:")
 _NUMPY_ARG = re.compile(r"^(\*{0,2}\w+)\s*(?::\s*(.*))?$")
 
 
@@ -76,6 +79,18 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
         return s.endswith(":") and s[:-1].strip().lower() in _GOOGLE_SECTIONS
 
     while i < n and not is_numpy_header(i) and not is_google_header(i):
+        sphinx = _SPHINX_PARAM.match(lines[i].strip())
+        if sphinx:  # reST/Sphinx fields: ":param name: text" (continuation lines indented)
+            name = sphinx.group(1)
+            args[name] = sphinx.group(2).strip()
+            i += 1
+            while i < n and lines[i].startswith((" ", "\t")) and lines[i].strip():
+                args[name] = (args[name] + " " + lines[i].strip()).strip()
+                i += 1
+            continue
+        if _SPHINX_FIELD.match(lines[i].strip()):
+            i += 1  # :returns:, :raises ...:, :type x: are not part of the description
+            continue
         desc_lines.append(lines[i])
         i += 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+from collections.abc import Callable
 from typing import Annotated, Any, Literal, Optional
 
 import pytest
@@ -186,3 +187,24 @@ def test_untyped_parameter_accepts_anything():
         return x
 
     assert f.validate_arguments({"x": [1, "a"]}) == {"x": [1, "a"]}
+
+
+def test_sphinx_docstring_gives_argument_docs():
+    doc = """Fetch a page.
+
+    :param url: The address
+        to fetch.
+    :param int retries: How often to retry.
+    :returns: The body.
+    """
+    desc, args = parse_docstring(doc)
+    assert desc == "Fetch a page."
+    assert args == {"url": "The address to fetch.", "retries": "How often to retry."}
+
+
+def test_unschemable_signature_is_a_clear_error():
+    with pytest.raises(TypeError, match="cannot build a JSON schema"):
+
+        @tool
+        def f(cb: Callable[[int], int]) -> str:  # no JSON schema for a callable
+            return "x"

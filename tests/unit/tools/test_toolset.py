@@ -10,6 +10,8 @@ import time
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tools import (
     Tool,
@@ -428,3 +430,47 @@ async def test_toolsets_and_builtin_tools_pickle(tmp_path):
         assert "[1] t (id: 1" in (await ep.call("search", {"query": "hello"})).content
     local = tool(big.fn, name="renamed")  # not reachable by name: pickled by value
     assert pickle.loads(pickle.dumps(local)).schema() == local.schema()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(max_size=200),
+    limit=st.integers(min_value=0, max_value=250),
+    side=st.sampled_from(["left", "right", "middle"]),
+)
+def test_truncate_properties(text, limit, side):
+    out, dropped = truncate(text, limit, side)
+    if len(text) <= limit:
+        assert (out, dropped) == (text, 0)
+        return
+    marker = f"...[truncated {dropped} chars]"
+    assert dropped == len(text) - limit
+    assert len(out) == limit + len(marker) and marker in out
+    kept = out.replace(marker, "", 1)
+    if side == "right":
+        assert out == text[:limit] + marker
+    elif side == "left":
+        assert out == marker + text[len(text) - limit :]
+    else:
+        assert text.startswith(kept[: limit - limit // 2]) and len(kept) == limit
+
+
+async def test_state_created_after_the_episode_closed_is_released():
+    log: list[str] = []
+    gate = asyncio.Event()
+
+    class SlowCreate(Counter):
+        async def create(self) -> dict[str, int]:
+            await gate.wait()
+            self.log.append("create")
+            return {"count": 0}
+
+    ts = ToolSet([SlowCreate(log)], timeout_s=5)
+    ep = ts.episode()
+    call = asyncio.create_task(ep.call("counter", {}))
+    await asyncio.sleep(0.02)
+    await ep.aclose()  # closes while create() is still waiting
+    gate.set()
+    r = await call
+    assert r.error and "episode already ended" in r.content
+    assert log == ["create", "release:0"]
