@@ -120,10 +120,10 @@ def _truth(prompt: str) -> str:
     return str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op])
 
 
-def test_sft_conversations_render_with_the_tiny_chat_template(tiny_model_dir):
-    from transformers import AutoTokenizer
+def test_sft_conversations_render_with_the_tiny_chat_template():
+    from agentrl.inference.tiny_model import build_tiny_tokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok = build_tiny_tokenizer()
     conv = next(c for c in generate_sft_conversations(10, seed=1) if c["used_tool"])
     text = tok.apply_chat_template(conv["messages"], tools=conv["tools"], tokenize=False)
     expr = conv["messages"][2]["tool_calls"][0]["function"]["arguments"]["expression"]
