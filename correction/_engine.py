@@ -22,6 +22,7 @@ token, and per-sequence sums/means). Per-sequence vectors are float64.
 from __future__ import annotations
 
 import math
+import threading
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +63,30 @@ class PassResult:
     weights: torch.Tensor | None
     keep: torch.Tensor | None
     metrics: Metrics
+
+
+_WORKSPACES = threading.local()
+
+
+def _workspace(
+    slot: int, shape: tuple[int, int], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A scratch tensor of ``shape``; on CPU a per-thread buffer reused across calls.
+
+    Re-allocating block-sized scratch on every call costs more in page faults than the
+    arithmetic it holds. Only CPU buffers are kept (at most 3 blocks per thread and dtype); on
+    accelerators a block is the whole batch and is not worth holding on to.
+    """
+    numel = shape[0] * shape[1]
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    cache: dict[tuple[int, torch.dtype], torch.Tensor] = getattr(_WORKSPACES, "buffers", None) or {}
+    _WORKSPACES.buffers = cache
+    buffer = cache.get((slot, dtype))
+    if buffer is None or buffer.numel() < numel:
+        buffer = torch.empty(max(numel, 1), dtype=dtype)
+        cache[(slot, dtype)] = buffer
+    return buffer[:numel].view(shape)
 
 
 def _row_blocks(batch: int, length: int, device: torch.device) -> Iterator[tuple[int, int]]:
@@ -161,9 +186,9 @@ def correction_pass(
     # Scratch buffers reused by every block (out= ops): fresh allocations per block cost more
     # in page faults than the arithmetic they hold.
     block_rows = max(r1 - r0 for r0, r1 in blocks)
-    ws_lr = torch.empty((block_rows, length), dtype=dtype, device=device)
-    ws_em1 = torch.empty_like(ws_lr) if need_em1 else None
-    ws_tmp = torch.empty_like(ws_lr)
+    ws_lr = _workspace(0, (block_rows, length), dtype, device)
+    ws_em1 = _workspace(1, (block_rows, length), dtype, device) if need_em1 else None
+    ws_tmp = _workspace(2, (block_rows, length), dtype, device)
 
     for r0, r1 in blocks:
         n_rows = r1 - r0
