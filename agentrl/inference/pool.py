@@ -35,7 +35,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from agentrl.inference.client import (
     InferenceRequestError,
@@ -44,6 +44,9 @@ from agentrl.inference.client import (
     PolicyClient,
 )
 from agentrl.types import Generation, SamplingParams
+
+if TYPE_CHECKING:
+    from agentrl.config import InferenceConfig
 
 __all__ = ["BroadcastReport", "Ok", "ServerPool", "ServerStats"]
 
@@ -141,6 +144,17 @@ class ServerPool:
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
         self._tiebreak = 0
+
+    @classmethod
+    def from_config(cls, urls: Sequence[str], config: InferenceConfig) -> ServerPool:
+        """A pool over ``urls`` with the ``inference`` section's health interval, request
+        timeout and retries (``max_retries`` retries = ``max_retries + 1`` attempts)."""
+        return cls(
+            urls,
+            health_check_interval_s=config.health_check_interval_s,
+            timeout_s=config.request_timeout_s,
+            max_attempts=config.max_retries + 1,
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
     @property

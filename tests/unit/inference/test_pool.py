@@ -257,3 +257,13 @@ async def test_aclose_stops_the_health_loop():
     with contextlib.suppress(asyncio.CancelledError):
         await task
     assert task.done()
+
+
+async def test_from_config_takes_interval_timeout_and_retries():
+    from agentrl.config import InferenceConfig
+
+    cfg = InferenceConfig(health_check_interval_s=2.5, request_timeout_s=30, max_retries=4)
+    pool = ServerPool.from_config(["http://a", "http://b"], cfg)
+    assert pool.health_check_interval_s == 2.5
+    assert pool.max_attempts == 5
+    await pool.aclose()
