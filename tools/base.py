@@ -460,19 +460,20 @@ class ToolSet:
     ) -> ToolSet:
         """A ToolSet of tools looked up by name (:func:`get_tool`), e.g. from a config.
 
-        ``options[name]`` are that tool's constructor arguments; ``extra`` are Tool objects
-        added as they are; ``limits`` go to the constructor (``timeout_s``,
+        ``options[name]`` are that tool's constructor arguments (options of known tools that
+        are not in ``names`` are ignored, so a config may hold settings of disabled tools; a
+        name no tool has is an error); ``extra`` are Tool objects added as they are; ``limits`` go to the constructor (``timeout_s``,
         ``max_output_chars``, ``truncate_side``, ``release_timeout_s``)::
 
             ToolSet.from_names(["calculator", "python"], options={"python": {"wall_time_s": 2}},
                                timeout_s=10, max_output_chars=2000)
         """
         options = options or {}
-        unknown = set(options) - set(names)
+        unknown = set(options) - set(names) - set(registered_tools())
         if unknown:
             raise ValueError(
-                f"options given for tools that are not enabled: {sorted(unknown)}; "
-                f"enabled: {list(names)}"
+                f"options given for unknown tools: {sorted(unknown)}; known tools: "
+                f"{', '.join(registered_tools())}"
             )
         built: list[Tool] = []
         for name in names:

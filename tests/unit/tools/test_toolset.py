@@ -398,8 +398,10 @@ def test_from_names_builds_configured_tools(tmp_path):
     assert ts.names() == ["calculator", "python", "search", "add"]
     assert ts.get("python").wall_time_s == 2.0  # type: ignore[union-attr]
     assert ts.timeout_s == 3.0 and ts.max_output_chars == 100 and ts.truncate_side == "middle"
-    with pytest.raises(ValueError, match="not enabled"):
-        ToolSet.from_names(["calculator"], options={"python": {}})
+    only_calc = ToolSet.from_names(["calculator"], options={"python": {"wall_time_s": 1}})
+    assert only_calc.names() == ["calculator"]  # settings of a disabled tool are ignored
+    with pytest.raises(ValueError, match="unknown tools: \\['pyhton'\\]"):
+        ToolSet.from_names(["calculator"], options={"pyhton": {}})
     with pytest.raises(ValueError, match="cannot build tool 'search'"):
         ToolSet.from_names(["search"])  # no corpus configured
 
