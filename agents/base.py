@@ -231,7 +231,10 @@ class AgentContext:
                 return await episode.call(name, args)
 
         start = time.perf_counter()
-        results = await asyncio.gather(*(one(c.name, c.arguments) for c in parsed.calls))
+        if len(parsed.calls) == 1:  # the common case: no task, no semaphore
+            results = [await episode.call(parsed.calls[0].name, parsed.calls[0].arguments)]
+        else:
+            results = await asyncio.gather(*(one(c.name, c.arguments) for c in parsed.calls))
         self.timings["tools"] = self.timings.get("tools", 0.0) + time.perf_counter() - start
         known = set(self.tools.names()) if self.tools is not None else set()
         out: list[Message] = []

@@ -3,8 +3,8 @@
 Measures what the framework itself costs, with a zero-latency in-process policy (so no model
 time is included):
 
-- ``orchestration``: turns/s and microseconds per turn of ``tool_agent`` episodes run through
-  the ``AgentLoopManager`` (generate -> parse -> tool call -> tokenized delta -> ...);
+- ``orchestration``: turns/s and microseconds per turn of ``tool_agent`` episodes (tasks x a
+  GRPO group of samples, ``--group``) run through the ``AgentLoopManager`` (generate -> parse -> tool call -> tokenized delta -> ...);
   one Python process, i.e. one core. Target: >= 2,000 turns/s. Also reported per CPU-second
   of this process (``turns_per_cpu_s``), which is what one core gives when the machine is shared.
 - ``concurrent``: 1,000 episodes in flight at once on one worker, with a policy that sleeps
@@ -38,7 +38,7 @@ CALL = '<tool_call>\n{"name": "multiply", "arguments": {"a": 6, "b": 7}}\n</tool
 
 
 @tool
-def multiply(a: int, b: int) -> int:
+async def multiply(a: int, b: int) -> int:
     """Multiply two integers (a tool that costs nothing, so only orchestration is measured).
 
     Args:
@@ -72,16 +72,20 @@ def _tasks(n: int) -> list[Task]:
     return [Task(id=f"t{i}", prompt=f"What is 6*7? ({i})") for i in range(n)]
 
 
-async def orchestration(tok, episodes: int, turns: int, concurrency: int) -> dict[str, float]:
+async def orchestration(
+    tok, episodes: int, turns: int, concurrency: int, group: int
+) -> dict[str, float]:
     await _manager(tok, turns, latency_s=0.0, concurrency=concurrency).generate(_tasks(8))  # warm
     mgr = _manager(tok, turns, latency_s=0.0, concurrency=concurrency)
     start, cpu_start = time.perf_counter(), time.process_time()
-    out = await mgr.generate(_tasks(episodes))
+    out = await mgr.generate(_tasks(episodes // group), n_samples=group)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     n_turns = sum(t.num_turns for t in out)
     assert all(t.stop_reason == StopReason.EOS for t in out), "benchmark episodes must finish"
     return {
-        "episodes": episodes,
+        "episodes": len(out),
+        "group_size": group,
+        "turns_per_episode": turns,
         "turns": n_turns,
         "wall_s": round(wall, 3),
         "turns_per_s": round(n_turns / wall, 1),
@@ -96,9 +100,9 @@ async def concurrent(tok, episodes: int, turns: int, latency_s: float) -> dict[s
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     tracemalloc.start()
     mgr = _manager(tok, turns, latency_s=latency_s, concurrency=episodes)
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     out = await mgr.generate(_tasks(episodes))
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     _, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -109,6 +113,7 @@ async def concurrent(tok, episodes: int, turns: int, latency_s: float) -> dict[s
         "policy_latency_ms": latency_s * 1e3,
         "wall_s": round(wall, 3),
         "ideal_wall_s": round(turns * latency_s, 3),
+        "cpu_s_with_tracemalloc": round(cpu, 3),
         "python_heap_peak_mb": round(peak / 2**20, 1),
         "max_rss_growth_mb": round((rss1 - rss0) / 1024, 1),  # ru_maxrss is KiB on Linux
     }
@@ -119,6 +124,7 @@ def main() -> None:
     ap.add_argument("--episodes", type=int, default=400)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--group", type=int, default=4, help="samples per task (GRPO group size)")
     ap.add_argument("--concurrent", type=int, default=1000)
     ap.add_argument("--latency-ms", type=float, default=50.0)
     args = ap.parse_args()
@@ -126,7 +132,7 @@ def main() -> None:
     result = {
         "benchmark": "agent_loop",
         "orchestration": asyncio.run(
-            orchestration(tok, args.episodes, args.turns, args.concurrency)
+            orchestration(tok, args.episodes, args.turns, args.concurrency, args.group)
         ),
         "concurrent": asyncio.run(
             concurrent(tok, args.concurrent, args.turns, args.latency_ms / 1e3)

@@ -388,7 +388,7 @@ class EpisodeRecorder:
         n = len(gen.token_ids)
         self.response_ids.extend(gen.token_ids)
         self.loss_mask.extend([1] * n)
-        self.rollout_logprobs.extend(float(lp) for lp in gen.logprobs)
+        self.rollout_logprobs.extend(gen.logprobs)  # floats: Generation validated them
         self.policy_version.extend([gen.weight_version] * n)
         if n:
             self.num_turns += 1
