@@ -79,7 +79,6 @@ __all__ = [
     "SandboxRun",
     "interpreter_info",
     "isolation",
-    "namespace_prefix",
 ]
 
 logger = logging.getLogger(__name__)
@@ -455,13 +454,6 @@ def _command(iso: Isolation | None, workdir: Path, argv: list[str]) -> tuple[lis
 def _sbin(name: str) -> str | None:
     """Absolute path of a system tool (sandboxed runs get a minimal PATH without sbin)."""
     return shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
-
-
-def namespace_prefix(user_namespace: bool = True) -> list[str] | None:
-    """The ``unshare`` prefix in use for this interpreter (None: no namespaces here)."""
-    del user_namespace  # kept for backwards compatibility; the probe picks the best option
-    iso = isolation()
-    return list(iso.prefix) if iso is not None else None
 
 
 @dataclass

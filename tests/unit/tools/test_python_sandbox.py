@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tools import ToolSet
-from tools.python_sandbox import PythonTool, isolation
+from tools.python_sandbox import PythonTool, interpreter_info, isolation
 
 ISOLATION = isolation()
 needs_ns = pytest.mark.skipif(
@@ -465,3 +465,25 @@ async def test_output_before_an_exception_is_kept():
     assert r.error
     assert r.content.startswith("before\nTraceback (most recent call last):\n")
     assert r.content.rstrip().endswith("ValueError: bad input")
+
+
+def test_interpreter_info_reports_this_virtualenv():
+    import sys
+    import sysconfig
+
+    info = interpreter_info(sys.executable)
+    assert sysconfig.get_paths()["purelib"] in info["site_dirs"]
+    assert sys.prefix in info["prefixes"]
+
+
+@needs_mount
+def test_isolation_binds_the_interpreter_but_not_the_project():
+    assert ISOLATION is not None
+    repo = str(Path(__file__).resolve().parents[3])
+    import sys
+
+    assert any(
+        os.path.realpath(sys.base_prefix).startswith(p) or sys.base_prefix.startswith(p)
+        for p in [*ISOLATION.bind_paths, "/usr"]
+    )
+    assert repo not in ISOLATION.bind_paths
