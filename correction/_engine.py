@@ -148,7 +148,7 @@ def _token_keep_into(
 
 
 def correction_pass(
-    log_ratio: torch.Tensor,
+    log_ratio: torch.Tensor | None,
     response_mask: torch.Tensor,
     *,
     is_level: ISLevel | None = None,
@@ -156,17 +156,30 @@ def correction_pass(
     batch_normalize: bool = False,
     rules: tuple[RejectionRule, ...] | None = None,
     rollout_log_probs: torch.Tensor | None = None,
+    train_log_probs: torch.Tensor | None = None,
     name: str = "log_ratio",
 ) -> PassResult:
     """IS weights (if ``is_level``), RS mask and metrics (if ``rules`` is not None) and diagnostics
     (if ``rollout_log_probs``) for ``[B, T]`` inputs, in one blocked pass. See the module docstring.
+
+    ``log_ratio`` may be None when both ``train_log_probs`` and ``rollout_log_probs`` are given:
+    ℓ is then formed block by block and never materialized as a ``[B, T]`` tensor.
     """
-    check_pair(name, log_ratio, response_mask)
     if rollout_log_probs is not None:
         check_pair("rollout_log_probs", rollout_log_probs, response_mask)
-    dtype = compute_dtype(log_ratio)
-    batch, length = log_ratio.shape
-    device = log_ratio.device
+    if log_ratio is None:
+        if train_log_probs is None or rollout_log_probs is None:
+            raise ValueError(
+                "pass log_ratio, or both train_log_probs and rollout_log_probs to form it"
+            )
+        check_pair("train_log_probs", train_log_probs, response_mask)
+        first = train_log_probs
+    else:
+        check_pair(name, log_ratio, response_mask)
+        first = log_ratio
+    dtype = compute_dtype(first)
+    batch, length = first.shape
+    device = first.device
     token_rules = [r for r in rules or () if r.option.is_token]
     seq_rules = [r for r in rules or () if not r.option.is_token]
     options = {r.option for r in rules or ()}
@@ -192,13 +205,26 @@ def correction_pass(
 
     for r0, r1 in blocks:
         n_rows = r1 - r0
-        values = log_ratio[r0:r1].detach().to(dtype)
         mask = response_mask[r0:r1].detach().to(dtype)
-        lr = torch.mul(values, mask, out=ws_lr[:n_rows])
+        train_block = rollout_block = None
+        if log_ratio is not None:
+            values: torch.Tensor | None = log_ratio[r0:r1].detach().to(dtype)
+            lr = torch.mul(values, mask, out=ws_lr[:n_rows])
+        else:
+            assert train_log_probs is not None and rollout_log_probs is not None
+            values = None
+            train_block = train_log_probs[r0:r1].detach().to(dtype)
+            rollout_block = rollout_log_probs[r0:r1].detach().to(dtype)
+            lr = torch.sub(train_block, rollout_block, out=ws_lr[:n_rows]).mul_(mask)
         seq_sum = lr.sum(dim=-1)
         if not math.isfinite(float(seq_sum.sum())):
             bool_mask = mask > 0
             # raises if a response token is bad; otherwise the garbage sat in padding only
+            if values is None:
+                assert train_block is not None and rollout_block is not None
+                check_finite("train_log_probs", train_block, bool_mask, row_offset=r0)
+                check_finite("rollout_log_probs", rollout_block, bool_mask, row_offset=r0)
+                values = train_block - rollout_block
             check_finite(name, values, bool_mask, row_offset=r0)
             lr = torch.where(bool_mask, values, torch.zeros((), dtype=dtype, device=device), out=lr)
             seq_sum = lr.sum(dim=-1)

@@ -35,9 +35,11 @@ class CorrectionOutput:
 
 def apply_correction(
     config: CorrectionConfig,
-    log_ratio: torch.Tensor,
+    log_ratio: torch.Tensor | None,
     response_mask: torch.Tensor,
     rollout_log_probs: torch.Tensor | None = None,
+    *,
+    train_log_probs: torch.Tensor | None = None,
 ) -> CorrectionOutput:
     """Compute IS weights, the RS mask and their metrics for one batch.
 
@@ -49,6 +51,9 @@ def apply_correction(
         rollout_log_probs: ``[B, T]`` log π_rollout. When given, the off-policy diagnostics
             (``kl``, ``k3_kl``, perplexities, χ²; see ``DIAGNOSTIC_NAMES``) are added to the metrics,
             computed from the same statistics (π_train = π_rollout · exp ℓ).
+        train_log_probs: ``[B, T]`` log π_train. With ``log_ratio=None`` and both log-prob tensors
+            given, ℓ = train − rollout is formed block by block inside the pass (never as a
+            ``[B, T]`` tensor): the fastest way to run the full correction.
 
     Returns:
         :class:`CorrectionOutput`. IS is computed on the original response mask (its statistics
@@ -62,6 +67,7 @@ def apply_correction(
         batch_normalize=config.is_batch_normalize,
         rules=config.rs_rules,
         rollout_log_probs=rollout_log_probs,
+        train_log_probs=train_log_probs,
     )
     new_mask = response_mask if result.keep is None else result.keep.to(response_mask.dtype)
     return CorrectionOutput(result.weights, new_mask, metrics_to_floats(result.metrics))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from correction._common import check_finite, check_pair, compute_dtype, metrics_to_floats
+from correction._common import metrics_to_floats
 from correction._engine import DIAGNOSTIC_NAMES, correction_pass
 
 __all__ = ["DIAGNOSTIC_NAMES", "offpolicy_metrics"]
@@ -40,17 +40,7 @@ def offpolicy_metrics(
     Non-finite values on response tokens raise ``ValueError`` naming the tensor and position;
     padding values are ignored. With no valid token every metric is 0.0.
     """
-    check_pair("train_log_probs", train_log_probs, response_mask)
-    check_pair("rollout_log_probs", rollout_log_probs, response_mask)
-    dtype = compute_dtype(train_log_probs)
-    train = train_log_probs.detach().to(dtype)
-    rollout = rollout_log_probs.detach().to(dtype)
-    try:
-        result = correction_pass(train - rollout, response_mask, rollout_log_probs=rollout)
-    except ValueError:
-        # Name the input that is actually wrong rather than the derived log-ratio.
-        mask = response_mask.bool()
-        check_finite("train_log_probs", train, mask)
-        check_finite("rollout_log_probs", rollout, mask)
-        raise
+    result = correction_pass(
+        None, response_mask, train_log_probs=train_log_probs, rollout_log_probs=rollout_log_probs
+    )
     return metrics_to_floats(result.metrics)

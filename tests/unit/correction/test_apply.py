@@ -84,3 +84,26 @@ def test_mask_dtype_is_preserved() -> None:
     for dtype in (torch.bool, torch.int64, torch.float32):
         out = apply_correction(correction.preset("icepop"), train - rollout, mask.to(dtype))
         assert out.response_mask.dtype == dtype
+
+
+@pytest.mark.usefixtures("block_size")
+def test_fused_log_prob_inputs_match_the_log_ratio_path() -> None:
+    train, rollout, mask = make_batch(batch=8, length=10, scale=0.4, seed=12)
+    cfg = correction.preset("decoupled_seq_is_rs")
+    fused = apply_correction(cfg, None, mask, rollout_log_probs=rollout, train_log_probs=train)
+    plain = apply_correction(cfg, train - rollout, mask, rollout_log_probs=rollout)
+    assert fused.weights is not None and plain.weights is not None
+    torch.testing.assert_close(fused.weights, plain.weights)
+    torch.testing.assert_close(fused.response_mask, plain.response_mask)
+    assert fused.metrics == pytest.approx(plain.metrics)
+
+
+def test_fused_path_names_the_bad_input_and_needs_both_tensors() -> None:
+    train, rollout, mask = make_batch(seed=13)
+    cfg = correction.preset("icepop")
+    bad = train.clone()
+    bad[4, 0] = math.nan
+    with pytest.raises(ValueError, match=r"train_log_probs .*\[b, t\] = \[4, 0\]"):
+        apply_correction(cfg, None, mask, rollout_log_probs=rollout, train_log_probs=bad)
+    with pytest.raises(ValueError, match="both train_log_probs and rollout_log_probs"):
+        apply_correction(cfg, None, mask, rollout_log_probs=rollout)
