@@ -289,10 +289,12 @@ class InferenceEngine:
         request_id: str | None = None,
         *,
         num_top_logprobs: int = 0,
+        ignore_eos: bool = False,
     ) -> concurrent.futures.Future[EngineOutput]:
         """Queue a request; the future resolves with its :class:`EngineOutput`.
 
-        ``num_top_logprobs > 0`` also records that many top alternatives per token.
+        ``num_top_logprobs > 0`` also records that many top alternatives per token;
+        ``ignore_eos`` keeps generating past EOS (only ``stop_token_ids`` stop; benchmarks).
         Raises :class:`EngineRequestError` if the request cannot be served.
         """
         prompt_ids = [int(t) for t in prompt_ids]
@@ -309,7 +311,8 @@ class InferenceEngine:
             prompt_ids=prompt_ids,
             sampling=sampling,
             max_new=min(sampling.max_tokens, self.max_model_len - len(prompt_ids)),
-            stop_ids=frozenset(sampling.stop_token_ids) | self.eos_token_ids,
+            stop_ids=frozenset(sampling.stop_token_ids)
+            | (frozenset() if ignore_eos else self.eos_token_ids),
             future=concurrent.futures.Future(),
             generator=gen,
             submitted=time.monotonic(),

@@ -53,6 +53,8 @@ class _SamplingFields(_Request):
     """Tokens in logprobs are ``"token_id:123"`` strings (vLLM)."""
     return_token_ids: bool = False
     """Add ``prompt_token_ids`` and ``token_ids`` to each choice (vLLM)."""
+    ignore_eos: bool = False
+    """Keep generating past EOS; only ``stop_token_ids`` and ``max_tokens`` stop (vLLM)."""
 
 
 class CompletionRequest(_SamplingFields):

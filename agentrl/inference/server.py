@@ -290,6 +290,7 @@ def create_app(
         session_id: str | None,
         num_top: int,
         endpoint: str,
+        ignore_eos: bool = False,
     ) -> list[EngineOutput]:
         futures = []
         try:
@@ -298,7 +299,13 @@ def create_app(
                 if n > 1 and sampling.seed is not None:
                     sp = sampling.model_copy(update={"seed": sampling.seed + i})
                 futures.append(
-                    engine.submit(prompt_ids, sp, f"{request_id}-{i}", num_top_logprobs=num_top)
+                    engine.submit(
+                        prompt_ids,
+                        sp,
+                        f"{request_id}-{i}",
+                        num_top_logprobs=num_top,
+                        ignore_eos=ignore_eos,
+                    )
                 )
         except EngineRequestError as e:
             for f in futures:
@@ -361,7 +368,14 @@ def create_app(
         session = request.headers.get("x-session-id") or req.user
         num_top = req.logprobs or 0
         outs = await run_engine(
-            prompt_ids, sampling_of(req, max_tokens), req.n, rid, session, num_top, "completions"
+            prompt_ids,
+            sampling_of(req, max_tokens),
+            req.n,
+            rid,
+            session,
+            num_top,
+            "completions",
+            req.ignore_eos,
         )
         as_ids = req.return_tokens_as_token_ids
         choices = []
@@ -437,7 +451,14 @@ def create_app(
         session = request.headers.get("x-session-id") or req.user
         num_top = (req.top_logprobs or 0) if req.logprobs else 0
         outs = await run_engine(
-            prompt_ids, sampling_of(req, max_tokens), req.n, rid, session, num_top, "chat"
+            prompt_ids,
+            sampling_of(req, max_tokens),
+            req.n,
+            rid,
+            session,
+            num_top,
+            "chat",
+            req.ignore_eos,
         )
         as_ids = req.return_tokens_as_token_ids
         choices = []

@@ -240,3 +240,17 @@ def test_submit_is_thread_safe(engine) -> None:
 async def test_generate_async(engine) -> None:
     out = await engine.generate([3, 4, 5], SamplingParams(max_tokens=4, temperature=0.0))
     assert 1 <= len(out.token_ids) <= 4
+
+
+def test_eos_stops_unless_ignored(engine) -> None:
+    sp = SamplingParams(max_tokens=6, temperature=0.0)
+    greedy = engine.submit([20, 21, 22], sp).result()
+    saved = engine.eos_token_ids
+    engine.eos_token_ids = frozenset({greedy.token_ids[0]})
+    try:
+        stopped = engine.submit([20, 21, 22], sp).result()
+        ignored = engine.submit([20, 21, 22], sp, ignore_eos=True).result()
+    finally:
+        engine.eos_token_ids = saved
+    assert stopped.token_ids == greedy.token_ids[:1] and stopped.finish_reason == "stop"
+    assert len(ignored.token_ids) == 6 and ignored.finish_reason == "length"
