@@ -126,6 +126,8 @@ class AgentContext:
     """Sample index within the group."""
     agent_name: str = ""
     system_prompt: str | None = None
+    max_abort_resumes: int = 3
+    """How often one turn aborted by the server is resumed before the episode ends ``aborted``."""
     logger: logging.Logger | logging.LoggerAdapter = logger
 
     # ---- the running record (read by the manager for partial trajectories) ----------------
@@ -164,20 +166,43 @@ class AgentContext:
         """Generate the next model turn from the recorded context and record it.
 
         ``max_tokens`` is capped by the remaining budget; with no budget left nothing is sent
-        and an empty generation with ``finish_reason="length"`` comes back.
+        and an empty generation with ``finish_reason="length"`` comes back. A request aborted
+        by the server (e.g. a weight push in abort mode) is resumed from the tokens generated so
+        far, up to ``max_abort_resumes`` times (AReaL's interruptible generation): the turn
+        continues, each token keeps the version that produced it, and the returned generation
+        holds the whole turn (``weight_version`` = the last one).
         """
         rec = self._require_recorder()
         budget = rec.remaining_budget
         if budget <= 0:
             rec.truncated = True
             return Generation(token_ids=[], logprobs=[], finish_reason="length", weight_version=0)
-        sampling = self.sampling
-        max_tokens = min(sampling_overrides.pop("max_tokens", sampling.max_tokens), budget)
-        sampling = sampling.model_copy(update={"max_tokens": max_tokens, **sampling_overrides})
+        base = self.sampling
+        max_tokens = min(sampling_overrides.pop("max_tokens", base.max_tokens), budget)
+        sampling = base.model_copy(update={"max_tokens": max_tokens, **sampling_overrides})
         start = time.perf_counter()
         gen = await self.policy.generate(rec.context_ids(), sampling, self.session_id)
-        self.timings["generate"] = self.timings.get("generate", 0.0) + time.perf_counter() - start
         rec.add_generation(gen)
+        resumes = 0
+        while gen.finish_reason == "abort" and resumes < self.max_abort_resumes:
+            left = min(max_tokens - len(gen.token_ids), rec.remaining_budget)
+            if left <= 0:
+                gen = gen.model_copy(update={"finish_reason": "length"})
+                break
+            resumes += 1
+            self._count("abort_resumes")
+            more = await self.policy.generate(
+                rec.context_ids(), sampling.model_copy(update={"max_tokens": left}), self.session_id
+            )
+            rec.add_generation(more, continue_turn=True)
+            gen = Generation(
+                token_ids=gen.token_ids + more.token_ids,
+                logprobs=gen.logprobs + more.logprobs,
+                finish_reason=more.finish_reason,
+                weight_version=more.weight_version,
+                server=more.server,
+            )
+        self.timings["generate"] = self.timings.get("generate", 0.0) + time.perf_counter() - start
         return gen
 
     def decode(self, token_ids: Sequence[int]) -> str:

@@ -149,8 +149,8 @@ class ScriptedPolicy:
     ``script`` gives the turns of *each* episode: turn ``k`` of a session (``session_id``) is
     ``script[k]`` (the last entry repeats), or ``script(prompt_ids, k)`` when callable. A turn is
     text (tokenized once and cached; the EOS id is appended so it ends like a real turn), a list
-    of token ids (returned as is), an ``Exception`` instance (raised) or the string ``"abort"``
-    (an aborted, empty generation). Output longer than ``sampling.max_tokens`` is cut, with
+    of token ids (returned as is), a ``Generation`` (returned as is), an ``Exception`` instance
+    (raised) or the string ``"abort"`` (an aborted, empty generation). Output longer than ``sampling.max_tokens`` is cut, with
     ``finish_reason="length"``. Logprobs vary per position (``-0.05 * (1 + i % 7)``) so tests
     can check their alignment; ``delay_s`` adds latency; every request is kept in ``requests``
     as ``(prompt_ids, sampling, session_id)`` (``keep_requests=False`` for benchmarks).
@@ -200,6 +200,8 @@ class ScriptedPolicy:
             turn = self.script[min(k, len(self.script) - 1)]
         if isinstance(turn, BaseException):
             raise turn
+        if isinstance(turn, Generation):
+            return turn
         if turn == "abort":
             return Generation(
                 token_ids=[], logprobs=[], finish_reason="abort", weight_version=self.version

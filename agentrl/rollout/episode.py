@@ -324,6 +324,7 @@ class EpisodeRecorder:
         self.truncated = False
         """True once a budget cut the response (the episode should stop with ``length``)."""
         self._turn_open = False
+        self._turn_has_tokens = False
 
     @classmethod
     def from_messages(
@@ -375,10 +376,13 @@ class EpisodeRecorder:
         return self.prompt_ids + self.response_ids
 
     # ---- appending ------------------------------------------------------------------------
-    def add_generation(self, gen: Generation) -> None:
+    def add_generation(self, gen: Generation, *, continue_turn: bool = False) -> None:
         """Append a model turn: mask 1, the server's logprobs, its weight version.
 
-        Tokens past the budget are cut (and :attr:`truncated` is set).
+        ``continue_turn=True`` appends to the current (open) model turn instead of starting a
+        new one, e.g. when a request aborted by a weight push is resumed with the new weights;
+        each token keeps the version that produced it. Tokens past the budget are cut (and
+        :attr:`truncated` is set).
         """
         if gen.token_ids and gen.weight_version < 0:
             raise ValueError(
@@ -390,8 +394,9 @@ class EpisodeRecorder:
         self.loss_mask.extend([1] * n)
         self.rollout_logprobs.extend(gen.logprobs)  # floats: Generation validated them
         self.policy_version.extend([gen.weight_version] * n)
-        if n:
+        if n and not (continue_turn and self._turn_has_tokens):
             self.num_turns += 1
+        self._turn_has_tokens = bool(n) or (continue_turn and self._turn_has_tokens)
         eot = self._eot_ids()
         self._turn_open = eot is None or list(gen.token_ids[-len(eot) :]) != eot
         self._enforce_budget()

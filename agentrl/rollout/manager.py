@@ -200,6 +200,8 @@ class WorkerConfig:
     """Wall-clock limit of one episode; past it the episode ends with ``stop_reason=aborted``."""
     agent_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Agent name -> keyword arguments of its constructor."""
+    max_abort_resumes: int = 3
+    """How often a turn aborted by the server (weight push in abort mode) is resumed."""
 
     @classmethod
     def from_config(
@@ -290,6 +292,7 @@ class AgentLoopWorker:
             index=index,
             agent_name=task.agent,
             system_prompt=cfg.system_prompt,
+            max_abort_resumes=cfg.max_abort_resumes,
             logger=logging.LoggerAdapter(logger, {"uid": uid, "index": index}),
         )
         start = time.perf_counter()

@@ -9,7 +9,7 @@ import pytest
 
 from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.rollout.episode import render_prompt_ids
-from agentrl.types import SamplingParams, StopReason, Task
+from agentrl.types import Generation, SamplingParams, StopReason, Task
 from agents import (
     INVALID_TOOL,
     AgentContext,
@@ -204,9 +204,38 @@ async def test_cut_turn_without_call_stops_with_length(tok):
     assert traj.stop_reason == StopReason.LENGTH and traj.response_length == 5
 
 
-async def test_abort(tok):
-    traj = await create_agent("tool_agent").run(TASK, make_ctx(tok, ["abort"]))
+async def test_abort_after_resumes_are_used_up(tok):
+    ctx = make_ctx(tok, ["abort"])
+    traj = await create_agent("tool_agent").run(TASK, ctx)
     assert traj.stop_reason == StopReason.ABORTED and traj.response_length == 0
+    assert traj.metrics["abort_resumes"] == 3 and len(ctx.policy.requests) == 4  # type: ignore[attr-defined]  # ScriptedPolicy
+
+
+async def test_aborted_turn_is_resumed_with_new_weights(tok):
+    """A weight push aborts a turn midway; the turn continues, each token keeps its version."""
+    text = call("calculator", expression="6*7")
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    first = Generation(
+        token_ids=ids[:10], logprobs=[-0.1] * 10, finish_reason="abort", weight_version=4
+    )
+    rest = Generation(
+        token_ids=ids[10:],
+        logprobs=[-0.2] * (len(ids) - 10),
+        finish_reason="stop",
+        weight_version=5,
+    )
+    ctx = make_ctx(tok, [first, rest, "It is 42."])
+    ctx.policy.version = 5  # type: ignore[attr-defined]  # ScriptedPolicy: the last turn's version
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.EOS and traj.num_turns == 2
+    assert traj.tool_calls == {"calculator": 1} and traj.metrics["abort_resumes"] == 1
+    assert traj.response_ids[: len(ids)] == ids
+    assert traj.policy_version[: len(ids)] == [4] * 10 + [5] * (len(ids) - 10)
+    assert traj.rollout_logprobs[: len(ids)] == [-0.1] * 10 + [-0.2] * (len(ids) - 10)
+    (p1, s1, _), (p2, s2, _), _ = ctx.policy.requests  # type: ignore[attr-defined]  # ScriptedPolicy
+    assert p2 == p1 + ids[:10]  # resumed from exactly the tokens generated so far
+    assert s2.max_tokens == s1.max_tokens - 10
+    assert traj.staleness(current_version=5) == 1  # the oldest sampled token is version 4
 
 
 async def test_single_turn(tok):
