@@ -19,7 +19,7 @@ enforces them:
   ``setsid``); a user namespace where available (limits cannot be raised again).
 - **private root file system** (kernel; mount namespace + ``chroot``): the code sees a
   tmpfs root holding only ``/usr`` (and the ``/bin``, ``/lib``... links), the Python
-  installation (both read-only), ``/dev/{null,zero,random,urandom}``, a ``/dev/shm`` and
+  installation (both read-only), ``/dev/null``, ``/dev/urandom``, a ``/dev/shm`` and
   ``/tmp`` tmpfs, and its working directory (read-write) at its real path. ``/etc``, home
   directories, the project, other episodes' directories: none of it exists in there. All
   capabilities are dropped (``setpriv``) before the interpreter starts.
@@ -116,7 +116,7 @@ def _install(root, read_roots, max_forks, pid_ns):
     state = {"forks": max_forks, "busy": False}
     os.register_at_fork(after_in_child=lambda: state.__setitem__("forks", 0))
     WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    READ_OK = ("/dev/null", "/dev/urandom", "/dev/random", "/dev/zero")
+    READ_OK = ("/dev/null", "/dev/urandom")
     READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob", "glob.glob/2", "os.getxattr",
                    "os.listxattr"}
     FS_EVENTS = READ_EVENTS | {
@@ -237,10 +237,9 @@ set -e
 CHROOT=$1; MOUNT=$2; R=$3; W=$4; shift 4
 mount() { "$MOUNT" "$@"; }
 mount -t tmpfs -o size=64m,mode=755 agentrl-sandbox "$R"
-ro() {
+ro() {  # read-only bind (mount(8) binds, then remounts read-only, in one process)
   if [ -d "$1" ]; then mkdir -p "$R$1"; else mkdir -p "$R$(dirname "$1")"; : > "$R$1"; fi
-  mount --rbind "$1" "$R$1"
-  mount -o remount,bind,ro "$R$1"
+  mount --rbind -o ro "$1" "$R$1"
 }
 ro /usr
 for d in /bin /sbin /lib /lib32 /lib64 /libx32; do
@@ -249,7 +248,7 @@ done
 while [ "$1" != "--" ]; do ro "$1"; shift; done
 shift
 mkdir -p "$R/dev/shm" "$R/tmp"
-for f in null zero urandom random; do : > "$R/dev/$f"; mount --bind "/dev/$f" "$R/dev/$f"; done
+for f in null urandom; do : > "$R/dev/$f"; mount --bind "/dev/$f" "$R/dev/$f"; done
 mount -t tmpfs -o size=64m agentrl-shm "$R/dev/shm"
 mkdir -p "$R$W"
 mount --bind "$W" "$R$W"
@@ -315,7 +314,7 @@ def _python_paths(python_executable: str) -> tuple[str, ...]:
         candidates.add(os.path.realpath(prefix))
     exe_dir = os.path.dirname(os.path.abspath(python_executable))
     candidates.update({exe_dir, os.path.dirname(os.path.realpath(python_executable))})
-    for extra in ("/etc/ld.so.cache", "/etc/localtime"):
+    for extra in ("/etc/ld.so.cache",):
         if os.path.exists(extra):
             candidates.add(extra)
 
