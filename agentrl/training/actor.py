@@ -210,7 +210,18 @@ class Actor(FrozenPolicy):
         ``advantages``, ``response_mask`` (after rejection sampling) and optionally
         ``rollout_is_weights`` and ``ref_log_prob``.
         """
+        return self.update_with_log_probs(batch)[0]
+
+    def update_with_log_probs(self, batch: TensorDict) -> tuple[dict[str, float], torch.Tensor]:
+        """:meth:`update`, also returning the first pass's log-probs ``[B, R]`` (detached).
+
+        In bypass mode those are π_θ as the update first sees it (before the step for the first
+        mini-batch; after the earlier mini-batches' steps for later ones), which the off-policy
+        diagnostics use without an extra forward pass.
+        """
         c = self.config
+        first_pass: list[torch.Tensor] = []
+        first_index: list[list[int]] = []
         n = batch.batch_size[0]
         mini = c.mini_batch_size or n
         resp_width = batch["responses"].shape[1]
@@ -221,16 +232,19 @@ class Actor(FrozenPolicy):
             sums[key] = sums.get(key, 0.0) + float(value)
             counts[key] = counts.get(key, 0) + 1
 
-        for _ in range(c.ppo_epochs):
+        for epoch in range(c.ppo_epochs):
             for start in range(0, n, mini):
                 mb_full = batch[start : start + mini]
                 mask = mb_full["response_mask"].float()
                 global_tokens = mask.sum().item()
                 global_seqs = (mask.sum(dim=1) > 0).sum().item()
                 self.optimizer.zero_grad(set_to_none=True)
-                micro, _ = self._micro_batches(mb_full)
-                for mb in micro:
+                micro, indices = self._micro_batches(mb_full)
+                for mb, rows in zip(micro, indices, strict=True):
                     logp, entropy = self._forward(mb, with_entropy=True)
+                    if epoch == 0:
+                        first_pass.append(logp.detach().cpu())
+                        first_index.append([start + r for r in rows])
                     m = mb["response_mask"].to(self.device).float()
                     kwargs = dict(c.loss_kwargs)
                     # Micro-batches are trimmed to their own width: seq-mean-token-sum-norm
@@ -297,7 +311,19 @@ class Actor(FrozenPolicy):
                 n_mini = c.ppo_epochs * math.ceil(n / mini)
                 metrics[key] = sums[key] / max(1, n_mini)
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
-        return metrics
+        first = merge_micro_batches(first_pass, first_index, width=resp_width)
+        return metrics, first * batch["response_mask"].float()
+
+    @torch.no_grad()
+    def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Log-probs of ``token_ids`` after ``prompt_ids`` by the servers' convention."""
+        ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        p = len(prompt_ids)
+        logits = logits[p - 1 : p - 1 + len(token_ids)]
+        target = torch.tensor(token_ids, device=self.device)
+        logp = logprobs_from_logits(logits[None], target[None], temperature=self.temperature)
+        return [float(x) for x in logp[0].cpu()]
 
     # ---- weights ------------------------------------------------------------------------
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
