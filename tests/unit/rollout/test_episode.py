@@ -165,3 +165,15 @@ def test_recorder_pickles(tok):
     rec.add_generation(_gen(tok, "hey"))
     copy = pickle.loads(pickle.dumps(rec))
     assert copy.context_ids() == rec.context_ids() and copy.loss_mask == rec.loss_mask
+
+
+def test_continue_turn_appends_to_the_same_model_turn(tok):
+    rec = EpisodeRecorder.from_messages([{"role": "user", "content": "hi"}], tok)
+    partial = _gen(tok, "hel", eos=False, version=1)
+    rec.add_generation(partial.model_copy(update={"finish_reason": "abort"}))
+    rec.add_generation(_gen(tok, "lo", version=2), continue_turn=True)
+    assert rec.num_turns == 1
+    assert rec.policy_version == [1, 1, 1, 2, 2, 2]
+    # the resumed turn ended with <|im_end|>, so no closing token is added before new messages
+    delta = rec.add_messages([{"role": "user", "content": "again"}])
+    assert delta[0] != tok.eos_token_id

@@ -340,6 +340,11 @@ def test_worker_pickles(tok):
     assert traj is not None and traj.tool_calls == {"calculator": 1}
 
 
+async def test_no_tasks_is_an_empty_batch(tok):
+    mgr = manager(tok, ScriptedPolicy(tok, ["x"]))
+    assert await mgr.generate([]) == [] and mgr.stats()["rollout/running"] == 0
+
+
 def test_bad_arguments_are_clear(tok):
     with pytest.raises(ValueError, match="max_concurrency"):
         AgentLoopManager(ScriptedPolicy(tok, ["x"]), tok, max_concurrency=0)
