@@ -230,6 +230,15 @@ def correction_pass(
             seq_sum = lr.sum(dim=-1)
         seq_len = mask.sum(dim=-1)
         block: dict[str, torch.Tensor] = {"seq_sum": seq_sum.to(_F64), "seq_len": seq_len.to(_F64)}
+        # --- diagnostics: the rollout block is still in cache right after forming ℓ ---
+        if rollout_log_probs is not None:
+            rollout = rollout_log_probs[r0:r1].detach().to(dtype)
+            rollout_sum = torch.mul(rollout, mask, out=ws_tmp[:n_rows]).sum(dim=-1)
+            if not math.isfinite(float(rollout_sum.sum())):
+                bool_mask = mask > 0
+                check_finite("rollout_log_probs", rollout, bool_mask, row_offset=r0)
+                rollout_sum = torch.where(bool_mask, rollout, 0.0).sum(dim=-1)
+            block["rollout_sum"] = rollout_sum.to(_F64)
         if lr.numel():
             lo, hi = torch.aminmax(lr)
             lr_lo, lr_hi = float(lo), float(hi)
@@ -318,16 +327,6 @@ def correction_pass(
                 block["kept_token"] = k.sum(dim=-1).to(_F64)
             if weights is not None and token_rules:
                 weights[r0:r1].mul_(k)
-
-        # --- diagnostics ---
-        if rollout_log_probs is not None:
-            rollout = rollout_log_probs[r0:r1].detach().to(dtype)
-            rollout_sum = torch.mul(rollout, mask, out=ws_tmp[:n_rows]).sum(dim=-1)
-            if not math.isfinite(float(rollout_sum.sum())):
-                bool_mask = mask > 0
-                check_finite("rollout_log_probs", rollout, bool_mask, row_offset=r0)
-                rollout_sum = torch.where(bool_mask, rollout, 0.0).sum(dim=-1)
-            block["rollout_sum"] = rollout_sum.to(_F64)
 
         for key, value in block.items():
             rows[key].append(value)
