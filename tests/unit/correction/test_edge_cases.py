@@ -101,3 +101,29 @@ def test_shape_mismatch_is_reported() -> None:
         ValueError, match=r"log_ratio has shape \(2, 3\) and response_mask \(2, 4\)"
     ):
         correction.is_weights(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+@pytest.mark.usefixtures("block_size")
+def test_scratch_reuse_across_shapes_dtypes_and_threads() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from . import reference
+    from .conftest import make_batch
+
+    cases = [
+        make_batch(batch=b, length=t, seed=s) for s, (b, t) in enumerate([(3, 5), (9, 40), (2, 3)])
+    ]
+
+    def run(case: tuple[torch.Tensor, ...], dtype: torch.dtype) -> None:
+        train, rollout, mask = (x.to(dtype) for x in case)
+        w, _ = correction.is_weights(train - rollout, mask, "token", threshold=1.5)
+        expected = reference.is_weights(train.double() - rollout.double(), mask, "token", 1.5)
+        torch.testing.assert_close(w.double(), expected, rtol=1e-5, atol=1e-6)
+
+    for dtype in (torch.float32, torch.float64, torch.float32):
+        for case in cases:
+            run(case, dtype)
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        futures = [pool.submit(run, case, torch.float32) for case in cases * 4]
+        for future in futures:
+            future.result(timeout=60)
