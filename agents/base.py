@@ -137,8 +137,8 @@ class AgentContext:
     tool_counts: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
-    turn_rewards: list[float] = field(default_factory=list)
-    """Per-turn sums of the tools' step rewards (empty when no tool gave one)."""
+    step_rewards: dict[int, float] = field(default_factory=dict)
+    """Model turn (1-based) -> sum of the step rewards of the tools it called."""
 
     # ---- token bookkeeping ---------------------------------------------------------------
     def start_episode(
@@ -286,7 +286,8 @@ class AgentContext:
             self._count("tool_calls_malformed")
             out.append({"role": "tool", "content": f"error: {err}"})
         if step_reward is not None:
-            self.turn_rewards.append(step_reward)
+            turn = self.recorder.num_turns if self.recorder is not None else 0
+            self.step_rewards[turn] = self.step_rewards.get(turn, 0.0) + step_reward
         return out, stop
 
     def _count(self, key: str, n: float = 1.0) -> None:
@@ -317,7 +318,11 @@ class AgentContext:
             "timings": dict(self.timings),
             "metrics": dict(self.metrics),
             "messages": list(self.messages),
-            "turn_rewards": list(self.turn_rewards),
+            # One entry per model turn (0.0 for turns whose tools gave no step reward); empty
+            # when no tool gave one, so a reward function's own turn_rewards take over.
+            "turn_rewards": [self.step_rewards.get(k, 0.0) for k in range(1, rec.num_turns + 1)]
+            if self.step_rewards
+            else [],
         }
         fields.update(meta)
         return rec.to_trajectory(**fields)

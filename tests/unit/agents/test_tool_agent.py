@@ -162,10 +162,17 @@ async def test_tool_stop(tok):
         """
         return ToolResult(content="submitted", stop=True, reward=1.0)
 
-    ctx = make_ctx(tok, [call("submit", answer="42"), "never reached"], tools=[submit])
-    traj = await create_agent("tool_agent").run(TASK, ctx)
-    assert traj.stop_reason == StopReason.TOOL_STOP and traj.num_turns == 1
-    assert traj.turn_rewards == [1.0] and traj.messages[-1]["content"] == "submitted"
+    @tool
+    def noop() -> ToolResult:
+        """Do nothing, with a small step reward."""
+        return ToolResult(content="ok", reward=0.25)
+
+    script = [call("calculator", expression="1"), call("noop"), call("submit", answer="42"), "x"]
+    tools = [get_tool("calculator"), noop, submit]
+    traj = await create_agent("tool_agent").run(TASK, make_ctx(tok, script, tools=tools))
+    assert traj.stop_reason == StopReason.TOOL_STOP and traj.num_turns == 3
+    # one step reward per model turn, 0.0 where its tools gave none
+    assert traj.turn_rewards == [0.0, 0.25, 1.0] and traj.messages[-1]["content"] == "submitted"
     assert traj.loss_mask[-1] == 0  # the tool response is recorded after the last model turn
 
 
