@@ -15,6 +15,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("agentrl.inference.tiny_model", "build a tiny Qwen2 model and tokenizer"),
     "serve-model": ("agentrl.inference.server", "serve a model over the vLLM-compatible HTTP API"),
+    "sft": ("agentrl.training.sft_cli", "supervised warm start on chat conversations"),
 }
 
 

@@ -573,6 +573,30 @@ class ExperimentConfig(Section):
         return _to_yaml(self)
 
 
+class TinyModelConfig(Section):
+    """Shape of the tiny model built when `model.path` is null (`agentrl tiny-model`)."""
+
+    num_layers: int = Field(default=2, ge=1)
+    """Decoder layers."""
+    hidden_size: int = Field(default=128, ge=32)
+    """Model width (hidden_size / num_heads >= 32 for vLLM's CPU attention)."""
+    num_heads: int = Field(default=4, ge=1)
+    """Attention heads."""
+    num_kv_heads: int = Field(default=2, ge=1)
+    """Key/value heads (grouped-query attention)."""
+    intermediate_size: int = Field(default=256, ge=1)
+    """MLP width."""
+    seed: int = 0
+    """Weight-init seed (the built model is deterministic for it)."""
+
+
+class SFTModelConfig(ModelConfig):
+    """The model to fine-tune: an HF directory, or the tiny model built from `tiny`."""
+
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Shape of the tiny model used when `path` is null."""
+
+
 class SFTDataConfig(Section):
     """Supervised data: chat conversations."""
 
@@ -601,6 +625,8 @@ class SFTTrainerConfig(OptimizerFields):
 
     epochs: int | None = None
     """Passes over the data; None = stop after `total_steps`."""
+    share_prefix: bool = False
+    """Run each batch's common loss-free prefix (e.g. a long tools prompt) once, without gradient."""
 
 
 class SFTConfig(Section):
@@ -608,7 +634,7 @@ class SFTConfig(Section):
 
     kind: Literal["sft"] = "sft"
     """Schema of this file: `sft` (this one) or `rl`."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: SFTModelConfig = Field(default_factory=SFTModelConfig)
     """The model to fine-tune."""
     data: SFTDataConfig = Field(default_factory=SFTDataConfig)
     """Conversations."""

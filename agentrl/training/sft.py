@@ -13,6 +13,10 @@ Guarantees:
 - A template that is not prefix-stable (render(messages[:k]) is not a prefix of
   render(messages)) is an error naming the conversation, not silently mis-masked data.
 - Deterministic for a seed (data order and initialisation of the optimizer state).
+- ``share_prefix=True`` (a speed knob for long shared system prompts, e.g. a tools block):
+  the token prefix common to a whole batch carries no loss, so it is run once per step,
+  without gradient, and its KV cache is shared by every row. The forward pass is the same
+  function (same logits); only the gradient through the prefix's keys/values is dropped.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class SFTSettings:
     seed: int = 0
     max_seq_len: int = 1024
     log_every: int = 50
+    betas: tuple[float, float] = (0.9, 0.999)
+    schedule: str = "cosine"
+    """After warmup: ``cosine`` (down to 10% of ``lr``) or ``constant``."""
+    share_prefix: bool = False
+    """Run the batch's common, loss-free token prefix once per step without gradient."""
 
 
 def _render_ids(
@@ -124,6 +133,48 @@ def _collate(examples: Sequence[SFTExample], pad_id: int) -> dict[str, torch.Ten
     return {"input_ids": ids, "attention_mask": attn, "loss_mask": mask}
 
 
+def _shared_prefix_len(examples: Sequence[SFTExample]) -> int:
+    """Length of the token prefix common to all ``examples`` that carries no loss, keeping at
+    least one token of every row outside it (so each row has a suffix to run)."""
+    first = examples[0]
+    limit = min(len(e.input_ids) for e in examples) - 1
+    n = 0
+    while (
+        n < limit
+        and first.loss_mask[n] == 0
+        and all(e.input_ids[n] == first.input_ids[n] and e.loss_mask[n] == 0 for e in examples)
+    ):
+        n += 1
+    # The last prefix token's logits predict the first suffix token: that target must be
+    # loss-free too, since the prefix runs without producing trainable logits.
+    while n > 0 and any(e.loss_mask[n] for e in examples):
+        n -= 1
+    return n
+
+
+def _batch_loss(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], prefix_len: int
+) -> torch.Tensor:
+    """Masked token-mean NLL of a collated batch (``input_ids``/``attention_mask``/``loss_mask``:
+    ``[B, T]``). With ``prefix_len > 0`` the first ``prefix_len`` columns (identical in every
+    row, loss-free) run once without gradient and their KV cache is repeated for the rows."""
+    ids, attn, mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
+    kwargs: dict[str, Any] = {}
+    if prefix_len > 0:
+        with torch.no_grad():
+            out = model(input_ids=ids[:1, :prefix_len], use_cache=True)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(ids.shape[0])
+        kwargs["past_key_values"] = cache
+        ids, mask = ids[:, prefix_len:], mask[:, prefix_len:]
+    logits = model(input_ids=ids, attention_mask=attn, **kwargs).logits
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = ids[:, 1:]
+    nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    m = mask[:, 1:]
+    return (nll * m).sum() / m.sum().clamp(min=1)
+
+
 def train_sft(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -150,11 +201,20 @@ def train_sft(
     torch.manual_seed(settings.seed)
     device = next(model.parameters()).device
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    opt = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=settings.weight_decay)
+    if settings.schedule not in ("cosine", "constant"):
+        raise ValueError(f"schedule = {settings.schedule!r}; use 'cosine' or 'constant'")
+    opt = torch.optim.AdamW(
+        model.parameters(),
+        lr=settings.lr,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
+    )
 
     def lr_at(step: int) -> float:
         if step < settings.warmup_steps:
             return (step + 1) / settings.warmup_steps
+        if settings.schedule == "constant":
+            return 1.0
         span = max(1, settings.steps - settings.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - settings.warmup_steps) / span))
 
@@ -172,12 +232,7 @@ def train_sft(
             order.extend(more)
         picked = [examples[order.pop()] for _ in range(settings.batch_size)]
         batch = {k: v.to(device) for k, v in _collate(picked, pad_id).items()}
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        target = batch["input_ids"][:, 1:]
-        nll = -logp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-        m = batch["loss_mask"][:, 1:]
-        loss = (nll * m).sum() / m.sum().clamp(min=1)
+        loss = _batch_loss(model, batch, _shared_prefix_len(picked) if settings.share_prefix else 0)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)

@@ -1,0 +1,258 @@
+"""How good a warm start is: tool use and accuracy of an SFT checkpoint on held-out calculator tasks.
+
+Why it exists: the quickstart ships ``checkpoints/calculator-sft`` (made by ``agentrl sft
+configs/sft_calculator.yaml``) as an *imperfect* start for RL: it should emit well-formed tool
+calls that copy the expression when it calls the tool, but call it only part of the time. This
+script measures exactly that, through the real tool loop, and prints JSON:
+
+1. render ``[system, user]`` + the calculator schema with the model's chat template, generate
+   the first assistant turn (greedy, or sampled at ``--temperature`` with no top-k/top-p);
+2. parse it as hermes ``<tool_call>`` JSON (:func:`agentrl.inference.chat.parse_hermes_tool_calls`);
+3. for a well-formed ``calculator`` call, run the built-in calculator tool, append the assistant
+   turn and the tool message through the chat template, and generate the final answer;
+4. score the final answer like the ``calculator`` reward (``\\boxed{N}`` first, else the last
+   number) against the exact ground truth.
+
+Reported rates (over all tasks unless named): ``tool_call_rate`` (the first turn opens a
+``<tool_call>``), ``well_formed_rate`` (of the tool calls: parsed, name ``calculator``, an
+``expression`` string), ``expression_correct_rate`` (of the well-formed calls: the expression is
+the task's ``a op b``, spaces ignored), ``accuracy``, ``accuracy_with_tool`` and
+``accuracy_without_tool``.
+
+Run: ``python benchmarks/sft_warmstart_eval.py checkpoints/calculator-sft [--n 64] [--seed 777]``
+(both greedy and temperature 1 by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def _generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[list[int]],
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    seed: int,
+) -> list[str]:
+    """Generate one continuation per prompt (left-padded batch); text up to ``<|im_end|>``."""
+    import torch
+
+    pad = tokenizer.pad_token_id
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
+    attn = torch.zeros((len(prompts), n), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p) :] = torch.tensor(p)
+        attn[i, n - len(p) :] = 1
+    kwargs: dict[str, Any] = {"do_sample": False}
+    if temperature > 0:
+        kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=attn,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=pad,
+            **kwargs,
+        )
+    texts = []
+    for row in out[:, n:].tolist():
+        if tokenizer.eos_token_id in row:
+            row = row[: row.index(tokenizer.eos_token_id)]
+        texts.append(tokenizer.decode(row, skip_special_tokens=False).replace("<|endoftext|>", ""))
+    return texts
+
+
+def _render(tokenizer: Any, messages: list[dict], tools: list[dict]) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools, add_generation_prompt=True, tokenize=False
+    )
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _is_correct(text: str, truth: str) -> bool:
+    from agentrl.rollout.rewards import extract_answer, parse_number
+
+    answer = extract_answer(text)
+    if answer is None:
+        nums = [t for t in text.replace("\\boxed{", " ").replace("}", " ").split() if t]
+        answer = nums[-1] if nums else ""
+    value = parse_number(answer)
+    return value is not None and value == parse_number(truth)
+
+
+def evaluate_warmstart(
+    model_dir: str | Path,
+    *,
+    n: int = 64,
+    seed: int = 777,
+    temperature: float = 0.0,
+    min_digits: int = 2,
+    max_digits: int = 3,
+    max_new_tokens: int = 48,
+    batch_size: int = 32,
+    model: Any = None,
+    tokenizer: Any = None,
+) -> dict[str, Any]:
+    """Run ``n`` held-out calculator tasks (``seed``) through the two-turn tool loop; return rates."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.inference.chat import parse_hermes_tool_calls
+    from agentrl.rollout.calculator_task import (
+        CALCULATOR_SYSTEM_PROMPT,
+        calculator_tool_schemas,
+        generate_calculator_tasks,
+    )
+    from tools.calculator import Calculator, CalculatorError, format_number
+
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(str(model_dir))
+    model = model or AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+    schemas = calculator_tool_schemas()
+    calc = Calculator()
+    tasks = generate_calculator_tasks(n, seed=seed, min_digits=min_digits, max_digits=max_digits)
+    t0 = time.perf_counter()
+    convs = [
+        [
+            {"role": "system", "content": CALCULATOR_SYSTEM_PROMPT},
+            {"role": "user", "content": t.prompt},
+        ]
+        for t in tasks
+    ]
+    first: list[str] = []
+    for i in range(0, n, batch_size):
+        prompts = [_render(tokenizer, c, schemas) for c in convs[i : i + batch_size]]
+        first += _generate(
+            model,
+            tokenizer,
+            prompts,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            seed=seed + i,
+        )
+    rows: list[dict[str, Any]] = []
+    second_idx: list[int] = []
+    for k, (task, text) in enumerate(zip(tasks, first, strict=True)):
+        parsed = parse_hermes_tool_calls(text)
+        row: dict[str, Any] = {"first": text, "tool_call": "<tool_call>" in text}
+        call = parsed.tool_calls[0] if parsed.tool_calls and not parsed.errors else None
+        args = json.loads(call["function"]["arguments"]) if call else {}
+        well = bool(
+            call
+            and call["function"]["name"] == "calculator"
+            and isinstance(args.get("expression"), str)
+        )
+        row["well_formed"] = well
+        row["final"] = text
+        if well:
+            expr = args["expression"]
+            want = f"{task.extra['a']}{task.extra['op']}{task.extra['b']}"
+            row["expression_correct"] = expr.replace(" ", "") == want
+            try:
+                result = format_number(calc.evaluate(expr))
+            except CalculatorError as exc:
+                result = f"error: {exc}"
+            assert call is not None
+            convs[k] += [
+                {
+                    "role": "assistant",
+                    "content": parsed.content or "",
+                    "tool_calls": [
+                        {
+                            "id": "call_0",
+                            "type": "function",
+                            "function": {"name": "calculator", "arguments": args},
+                        }
+                    ],
+                },
+                {"role": "tool", "tool_call_id": "call_0", "name": "calculator", "content": result},
+            ]
+            second_idx.append(k)
+        rows.append(row)
+    for i in range(0, len(second_idx), batch_size):
+        idx = second_idx[i : i + batch_size]
+        prompts = [_render(tokenizer, convs[k], schemas) for k in idx]
+        texts = _generate(
+            model,
+            tokenizer,
+            prompts,
+            temperature=temperature,
+            max_new_tokens=24,
+            seed=seed + 10_000 + i,
+        )
+        for k, text in zip(idx, texts, strict=True):
+            rows[k]["final"] = text
+    for task, row in zip(tasks, rows, strict=True):
+        row["correct"] = _is_correct(row["final"], task.reward_spec["ground_truth"])
+
+    def rate(num: int, den: int) -> float | None:
+        return round(num / den, 4) if den else None
+
+    calls = [r for r in rows if r["tool_call"]]
+    well = [r for r in rows if r["well_formed"]]
+    no_tool = [r for r in rows if not r["tool_call"]]
+    return {
+        "model_dir": str(model_dir),
+        "n": n,
+        "seed": seed,
+        "temperature": temperature,
+        "tool_call_rate": rate(len(calls), n),
+        "well_formed_rate": rate(len(well), len(calls)),
+        "expression_correct_rate": rate(sum(r["expression_correct"] for r in well), len(well)),
+        "accuracy": rate(sum(r["correct"] for r in rows), n),
+        "accuracy_with_tool": rate(sum(r["correct"] for r in well), len(well)),
+        "accuracy_without_tool": rate(sum(r["correct"] for r in no_tool), len(no_tool)),
+        "boxed_rate": rate(sum("\\boxed{" in r["final"] for r in rows), n),
+        "wall_s": round(time.perf_counter() - t0, 1),
+        "examples": [{"first": r["first"], "final": r["final"]} for r in rows[:3]],
+    }
+
+
+def main() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", nargs="?", default="checkpoints/calculator-sft")
+    parser.add_argument("--n", type=int, default=64, help="held-out tasks")
+    parser.add_argument("--seed", type=int, default=777, help="task seed (the SFT data used 1234)")
+    parser.add_argument("--min-digits", type=int, default=2)
+    parser.add_argument("--max-digits", type=int, default=3)
+    parser.add_argument(
+        "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy"
+    )
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir).eval()
+    results = [
+        evaluate_warmstart(
+            args.model_dir,
+            n=args.n,
+            seed=args.seed,
+            temperature=t,
+            min_digits=args.min_digits,
+            max_digits=args.max_digits,
+            model=model,
+            tokenizer=tok,
+        )
+        for t in args.temperatures
+    ]
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
