@@ -83,7 +83,9 @@ def agg_loss(
         )
     mask = loss_mask.to(loss_mat.dtype)
     # where() rather than multiply: a NaN/inf loss on a padded token must not leak into the sum.
-    masked = torch.where(mask > 0, loss_mat, torch.zeros((), dtype=loss_mat.dtype))
+    masked = torch.where(
+        mask > 0, loss_mat, torch.zeros((), dtype=loss_mat.dtype, device=loss_mat.device)
+    )
     if agg is LossAggMode.TOKEN_MEAN:
         denom = mask.sum() if global_tokens is None else torch.as_tensor(global_tokens)
         return masked.sum() / torch.clamp(denom.to(loss_mat.dtype), min=1.0)

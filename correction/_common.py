@@ -69,10 +69,16 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 
 def metrics_to_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
-    """Convert a dict of 0-dim tensors to Python floats with a single device sync."""
-    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
-    out = {k: float(v) for k, v in metrics.items() if not isinstance(v, torch.Tensor)}
-    if keys:
-        stacked = torch.stack([metrics[k].detach().to(torch.float64).reshape(()) for k in keys])  # type: ignore[union-attr]  # keys holds only tensor entries
+    """Convert a dict of 0-dim tensors (and floats) to Python floats, one sync per device."""
+    out: dict[str, float] = {}
+    by_device: dict[torch.device, list[str]] = {}
+    for key, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            by_device.setdefault(value.device, []).append(key)
+        else:
+            out[key] = float(value)
+    for keys in by_device.values():
+        tensors = [metrics[k] for k in keys]
+        stacked = torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors])  # type: ignore[union-attr]  # only tensor entries are grouped
         out.update(zip(keys, stacked.tolist(), strict=True))
     return {k: out[k] for k in metrics}

@@ -1,6 +1,6 @@
 """The single pass behind every public function: IS weights, RS mask and diagnostics together.
 
-Why one engine: the three share their inputs (the masked log-ratio ℓ, ``expm1(ℓ)``, per-sequence
+Why one engine: the three share their inputs (the masked log-ratio ℓ, ``exp(ℓ)``, per-sequence
 sums and lengths), so computing them together reads each ``[B, T]`` tensor once per batch.
 
 How it stays fast on CPU: sequences are independent, so the batch is processed in blocks of rows
@@ -290,12 +290,12 @@ def correction_pass(
                     has_padding = float(block["seq_len"].sum()) < flat_w.numel()
                     if lr_hi > 0 or not has_padding:
                         w_max = min(math.exp(min(lr_hi, LOG_RATIO_BOUND)), threshold)
-                        parts["w_max"].append(torch.tensor(w_max, dtype=_F64))
+                        parts["w_max"].append(torch.tensor(w_max, dtype=_F64, device=device))
                     else:  # valid weights are > 0 and padding is 0
                         parts["w_max"].append(flat_w.max().to(_F64))
                     if lr_lo < 0 or not has_padding:
                         w_min = min(math.exp(max(lr_lo, -LOG_RATIO_BOUND)), threshold)
-                        parts["w_min"].append(torch.tensor(w_min, dtype=_F64))
+                        parts["w_min"].append(torch.tensor(w_min, dtype=_F64, device=device))
                     else:
                         parts["w_min"].append(torch.where(mask > 0, w, math.inf).min().to(_F64))
             else:
@@ -370,8 +370,10 @@ def correction_pass(
     return PassResult(weights, keep, metrics)
 
 
-def _sum_parts(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(parts).sum().to(_F64) if parts else torch.zeros((), dtype=_F64)
+def _sum_parts(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return (
+        torch.stack(parts).sum().to(_F64) if parts else torch.zeros((), dtype=_F64, device=device)
+    )
 
 
 def _is_metrics(
@@ -383,18 +385,20 @@ def _is_metrics(
     n_seq: torch.Tensor,
     valid: torch.Tensor,
 ) -> Metrics:
+    device = valid.device
+    zero = torch.zeros((), dtype=_F64, device=device)
     if level is ISLevel.TOKEN:
         n = n_tok
-        w_sum, w_sq = _sum_parts(parts["w_sum"]), _sum_parts(parts["w_sq"])
-        n_trunc = _sum_parts(parts["n_trunc"])
-        w_max = torch.stack(parts["w_max"]).max() if parts["w_max"] else torch.zeros((), dtype=_F64)
-        w_min = torch.stack(parts["w_min"]).min() if parts["w_min"] else torch.zeros((), dtype=_F64)
+        w_sum, w_sq = _sum_parts(parts["w_sum"], device), _sum_parts(parts["w_sq"], device)
+        n_trunc = _sum_parts(parts["n_trunc"], device)
+        w_max = torch.stack(parts["w_max"]).max() if parts["w_max"] else zero
+        w_min = torch.stack(parts["w_min"]).min() if parts["w_min"] else zero
     else:
         n = n_seq
-        seq_w = cat.get("seq_w", torch.zeros(0, dtype=_F64))
+        seq_w = cat.get("seq_w", torch.zeros(0, dtype=_F64, device=device))
         w_sum, w_sq = seq_w.sum(), torch.dot(seq_w, seq_w)
-        n_trunc = cat["seq_trunc"].sum().to(_F64) if "seq_trunc" in cat else torch.zeros(())
-        w_max = seq_w.max() if seq_w.numel() else torch.zeros((), dtype=_F64)
+        n_trunc = cat["seq_trunc"].sum().to(_F64) if "seq_trunc" in cat else zero
+        w_max = seq_w.max() if seq_w.numel() else zero
         w_min = torch.where(valid, seq_w, math.inf).min() if seq_w.numel() else w_max
     w_max = torch.where(n > 0, w_max, 0.0)
     w_min = torch.where(n > 0, w_min, 0.0)
@@ -473,6 +477,7 @@ def _diagnostics(
             torch.exp(torch.clamp(log_ppl_diff, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         ),
         # ρ² − 1 = 2(ρ − 1) + (ρ − 1)²: accurate for ρ ≈ 1.
-        "chi2_token": (2.0 * cat["em1_sum"].sum() + _sum_parts(parts["em1_sq"])) / n_tok_safe,
+        "chi2_token": (2.0 * cat["em1_sum"].sum() + _sum_parts(parts["em1_sq"], n_tok.device))
+        / n_tok_safe,
         "chi2_seq": seq_mean(torch.exp(2.0 * bounded_sum)) - 1.0,
     }
