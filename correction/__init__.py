@@ -12,6 +12,9 @@ Typical use::
     out = correction.apply_correction(cfg, old_log_probs - rollout_log_probs, response_mask,
                                       rollout_log_probs=rollout_log_probs)
     # out.weights [B, T] multiplies the per-token policy loss; out.response_mask replaces the mask.
+
+Passing ``log_ratio=None, train_log_probs=old_log_probs`` (with ``rollout_log_probs``) forms ℓ inside
+the pass instead, which is faster and reports bad values against the log-prob tensor that holds them.
 """
 
 from correction._agg import LOSS_AGG_MODES, LossAggMode, agg_loss
