@@ -58,7 +58,7 @@ from agentrl.training.buffer import TrajectoryBuffer
 from agentrl.training.checkpoint_engine import CheckpointEngine, WeightPushError, make_transport
 from agentrl.types import SamplingParams, Task, Trajectory
 from agents import AgentLimits
-from tools import ToolSet, get_tool
+from tools import ToolSet
 
 __all__ = ["TrainResult", "Trainer", "build_tasks", "build_toolset", "evaluate_checkpoint"]
 
@@ -81,21 +81,14 @@ class TrainResult:
 
 # ---- building blocks from the config -------------------------------------------------------
 def build_toolset(cfg: ExperimentConfig) -> ToolSet:
-    tools = []
-    for name in cfg.tools.enabled:
-        kwargs: dict[str, Any] = {}
-        if name == "python":
-            kwargs = {
-                "wall_time_s": cfg.tools.python.wall_time_s,
-                "memory_mb": cfg.tools.python.memory_mb,
-            }
-        elif name == "search":
-            if not cfg.tools.search.corpus_path:
-                raise ValueError("tools.enabled has 'search' but tools.search.corpus_path is unset")
-            kwargs = {"corpus_path": cfg.tools.search.corpus_path}
-        tools.append(get_tool(name, **kwargs))
-    return ToolSet(
-        tools,
+    """The ``tools`` section as a ToolSet (settings of disabled tools are ignored)."""
+    search = cfg.tools.search.model_dump()
+    return ToolSet.from_names(
+        cfg.tools.enabled,
+        options={
+            "python": cfg.tools.python.model_dump(),
+            **({"search": search} if search.get("corpus_path") else {}),
+        },
         timeout_s=cfg.tools.timeout_s,
         max_output_chars=cfg.tools.max_output_chars,
         truncate_side=cfg.tools.truncate_side,
