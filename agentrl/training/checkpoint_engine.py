@@ -201,6 +201,7 @@ class PushReport:
     servers: dict[str, ServerPushStatus] = field(default_factory=dict)
     num_bytes: int = 0
     stage_seconds: float = 0.0
+    verify_seconds: float = 0.0
     total_seconds: float = 0.0
     transport: str = ""
 
@@ -226,6 +227,7 @@ class PushReport:
         out = {
             "weight_sync/push_s": self.total_seconds,
             "weight_sync/stage_s": self.stage_seconds,
+            "weight_sync/verify_s": self.verify_seconds,
             "weight_sync/bytes": float(self.num_bytes),
             "weight_sync/failed_servers": float(sum(not s.ok for s in self.servers.values())),
         }
@@ -288,7 +290,9 @@ class CheckpointEngine:
         statuses = await asyncio.gather(*(self._push_one(c, staged) for c in self.clients))
         report.servers = {s.url: s for s in statuses}
         if self.verify and score is not None:
+            t_verify = time.perf_counter()
             await self._verify(report, score)
+            report.verify_seconds = time.perf_counter() - t_verify
         self.transport.cleanup(keep_version=version)
         report.total_seconds = time.perf_counter() - t0
         if not report.ok:

@@ -146,6 +146,7 @@ async def test_push_moves_every_server_to_the_new_weights_and_verifies(
         assert set(metrics) == {
             "weight_sync/push_s",
             "weight_sync/stage_s",
+            "weight_sync/verify_s",
             "weight_sync/bytes",
             "weight_sync/failed_servers",
             "weight_sync/verify_max_abs_diff",

@@ -295,6 +295,7 @@ async def test_verify_compares_probe_logprobs_with_the_trainers_score() -> None:
     assert seen == [([5, 6], [7, 8, 9])]
     assert report.max_abs_diff == pytest.approx(1e-6, abs=1e-9)
     assert report.metrics()["weight_sync/verify_max_abs_diff"] == pytest.approx(1e-6, abs=1e-9)
+    assert 0 < report.verify_seconds < report.total_seconds
     probe = a.generate_requests[-1]["body"]
     assert probe["temperature"] == 1.0 and probe["max_tokens"] == 3
 
