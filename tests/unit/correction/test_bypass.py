@@ -6,8 +6,10 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from correction import bypass_ppo_clip_loss, bypass_reinforce_loss
+from correction import LOSS_AGG_MODES, bypass_ppo_clip_loss, bypass_reinforce_loss, is_weights
 
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 ROLLOUT = torch.log(torch.tensor([[0.5, 0.5, 0.5], [0.4, 0.5, 0.5]]))
@@ -70,8 +72,6 @@ def test_gradients_stay_finite_for_extreme_log_ratios(shift: float, which: str) 
     if which == "ppo":
         loss, m = bypass_ppo_clip_loss(log_prob, rollout, adv, mask)
     else:
-        from correction import is_weights
-
         w, _ = is_weights(log_prob.detach() - rollout, mask, "token", threshold=2.0)
         loss, m = bypass_reinforce_loss(log_prob, rollout, adv, mask, w)
     loss.backward()
@@ -104,3 +104,27 @@ def test_nonfinite_on_a_response_token_is_an_error() -> None:
     adv[0, 1] = math.nan
     with pytest.raises(ValueError, match=r"advantages .*\[0, 1\]"):
         bypass_reinforce_loss(ROLLOUT, ROLLOUT, adv, MASK)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    log_ratios=st.lists(st.floats(-50.0, 50.0, allow_nan=False, width=32), min_size=8, max_size=8),
+    advantages=st.lists(st.floats(-5.0, 5.0, allow_nan=False, width=32), min_size=8, max_size=8),
+    mode=st.sampled_from(LOSS_AGG_MODES),
+)
+def test_property_gradients_finite_for_log_ratios_up_to_50(
+    log_ratios: list[float], advantages: list[float], mode: str
+) -> None:
+    rollout = torch.full((2, 4), -2.0)
+    log_prob = (rollout + torch.tensor(log_ratios).view(2, 4)).requires_grad_(True)
+    adv = torch.tensor(advantages).view(2, 4)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
+    w, _ = is_weights(log_prob.detach() - rollout, mask, "sequence", threshold=2.0)
+    for loss, _ in (
+        bypass_ppo_clip_loss(log_prob, rollout, adv, mask, loss_agg_mode=mode),
+        bypass_reinforce_loss(log_prob, rollout, adv, mask, w, loss_agg_mode=mode),
+    ):
+        (grad,) = torch.autograd.grad(loss, log_prob)
+        assert math.isfinite(loss.item())
+        assert torch.isfinite(grad).all()
+        assert (grad[mask == 0] == 0).all()
