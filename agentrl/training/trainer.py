@@ -151,8 +151,12 @@ class Trainer:
         resume: bool = False,
         server_urls: list[str] | None = None,
         stop_after_step: int | None = None,
+        workers: list[Any] | None = None,
     ) -> None:
         self.cfg = cfg
+        # Ready-made agent-loop workers (e.g. Ray actor adapters with ``run_episode`` and
+        # ``counts``, see agentrl.distributed); None = in-process workers over the server pool.
+        self._workers = workers
         self.out = Path(cfg.trainer.output_dir)
         self.out.mkdir(parents=True, exist_ok=True)
         self.resume = resume
@@ -487,6 +491,7 @@ class Trainer:
             num_workers=cfg.rollout.num_workers,
             max_concurrency=cfg.rollout.max_concurrency,
             admission=admission,
+            workers=self._workers,
         )
         stream = manager.stream(self._task_stream(dataset), n_samples=self.group_size)
 
