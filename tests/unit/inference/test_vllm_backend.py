@@ -1,0 +1,137 @@
+"""The vLLM launcher without vLLM: a stand-in "python" records the command line and
+environment it was started with, serves /health, and forks a worker like vLLM's engine core.
+The real server is exercised in tests/integration/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from agentrl.inference.handle import ServerStartError
+from agentrl.inference.vllm_backend import (
+    VLLMNotAvailableError,
+    launch_vllm_server,
+    resolve_vllm_python,
+    vllm_command,
+)
+
+FAKE_SERVER = textwrap.dedent(
+    """
+    import http.server, json, os, subprocess, sys, time
+    args = sys.argv[1:]
+    out = os.environ["FAKE_VLLM_RECORD"]
+    worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    with open(out, "w") as f:
+        json.dump({"argv": args, "env": dict(os.environ), "worker_pid": worker.pid}, f)
+    if os.environ.get("FAKE_VLLM_FAIL"):
+        print("engine core failed: something vLLM would say", flush=True)
+        sys.exit(3)
+    port = int(args[args.index("--port") + 1])
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+    print("ready", flush=True)
+    http.server.HTTPServer(("127.0.0.1", port), H).serve_forever()
+    """
+)
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> Path:
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE_SERVER)
+    exe = tmp_path / "python"
+    exe.write_text(f'#!/bin/sh\nshift 2\nexec {sys.executable} {script} "$@"\n')  # drop "-m mod"
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return exe
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    return d
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); treat it as gone.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_launch_sets_dev_mode_and_processed_logprobs_and_stop_reaches_workers(
+    fake_python, model_dir, tmp_path, monkeypatch
+):
+    record = tmp_path / "record.json"
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(record))
+    handle = launch_vllm_server(
+        model_dir,
+        python=fake_python,
+        log_path=tmp_path / "vllm.log",
+        extra_args=["--max-num-seqs", "8"],
+        startup_timeout_s=60,
+    )
+    try:
+        assert handle.is_running()
+        seen = json.loads(record.read_text())
+        argv = seen["argv"]
+        assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
+        assert argv[argv.index("--model") + 1] == str(model_dir)
+        assert "--enforce-eager" in argv and argv[-2:] == ["--max-num-seqs", "8"]
+        assert seen["env"]["VLLM_SERVER_DEV_MODE"] == "1"
+        assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
+        assert "ready" in handle.log_path.read_text()
+        worker = seen["worker_pid"]
+        assert pid_alive(worker)
+    finally:
+        handle.stop(timeout_s=5)
+    assert not handle.is_running()
+    deadline = time.monotonic() + 10
+    while pid_alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(worker), "stop() left vLLM's worker process running"
+
+
+def test_failed_start_raises_with_the_log_tail(fake_python, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "record.json"))
+    monkeypatch.setenv("FAKE_VLLM_FAIL", "1")
+    with pytest.raises(ServerStartError, match="something vLLM would say"):
+        launch_vllm_server(model_dir, python=fake_python, startup_timeout_s=60)
+
+
+def test_missing_vllm_python_says_to_run_make_setup_vllm(tmp_path, monkeypatch):
+    monkeypatch.setenv("AGENTRL_VLLM_PYTHON", str(tmp_path / "nope" / "python"))
+    with pytest.raises(VLLMNotAvailableError, match="make setup-vllm") as info:
+        resolve_vllm_python()
+    assert "AGENTRL_VLLM_PYTHON" in str(info.value)
+
+
+def test_model_dir_without_config_is_rejected(fake_python, tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        launch_vllm_server(tmp_path, python=fake_python)
+
+
+def test_vllm_command_names_the_server_module_and_options():
+    cmd = vllm_command(
+        "/py", "/m", host="127.0.0.1", port=9, served_model_name="tiny", max_model_len=512
+    )
+    assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--served-model-name") + 1] == "tiny"
+    assert cmd[cmd.index("--max-model-len") + 1] == "512"
