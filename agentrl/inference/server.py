@@ -682,6 +682,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    print(f"agentrl serve-model: loading {args.model_dir} ...", flush=True)
     import torch
     import uvicorn
 
