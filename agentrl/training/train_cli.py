@@ -41,7 +41,12 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    result = Trainer(cfg, resume=args.resume).run_sync()
+    if cfg.distributed.backend == "ray":
+        from agentrl.distributed.ray_backend import run_with_ray
+
+        result = run_with_ray(cfg, resume=args.resume)
+    else:
+        result = Trainer(cfg, resume=args.resume).run_sync()
     summary = {
         "steps": result.steps,
         "version": result.version,

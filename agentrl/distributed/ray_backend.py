@@ -1,0 +1,535 @@
+"""``distributed.backend: ray``: the same components as the local run, placed as Ray actors.
+
+Why it exists: one process (asyncio + server subprocesses) is the default and the fastest path on
+one machine; a cluster needs the inference servers, the agent-loop workers, the reward workers
+and the trainer on different nodes and GPUs. The classes that do the work are the ones the local
+run uses (``launch_embedded_server`` / ``launch_vllm_server``, ``AgentLoopWorker``,
+``RewardManager``, ``Trainer``); this module only places them.
+
+Placement (see docs/distributed.md)::
+
+    driver: run_with_ray(cfg)
+      InferenceServerActor x inference.num_servers   (num_gpus = distributed.num_gpus_per_server)
+          -> one server subprocess on the actor's node; reports its URL
+      RewardWorkerActor x 1                           -> RewardManager.score
+      AgentLoopWorkerActor x rollout.num_workers      -> AgentLoopWorker over a ServerPool,
+          scoring through RemoteScorer(reward actor)
+      TrainerActor                                    (num_gpus = distributed.num_trainer_gpus)
+          -> Trainer(cfg, server_urls=..., workers=[RemoteWorker(actor), ...]).run()
+
+Guarantees:
+
+- The trainer's ``AgentLoopManager`` runs unchanged: :class:`RemoteWorker` has the worker
+  interface (``async run_episode``, ``counts``), and cancelling it cancels the remote episode.
+- Every actor is shut down and killed when ``run_with_ray`` returns or raises; each server
+  subprocess is stopped by its actor's ``shutdown()``, and a reaper process kills it if the actor
+  process dies without shutting down (``ray.kill``, a crash).
+- The actor classes are plain classes (``ray.remote`` is applied at placement time), so their
+  constructor state pickles and they can be unit-tested without a cluster.
+
+Servers bind ``127.0.0.1`` unless ``AGENTRL_SERVER_BIND_HOST`` (or ``run_with_ray(...,
+server_bind_host=)``) says otherwise; a multi-node cluster needs ``0.0.0.0`` there, and the URL
+then carries the node's IP (``ray.util.get_node_ip_address()``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import ExperimentConfig
+from agentrl.inference.handle import ServerHandle
+from agentrl.rollout.manager import AgentLoopWorker, WorkerConfig
+from agentrl.types import Task, Trajectory
+
+__all__ = [
+    "AgentLoopWorkerActor",
+    "InferenceServerActor",
+    "RemoteScorer",
+    "RemoteWorker",
+    "RewardWorkerActor",
+    "TrainerActor",
+    "run_with_ray",
+]
+
+logger = logging.getLogger(__name__)
+
+BIND_HOST_ENV = "AGENTRL_SERVER_BIND_HOST"
+
+# Kills the server when the actor process that launched it is gone (argv: actor pid, server pid).
+_REAPER = """
+import os, signal, sys, time
+parent, child = int(sys.argv[1]), int(sys.argv[2])
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while alive(parent) and alive(child):
+    time.sleep(0.5)
+if alive(child):
+    os.kill(child, signal.SIGTERM)
+    for _ in range(40):
+        time.sleep(0.25)
+        if not alive(child):
+            break
+    else:
+        os.kill(child, signal.SIGKILL)
+"""
+
+
+def _url_host(bind_host: str) -> str:
+    if bind_host in ("127.0.0.1", "localhost"):
+        return "127.0.0.1"
+    if bind_host in ("0.0.0.0", "::"):
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+    return bind_host
+
+
+# ---- actors (plain classes; ray.remote is applied in run_with_ray) ----------------------------
+class InferenceServerActor:
+    """Owns one inference server subprocess on the actor's node.
+
+    ``start()`` launches it (embedded or vLLM, as ``inference.backend`` says) and returns its URL;
+    ``shutdown()`` stops it. If the actor process dies first, a reaper process stops the server.
+    """
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        backend: str = "embedded",
+        index: int = 0,
+        seed: int = 0,
+        max_batch_size: int = 32,
+        bind_host: str = "127.0.0.1",
+        log_dir: str | None = None,
+        vllm_python: str | None = None,
+        vllm_extra_args: list[str] | None = None,
+    ) -> None:
+        if backend not in ("embedded", "vllm"):
+            raise ValueError(
+                f"inference.backend={backend!r} cannot be placed by Ray; use 'embedded' or 'vllm'"
+            )
+        self.model_dir = model_dir
+        self.backend = backend
+        self.index = index
+        self.seed = seed
+        self.max_batch_size = max_batch_size
+        self.bind_host = bind_host
+        self.log_dir = log_dir
+        self.vllm_python = vllm_python
+        self.vllm_extra_args = list(vllm_extra_args or [])
+        self._handle: ServerHandle | None = None
+        self._reaper: subprocess.Popen[bytes] | None = None
+        self._url = ""
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_handle"] = None  # a running process belongs to the node that started it
+        state["_reaper"] = None
+        state["_url"] = ""
+        return state
+
+    def start(self) -> str:
+        if self._handle is not None:
+            return self._url
+        log = None
+        if self.log_dir:
+            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+            log = Path(self.log_dir) / f"{self.backend}-{self.index}.log"
+        if self.backend == "embedded":
+            from agentrl.inference.server import launch_embedded_server
+
+            handle = launch_embedded_server(
+                self.model_dir,
+                host=self.bind_host,
+                log_path=log,
+                extra_args=["--max-batch-size", str(self.max_batch_size), "--seed", str(self.seed)],
+            )
+        else:
+            from agentrl.inference.vllm_backend import launch_vllm_server
+
+            handle = launch_vllm_server(
+                self.model_dir,
+                host=self.bind_host,
+                python=self.vllm_python,
+                log_path=log,
+                seed=self.seed,
+                extra_args=self.vllm_extra_args,
+            )
+        self._handle = handle
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-c", _REAPER, str(os.getpid()), str(handle.pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        port = handle.base_url.rsplit(":", 1)[1]
+        self._url = f"http://{_url_host(self.bind_host)}:{port}"
+        return self._url
+
+    def url(self) -> str:
+        return self._url
+
+    def info(self) -> dict[str, Any]:
+        """Where things run: the actor's pid, the server's pid and URL, the log file."""
+        h = self._handle
+        return {
+            "actor_pid": os.getpid(),
+            "server_pid": h.pid if h is not None else None,
+            "url": self._url,
+            "log_path": str(h.log_path) if h is not None else None,
+        }
+
+    def healthy(self) -> bool:
+        if self._handle is None or not self._handle.is_running():
+            return False
+        import httpx
+
+        try:
+            return httpx.get(self._handle.base_url + "/health", timeout=5.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def shutdown(self) -> int | None:
+        """Stop the server (SIGTERM, then SIGKILL); returns its exit code (None if none ran)."""
+        code = None
+        if self._handle is not None:
+            code = self._handle.stop()
+            self._handle = None
+        if self._reaper is not None:
+            with contextlib.suppress(ProcessLookupError):
+                self._reaper.kill()
+            with contextlib.suppress(Exception):
+                self._reaper.wait(timeout=5)
+            self._reaper = None
+        return code
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.shutdown()
+
+
+class RewardWorkerActor:
+    """Scores trajectories with a ``RewardManager`` built from the ``reward`` config section."""
+
+    def __init__(self, reward_cfg: Any) -> None:
+        self.reward_cfg = reward_cfg
+        self._manager: Any = None
+        self.scored = 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_manager"] = None  # rebuilt from the config on arrival
+        return state
+
+    def _rewards(self) -> Any:
+        if self._manager is None:
+            from agentrl.rollout.rewards import RewardManager
+
+            self._manager = RewardManager.from_config(self.reward_cfg)
+        return self._manager
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        out = await self._rewards().score(traj, task)
+        self.scored += 1
+        return out
+
+    def info(self) -> dict[str, Any]:
+        return {"actor_pid": os.getpid(), "scored": self.scored}
+
+
+class RemoteScorer:
+    """The ``Scorer`` protocol over a :class:`RewardWorkerActor` handle (pickles: a handle does)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        return await _await_ref(self.handle.score.remote(traj, task))
+
+
+class AgentLoopWorkerActor:
+    """An ``AgentLoopWorker`` built inside the actor: a ServerPool over the server URLs, the
+    tokenizer from the model dir, the config's ToolSet (built on first use), and scoring through
+    a reward actor (``reward``) or a local ``RewardManager`` (``reward=None``)."""
+
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        server_urls: list[str],
+        model_dir: str,
+        worker_config: WorkerConfig,
+        *,
+        reward: Any = None,
+        worker_id: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.server_urls = list(server_urls)
+        self.model_dir = model_dir
+        self.worker_config = worker_config
+        self.reward = reward
+        self.worker_id = worker_id
+        self.episodes = 0
+        self._worker: AgentLoopWorker | None = None
+        self._pool: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_worker"] = None  # rebuilt on the actor's node (pool, tokenizer, tools)
+        state["_pool"] = None
+        return state
+
+    def _build(self) -> AgentLoopWorker:
+        if self._worker is not None:
+            return self._worker
+        from transformers import AutoTokenizer
+
+        from agentrl.inference.pool import ServerPool
+        from agentrl.rollout.rewards import RewardManager
+        from agentrl.training.trainer import build_toolset
+
+        inf = self.cfg.inference
+        self._pool = ServerPool(
+            self.server_urls,
+            health_check_interval_s=inf.health_check_interval_s,
+            timeout_s=inf.request_timeout_s,
+        )
+        self._pool.start()
+        scorer: Any = (
+            RemoteScorer(self.reward)
+            if self.reward is not None
+            else RewardManager.from_config(self.cfg.reward)
+        )
+        self._worker = AgentLoopWorker(
+            self._pool,
+            AutoTokenizer.from_pretrained(self.model_dir),
+            tools=functools.partial(build_toolset, self.cfg),
+            reward=scorer,
+            config=self.worker_config,
+            worker_id=self.worker_id,
+        )
+        return self._worker
+
+    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        traj = await self._build().run_episode(task, uid, index)
+        self.episodes += 1
+        return traj
+
+    async def run_episode_counted(
+        self, task: Task, uid: str, index: int
+    ) -> tuple[Trajectory | None, dict[str, int]]:
+        """``run_episode`` plus the worker's counters (one round trip for both)."""
+        traj = await self.run_episode(task, uid, index)
+        return traj, self.counts()
+
+    def counts(self) -> dict[str, int]:
+        return dict(self._worker.counts) if self._worker is not None else {}
+
+    def info(self) -> dict[str, Any]:
+        return {"actor_pid": os.getpid(), "episodes": self.episodes, "worker_id": self.worker_id}
+
+    async def shutdown(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
+        if self._worker is not None and self._worker._tools is not None:
+            with contextlib.suppress(Exception):
+                close = getattr(self._worker._tools, "close", None)
+                if close is not None:
+                    res = close()
+                    if asyncio.iscoroutine(res):
+                        await res
+
+
+class RemoteWorker:
+    """The trainer-side stand-in for an :class:`AgentLoopWorkerActor`: what ``AgentLoopManager``
+    needs of a worker (``run_episode``, ``counts``); cancelling an episode cancels it remotely."""
+
+    def __init__(self, handle: Any, worker_id: int = 0) -> None:
+        self.handle = handle
+        self.worker_id = worker_id
+        self.counts: dict[str, int] = {}
+
+    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        traj, counts = await _await_ref(self.handle.run_episode_counted.remote(task, uid, index))
+        self.counts = counts
+        return traj
+
+
+async def _await_ref(ref: Any) -> Any:
+    import ray
+
+    try:
+        return await ref
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            ray.cancel(ref)
+        raise
+
+
+class TrainerActor:
+    """Runs ``Trainer(cfg, server_urls=, workers=)`` in the actor and returns its ``TrainResult``."""
+
+    def __init__(
+        self, cfg: ExperimentConfig, *, resume: bool = False, stop_after_step: int | None = None
+    ) -> None:
+        self.cfg = cfg
+        self.resume = resume
+        self.stop_after_step = stop_after_step
+
+    async def run(self, server_urls: list[str], worker_handles: list[Any]) -> Any:
+        from agentrl.training.trainer import Trainer
+
+        workers = [RemoteWorker(h, i) for i, h in enumerate(worker_handles)]
+        trainer = Trainer(
+            self.cfg,
+            resume=self.resume,
+            server_urls=server_urls,
+            stop_after_step=self.stop_after_step,
+            workers=workers or None,
+        )
+        return await trainer.run()
+
+    def info(self) -> dict[str, Any]:
+        return {"actor_pid": os.getpid()}
+
+
+# ---- placement ----------------------------------------------------------------------------------
+def _connect(address: str | None) -> bool:
+    """Join ``address`` (or a running cluster), else start a local one. True if we started it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    root = str(Path(__file__).resolve().parents[2])
+    pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
+    if address is not None:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
+        return True
+    try:
+        ray.init(address="auto", runtime_env=runtime_env, log_to_driver=False)
+    except ConnectionError:
+        logger.info("no running Ray cluster found: starting a local one")
+        ray.init(runtime_env=runtime_env, log_to_driver=False)
+    return True
+
+
+def _absolute(cfg: ExperimentConfig) -> ExperimentConfig:
+    """Paths every actor must resolve the same way (their working directories differ)."""
+    cfg = cfg.model_copy(deep=True)
+    cfg.trainer.output_dir = str(Path(cfg.trainer.output_dir).resolve())
+    if cfg.model.path:
+        cfg.model.path = str(Path(cfg.model.path).resolve())
+    if cfg.checkpoint.shared_dir is not None:
+        cfg.checkpoint.shared_dir = str(Path(cfg.checkpoint.shared_dir).resolve())
+    return cfg
+
+
+def run_with_ray(
+    cfg: ExperimentConfig,
+    *,
+    resume: bool = False,
+    stop_after_step: int | None = None,
+    server_bind_host: str | None = None,
+    placement_info: dict[str, Any] | None = None,
+) -> Any:
+    """Train ``cfg`` with servers, workers, the reward worker and the trainer as Ray actors.
+
+    Connects to ``distributed.ray_address`` (or a running cluster, else a local one), places
+    the actors, runs the trainer actor to the end and returns its ``TrainResult``. Every actor
+    is shut down and killed on the way out, also on failure. ``placement_info``, when given, is
+    filled with what ran where (actor and server pids, per-actor episode counts) for tests and
+    logs.
+    """
+    import ray
+
+    from agentrl.training.trainer import Trainer
+
+    cfg = _absolute(cfg)
+    inf, dist = cfg.inference, cfg.distributed
+    bind_host = server_bind_host or os.environ.get(BIND_HOST_ENV, "127.0.0.1")
+    started = _connect(dist.ray_address)
+    info = placement_info if placement_info is not None else {}
+    actors: list[Any] = []
+    servers: list[Any] = []
+    try:
+        local = Trainer(cfg)  # builds the tiny model (if any) and the worker config; starts nothing
+        model_dir = str(local._model_dir())
+        worker_config = local._worker_config()
+        urls: list[str]
+        if inf.backend == "external":
+            urls = list(inf.urls)
+        else:
+            server_cls = ray.remote(InferenceServerActor).options(
+                num_cpus=0, num_gpus=dist.num_gpus_per_server
+            )
+            for i in range(inf.num_servers):
+                a = server_cls.remote(
+                    model_dir,
+                    backend=inf.backend,
+                    index=i,
+                    seed=cfg.trainer.seed + i,
+                    max_batch_size=inf.max_batch_size,
+                    bind_host=bind_host,
+                    log_dir=str(Path(cfg.trainer.output_dir) / "logs"),
+                    vllm_python=inf.vllm_python,
+                    vllm_extra_args=list(inf.vllm_extra_args),
+                )
+                servers.append(a)
+                actors.append(a)
+            urls = ray.get([a.start.remote() for a in servers], timeout=600)
+        reward = ray.remote(RewardWorkerActor).options(num_cpus=0).remote(cfg.reward)
+        actors.append(reward)
+        worker_cls = ray.remote(AgentLoopWorkerActor).options(num_cpus=0)
+        workers = [
+            worker_cls.remote(cfg, urls, model_dir, worker_config, reward=reward, worker_id=i)
+            for i in range(cfg.rollout.num_workers)
+        ]
+        actors.extend(workers)
+        trainer = (
+            ray.remote(TrainerActor)
+            .options(num_cpus=0, num_gpus=dist.num_trainer_gpus)
+            .remote(cfg, resume=resume, stop_after_step=stop_after_step)
+        )
+        actors.append(trainer)
+        info["servers"] = ray.get([a.info.remote() for a in servers], timeout=60)
+        info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
+        t0 = time.perf_counter()
+        result = ray.get(trainer.run.remote(urls, workers))
+        info["train_wall_s"] = time.perf_counter() - t0
+        info["workers"] = ray.get([w.info.remote() for w in workers], timeout=60)
+        info["worker_counts"] = ray.get([w.counts.remote() for w in workers], timeout=60)
+        info["reward"] = ray.get(reward.info.remote(), timeout=60)
+        return result
+    finally:
+        _shutdown(actors)
+        if started:
+            ray.shutdown()
+
+
+def _shutdown(actors: list[Any]) -> None:
+    """Ask every actor to shut down (servers stop their processes), then kill them all."""
+    import ray
+
+    refs = [a.shutdown.remote() for a in actors if hasattr(a, "shutdown")]
+    with contextlib.suppress(Exception):
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+    for a in actors:
+        with contextlib.suppress(Exception):
+            ray.kill(a)
