@@ -336,7 +336,9 @@ class CheckpointEngine:
                             f"resume failed: {type(exc).__name__}: {exc}"
                         )
             try:
-                status.version = await asyncio.wait_for(client.weight_version(), timeout=10.0)
+                # Generous: the embedded server checksums its weights for /weight_info
+                # (about a second per 100M parameters on a busy CPU).
+                status.version = await asyncio.wait_for(client.weight_version(), timeout=60.0)
             except Exception:
                 status.version = None
             if status.error is None:
