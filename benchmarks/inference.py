@@ -71,6 +71,7 @@ async def run_server(
         "tokens_per_s": sum(counts) / wall,
         "generated_tokens": float(sum(counts)),
         "wall_s": wall,
+        "load_avg_1m": os.getloadavg()[0],  # a shared machine skews ratios; this says how much
     }
 
 
@@ -101,7 +102,12 @@ def run_hf_sequential(model_dir: Path, prompts: list[list[int]], max_tokens: int
             )
             total += out.shape[1] - len(prompt)
         wall = time.perf_counter() - start
-    return {"tokens_per_s": total / wall, "generated_tokens": float(total), "wall_s": wall}
+    return {
+        "tokens_per_s": total / wall,
+        "generated_tokens": float(total),
+        "wall_s": wall,
+        "load_avg_1m": os.getloadavg()[0],
+    }
 
 
 async def bench_server(
