@@ -368,3 +368,66 @@ def test_worker_config_from_the_agent_config_section():
     assert cfg.system_prompt == "Be brief." and cfg.sampling.max_tokens == 64
     assert cfg.episode_timeout_s == section.episode_timeout_s
     assert cfg.tool_call_format == section.tool_call_format
+
+
+@register_agent("chaos")
+class Chaos(AgentLoop):
+    """Behaves per task: finish, raise, or hang past the episode timeout."""
+
+    async def run(self, task, ctx):
+        ctx.start_episode(task.initial_messages())
+        mode = task.extra["mode"]
+        await asyncio.sleep(task.extra["delay"])
+        if mode == "raise":
+            raise RuntimeError("chaos")
+        if mode == "hang":
+            await asyncio.sleep(60)
+        await ctx.generate()
+        return ctx.finish(StopReason.EOS)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+async def test_every_admitted_episode_ends_once_under_chaos(tok, seed):
+    import random
+
+    rng = random.Random(seed)
+    chaos = [
+        Task(
+            id=f"c{i}",
+            prompt="q",
+            agent="chaos",
+            extra={"mode": rng.choice(["ok", "ok", "raise", "hang"]), "delay": rng.random() * 0.05},
+        )
+        for i in range(40)
+    ]
+    adm = RecordingAdmission()
+    mgr = AgentLoopManager(
+        ScriptedPolicy(tok, ["done"]),
+        tok,
+        config=WorkerConfig(episode_timeout_s=1.0),
+        admission=adm,
+        max_concurrency=rng.choice([3, 8, 40]),
+        num_workers=rng.choice([1, 2, 3]),
+    )
+    got: list[Trajectory] = []
+
+    async def consume() -> None:
+        async for t in mgr.stream(chaos, n_samples=2):
+            got.append(t)
+
+    consumer = asyncio.create_task(consume())
+    await asyncio.sleep(rng.random() * 1.5)
+    mgr.cancel()
+    await asyncio.wait_for(consumer, 10)
+    s = mgr.stats()
+    admitted = int(s["rollout/admitted"])
+    assert admitted == len(adm.admitted) == len(adm.finished)
+    assert admitted == s.get("rollout/finished", 0) + s.get("rollout/dropped", 0)
+    assert len(got) == s.get("rollout/finished", 0) == s.get("rollout/delivered", 0)
+    assert {(k.uid, k.index) for k in adm.admitted} == {(k.uid, k.index) for k, _ in adm.finished}
+    assert s["rollout/running"] == 0 and mgr._outstanding == [0] * len(mgr.workers)
+    for t in got:
+        mode = next(c.extra["mode"] for c in chaos if c.id == t.task_id)
+        expected = {"ok": StopReason.EOS, "raise": StopReason.ERROR, "hang": StopReason.ABORTED}
+        # on a heavily loaded machine a quick episode may still hit the 1 s timeout
+        assert t.stop_reason in (expected[mode], StopReason.ABORTED), (mode, t.stop_reason)
