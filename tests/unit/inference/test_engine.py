@@ -254,3 +254,23 @@ def test_eos_stops_unless_ignored(engine) -> None:
         engine.eos_token_ids = saved
     assert stopped.token_ids == greedy.token_ids[:1] and stopped.finish_reason == "stop"
     assert len(ignored.token_ids) == 6 and ignored.finish_reason == "length"
+
+
+def test_parked_request_across_a_weight_swap_reports_both_versions(tiny_model_dir: Path) -> None:
+    eng = InferenceEngine(tiny_model_dir, max_batch_size=2)
+    try:
+        fut = eng.submit([1, 2, 3], SamplingParams(max_tokens=400, seed=0), ignore_eos=True)
+        deadline = time.monotonic() + 120
+        while eng.stats["decode_steps"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        eng.pause()  # keep mode: the request stays parked mid-generation
+        assert not fut.done()
+        state = {k: v + 0.01 for k, v in eng.model.state_dict().items()}
+        assert eng.load_state_dict(state) == 1
+        eng.resume()
+        out = fut.result(timeout=300)
+    finally:
+        eng.close()
+    assert out.token_versions[0] == 0 and out.token_versions[-1] == 1
+    assert out.token_versions == sorted(out.token_versions)
+    assert out.weight_version == 0  # the oldest version: conservative for staleness
