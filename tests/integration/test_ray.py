@@ -1,0 +1,200 @@
+"""``distributed.backend: ray`` on a real local Ray cluster: 2 training steps with the servers,
+the agent-loop worker, the reward worker and the trainer as actors.
+
+The fixture starts its own head node (``ray start --head --block`` on 127.0.0.1, a free port, its
+own temp dir, 2 CPUs) in a new process group and ends exactly that group at the end (not
+``ray stop``, which would stop every Ray cluster of the machine's user). Ray missing is a
+failure here, not a skip.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from agentrl.config import load_config
+from agentrl.distributed.ray_backend import (
+    AgentLoopWorkerActor,
+    InferenceServerActor,
+    RewardWorkerActor,
+    TrainerActor,
+    run_with_ray,
+)
+from agentrl.rollout.manager import WorkerConfig
+
+pytestmark = [pytest.mark.integration, pytest.mark.ray]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cfg(model_dir: Path, out: Path, *overrides: str):
+    return load_config(
+        ROOT / "configs" / "quickstart.yaml",
+        [
+            f"model.path={model_dir}",
+            f"trainer.output_dir={out}",
+            "trainer.total_steps=2",
+            "data.batch_size=2",
+            "data.n_samples=2",
+            "data.generator_kwargs.n_val=2",
+            "trainer.mini_batch_size=2",
+            "inference.num_servers=1",
+            "inference.max_tokens_per_turn=16",
+            "agent.max_turns=2",
+            "agent.max_response_tokens=48",
+            "rollout.max_concurrency=4",
+            "tracking.enabled=false",
+            f"checkpoint.shared_dir={out / 'weights'}",
+            "distributed.backend=ray",
+            *overrides,
+        ],
+    )
+
+
+def _children(pid: int) -> set[int]:
+    """All descendants of ``pid`` (from /proc)."""
+    kids: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        kids.setdefault(ppid, []).append(int(entry.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            if c not in out:
+                out.add(c)
+                todo.append(c)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    ray_bin = Path(sys.executable).parent / "ray"
+    assert ray_bin.exists(), f"{ray_bin} is missing: install ray into the venv (pip install ray)"
+    port = _free_port()
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a limit
+    log = open(Path(tmp) / "head.log", "wb")  # noqa: SIM115 (closed in the finally below)
+    proc = subprocess.Popen(
+        [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=2",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={tmp}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        import ray  # noqa: F401 (fail, not skip, when Ray is missing)
+
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (Path(tmp) / "head.log").read_text()[-3000:]
+            r = subprocess.run(
+                [str(ray_bin), "status", f"--address={address}"],
+                capture_output=True,
+                timeout=30,
+            )
+            if r.returncode == 0:
+                break
+            assert time.monotonic() < deadline, "the Ray head did not come up in 90 s"
+            time.sleep(1)
+        yield address
+    finally:
+        with_pg = os.getpgid(proc.pid) if proc.poll() is None else None
+        if with_pg is not None:
+            os.killpg(with_pg, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=30)
+            # Whatever of that session is left (raylet workers) goes too.
+            for sig_wait in (5, 0):
+                try:
+                    os.killpg(with_pg, signal.SIGKILL if sig_wait == 0 else signal.SIGTERM)
+                except ProcessLookupError:
+                    break
+                time.sleep(sig_wait)
+        proc.wait(timeout=30)
+        log.close()
+
+
+def test_actor_state_pickles(tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = _cfg(tiny_model_dir, tmp_path)
+    objs = [
+        InferenceServerActor(str(tiny_model_dir), index=1, seed=3, log_dir=str(tmp_path)),
+        RewardWorkerActor(cfg.reward),
+        AgentLoopWorkerActor(cfg, ["http://127.0.0.1:1"], str(tiny_model_dir), WorkerConfig()),
+        TrainerActor(cfg, stop_after_step=1),
+    ]
+    for obj in objs:
+        clone = pickle.loads(pickle.dumps(obj))
+        assert type(clone) is type(obj)
+    server = pickle.loads(pickle.dumps(objs[0]))
+    assert (server.index, server.seed, server.url()) == (1, 3, "")
+    worker = pickle.loads(pickle.dumps(objs[2]))
+    assert worker.server_urls == ["http://127.0.0.1:1"] and worker.counts() == {}
+    assert pickle.loads(pickle.dumps(objs[3])).cfg == cfg
+    with pytest.raises(ValueError, match=r"inference\.backend"):
+        InferenceServerActor(str(tiny_model_dir), backend="external")
+
+
+@pytest.mark.timeout(400)
+def test_train_two_steps_on_ray(ray_cluster: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = _cfg(tiny_model_dir, tmp_path / "run", f"distributed.ray_address={ray_cluster}")
+    info: dict = {}
+    result = run_with_ray(cfg, placement_info=info)
+    assert result.steps == 2 and result.version == 2
+    assert (Path(result.output_dir) / "final_model").is_dir()
+    # The server ran in the server actor: not a child of this test process; stopped at the end.
+    mine = _children(os.getpid())
+    (server,) = info["servers"]
+    assert server["server_pid"] not in mine and server["actor_pid"] not in mine
+    assert server["url"].startswith("http://127.0.0.1:")
+    assert not _alive(server["server_pid"])
+    # Episodes ran in the worker actor and were scored by the reward actor (4 per step, at least).
+    (worker,) = info["workers"]
+    assert worker["actor_pid"] != os.getpid() and worker["actor_pid"] not in mine
+    assert worker["episodes"] >= 4
+    assert info["reward"]["scored"] >= 4
+    assert info["trainer"]["actor_pid"] not in (os.getpid(), worker["actor_pid"])
