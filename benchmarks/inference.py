@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -206,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     if "embedded_c32_over_hf_sequential" in ratios:
         report["target_embedded_c32_ge_4x"] = ratios["embedded_c32_over_hf_sequential"] >= 4.0
     print(json.dumps(report, indent=2))
+    shutil.rmtree(tmp, ignore_errors=True)  # kept only when the run failed (server logs)
     return 0
 
 
