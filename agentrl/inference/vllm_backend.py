@@ -40,6 +40,7 @@ __all__ = [
     "VLLMNotAvailableError",
     "VLLMServerHandle",
     "attach_vllm_server",
+    "checkpoint_dtype",
     "launch_vllm_server",
     "resolve_vllm_python",
     "vllm_command",
@@ -142,6 +143,25 @@ class VLLMServerHandle(ServerHandle):
             self.process.wait(timeout=30)
 
 
+_VLLM_DTYPES = frozenset({"float32", "float16", "bfloat16", "half", "float"})
+
+
+def checkpoint_dtype(model_dir: str | Path) -> str:
+    """The dtype a model directory's ``config.json`` declares (``"auto"`` when it has none).
+
+    The launcher passes it to vLLM explicitly: vLLM's own ``auto`` serves a float32 checkpoint
+    in bfloat16/float16, so its logprobs would no longer match the trainer's float32 ones.
+    """
+    import json
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return "auto"
+    dtype = config.get("dtype") or config.get("torch_dtype")
+    return dtype if isinstance(dtype, str) and dtype in _VLLM_DTYPES else "auto"
+
+
 def launch_vllm_server(
     model_dir: str | Path,
     *,
@@ -150,7 +170,7 @@ def launch_vllm_server(
     python: str | Path | None = None,
     log_path: str | Path | None = None,
     served_model_name: str | None = None,
-    dtype: str = "auto",
+    dtype: str | None = None,
     max_model_len: int | None = None,
     seed: int = 0,
     enforce_eager: bool = True,
@@ -161,7 +181,8 @@ def launch_vllm_server(
 ) -> VLLMServerHandle:
     """Start ``vllm.entrypoints.openai.api_server`` on ``model_dir`` and wait until healthy.
 
-    ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
+    ``dtype=None`` serves the checkpoint's own dtype (:func:`checkpoint_dtype`); pass
+    ``"auto"`` for vLLM's choice (it downcasts float32 checkpoints). ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
     vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
     ``env`` adds environment variables. Raises :class:`VLLMNotAvailableError` when no vLLM
     python is found, :class:`ServerStartError` when the server exits or times out.
@@ -172,6 +193,8 @@ def launch_vllm_server(
         raise FileNotFoundError(
             f"model_dir {model_dir} has no config.json; pass a Hugging Face model directory"
         )
+    if dtype is None:
+        dtype = checkpoint_dtype(model_dir)
     port = port or free_port(host)
     if log_path is None:
         fd, name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")

@@ -17,6 +17,7 @@ import pytest
 from agentrl.inference.handle import ServerStartError
 from agentrl.inference.vllm_backend import (
     VLLMNotAvailableError,
+    checkpoint_dtype,
     launch_vllm_server,
     resolve_vllm_python,
     vllm_command,
@@ -60,7 +61,7 @@ def fake_python(tmp_path: Path) -> Path:
 def model_dir(tmp_path: Path) -> Path:
     d = tmp_path / "model"
     d.mkdir()
-    (d / "config.json").write_text("{}")
+    (d / "config.json").write_text('{"dtype": "float32"}')
     return d
 
 
@@ -95,6 +96,8 @@ def test_launch_sets_dev_mode_and_processed_logprobs_and_stop_reaches_workers(
         assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert argv[argv.index("--model") + 1] == str(model_dir)
         assert "--enforce-eager" in argv and argv[-2:] == ["--max-num-seqs", "8"]
+        # The checkpoint's dtype, not vLLM's "auto" (which would serve float32 as bfloat16).
+        assert argv[argv.index("--dtype") + 1] == "float32"
         assert seen["env"]["VLLM_SERVER_DEV_MODE"] == "1"
         assert seen["env"]["VLLM_CPU_KVCACHE_SPACE"] == "1"
         assert "ready" in handle.log_path.read_text()
@@ -126,6 +129,14 @@ def test_missing_vllm_python_says_to_run_make_setup_vllm(tmp_path, monkeypatch):
 def test_model_dir_without_config_is_rejected(fake_python, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"config\.json"):
         launch_vllm_server(tmp_path, python=fake_python)
+
+
+def test_checkpoint_dtype_reads_config_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"torch_dtype": "bfloat16"}')
+    assert checkpoint_dtype(tmp_path) == "bfloat16"
+    (tmp_path / "config.json").write_text("{}")
+    assert checkpoint_dtype(tmp_path) == "auto"
+    assert checkpoint_dtype(tmp_path / "missing") == "auto"
 
 
 def test_vllm_command_names_the_server_module_and_options():
