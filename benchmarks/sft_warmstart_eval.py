@@ -44,34 +44,48 @@ def _generate(
     max_new_tokens: int,
     seed: int,
 ) -> list[str]:
-    """Generate one continuation per prompt (left-padded batch); text up to ``<|im_end|>``."""
+    """One continuation per prompt; text up to ``<|im_end|>``.
+
+    Every prompt starts with the same ~870-token tools system prompt, so that common prefix is
+    run once and its KV cache is copied into each generation; prompts are grouped by length so
+    no row needs padding (the logits are those of a plain forward over the whole prompt)."""
+    import copy
+
     import torch
 
-    pad = tokenizer.pad_token_id
-    n = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), n), pad, dtype=torch.long)
-    attn = torch.zeros((len(prompts), n), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, n - len(p) :] = torch.tensor(p)
-        attn[i, n - len(p) :] = 1
+    first = prompts[0]
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
     kwargs: dict[str, Any] = {"do_sample": False}
     if temperature > 0:
         kwargs = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0}
     torch.manual_seed(seed)
+    texts: list[str] = [""] * len(prompts)
     with torch.no_grad():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=attn,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=pad,
-            **kwargs,
-        )
-    texts = []
-    for row in out[:, n:].tolist():
-        if tokenizer.eos_token_id in row:
-            row = row[: row.index(tokenizer.eos_token_id)]
-        texts.append(tokenizer.decode(row, skip_special_tokens=False).replace("<|endoftext|>", ""))
+        prefix = model(input_ids=torch.tensor([first[:n]]), use_cache=True).past_key_values
+        by_len: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_len.setdefault(len(p), []).append(i)
+        for length, idx in sorted(by_len.items()):
+            cache = copy.deepcopy(prefix)
+            cache.batch_repeat_interleave(len(idx))
+            ids = torch.tensor([prompts[i] for i in idx])
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=cache,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=tokenizer.eos_token_id,
+                pad_token_id=tokenizer.pad_token_id,
+                **kwargs,
+            )
+            for i, row in zip(idx, out[:, length:].tolist(), strict=True):
+                if tokenizer.eos_token_id in row:
+                    row = row[: row.index(tokenizer.eos_token_id)]
+                text = tokenizer.decode(row, skip_special_tokens=False)
+                texts[i] = text.replace("<|endoftext|>", "")
     return texts
 
 
