@@ -1,14 +1,8 @@
-"""Bounded-staleness admission and the trajectory buffer between rollout and training.
+"""The trajectory buffer between rollout and training (the consumer half of bounded staleness).
 
-Two small objects carry the whole asynchronous contract (DESIGN section 3, "Staleness"):
-
-:class:`StalenessBudget` decides whether a new episode may start. With trainer version ``v``,
-staleness bound ``η`` and ``B`` trajectories per training step, AReaL's rule admits a new
-episode only while ``(η + v + 1) · B > accepted + running``, where ``accepted`` counts every
-trajectory that entered the buffer since the start (consumed or not) and ``running`` the
-episodes in flight. Because ``v · B`` of the accepted ones have been consumed, at most
-``(η + 1) · B`` trajectories can be buffered or in flight at any time, so none can start more
-than ``η`` versions before the step that trains on it.
+Admission (whether a new episode may start: AReaL's rule ``(η + v + 1) · B > accepted +
+running``) lives in :class:`agentrl.rollout.manager.StalenessAdmission`, the one
+implementation; this buffer enforces the other half: no group staler than ``η`` is trained on.
 
 :class:`TrajectoryBuffer` collects scored trajectories into GRPO groups (all samples of one
 task share a ``uid``) and hands out whole groups, oldest first.
@@ -29,97 +23,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.types import Trajectory
 
-__all__ = ["BufferClosed", "StalenessBudget", "TrajectoryBuffer"]
+__all__ = ["BufferClosed", "TrajectoryBuffer"]
 
 
 class BufferClosed(RuntimeError):
     """The buffer was closed and holds no complete group."""
-
-
-@dataclass
-class StalenessBudget:
-    """AReaL's admission rule: start an episode only while ``(η + v + 1)·B > accepted + running``.
-
-    ``batch_size`` is B in trajectories (tasks per step × samples per task). The trainer calls
-    :meth:`set_version` after every optimizer step; the rollout side calls :meth:`try_admit`
-    before starting ``n`` episodes, then :meth:`on_finished` for each (``accepted=False`` when the
-    episode's trajectory was dropped before entering the buffer, so it frees its slot).
-    """
-
-    max_staleness: int
-    batch_size: int
-    version: int = 0
-    accepted: int = 0
-    running: int = 0
-    _changed: asyncio.Event | None = field(default=None, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(
-                f"trainer.max_staleness must be >= 0 (got {self.max_staleness}); "
-                "0 is synchronous on-policy training"
-            )
-        if self.batch_size <= 0:
-            raise ValueError(f"batch size must be positive (got {self.batch_size})")
-
-    @property
-    def capacity(self) -> int:
-        """How many more episodes may start now."""
-        limit = (self.max_staleness + self.version + 1) * self.batch_size
-        return max(0, limit - self.accepted - self.running)
-
-    def try_admit(self, n: int = 1) -> bool:
-        """Admit ``n`` episodes at once (a whole GRPO group) if the budget allows it."""
-        if n <= self.capacity:
-            self.running += n
-            return True
-        return False
-
-    async def admit(self, n: int = 1) -> None:
-        """Wait until ``n`` episodes may start, then admit them."""
-        while n > self.capacity:
-            changed = self._event()
-            changed.clear()
-            await changed.wait()
-        self.running += n
-
-    def on_finished(self, accepted: bool = True) -> None:
-        """An admitted episode ended: it entered the buffer (``accepted``) or was dropped."""
-        if self.running <= 0:
-            raise RuntimeError("on_finished called with no running episode")
-        self.running -= 1
-        if accepted:
-            self.accepted += 1
-        self._notify()
-
-    def set_version(self, version: int) -> None:
-        self.version = version
-        self._notify()
-
-    def _event(self) -> asyncio.Event:
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        return self._changed
-
-    def _notify(self) -> None:
-        # Every waiter wakes and re-checks its own condition (admission is cheap to evaluate).
-        if self._changed is not None:
-            self._changed.set()
-
-    def state_dict(self) -> dict[str, int]:
-        # Running episodes are not resumable state: after a restart they were lost and must not
-        # hold budget, so only the accepted count and version persist.
-        return {"version": self.version, "accepted": self.accepted}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.version = int(state["version"])
-        self.accepted = int(state["accepted"])
-        self.running = 0
 
 
 class TrajectoryBuffer:
@@ -149,6 +61,7 @@ class TrajectoryBuffer:
         self.put_count = 0
         self.consumed = 0
         self.dropped: Counter[str] = Counter()
+        self._dropped_task_ids: list[str] = []
 
     # ---- producer side ----------------------------------------------------------------------
     async def put(self, traj: Trajectory) -> None:
@@ -166,6 +79,8 @@ class TrajectoryBuffer:
         async with self._cond:
             group = self._partial.pop(uid, [])
             self.dropped[reason] += len(group)
+            if group:
+                self._dropped_task_ids.append(group[0].task_id)
             return len(group)
 
     async def close(self) -> None:
@@ -197,6 +112,7 @@ class TrajectoryBuffer:
                 reason = self._rejection_reason(group, current_version)
                 if reason is not None:
                     self.dropped[reason] += len(group)
+                    self._dropped_task_ids.append(group[0].task_id)
                     continue
                 out.append(group)
                 self.consumed += len(group)
@@ -208,6 +124,11 @@ class TrajectoryBuffer:
         if self.drop_uniform_reward_groups and len({t.reward for t in group}) == 1:
             return "uniform_reward"
         return None
+
+    def pop_dropped_task_ids(self) -> list[str]:
+        """Task ids of the groups dropped since the last call (one entry per dropped group)."""
+        out, self._dropped_task_ids = self._dropped_task_ids, []
+        return out
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {

@@ -55,7 +55,12 @@ from agentrl.rollout.rewards import RewardManager
 from agentrl.tracking import Tracker, make_tracker, plot_metric_history
 from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
 from agentrl.training.buffer import TrajectoryBuffer
-from agentrl.training.checkpoint_engine import CheckpointEngine, WeightPushError, make_transport
+from agentrl.training.checkpoint_engine import (
+    CheckpointEngine,
+    WeightPushError,
+    WeightTransport,
+    make_transport,
+)
 from agentrl.types import SamplingParams, Task, Trajectory
 from agents import AgentLimits
 from tools import ToolSet
@@ -152,6 +157,8 @@ class Trainer:
         server_urls: list[str] | None = None,
         stop_after_step: int | None = None,
         workers: list[Any] | None = None,
+        transport: WeightTransport | None = None,
+        progress: bool | None = None,
     ) -> None:
         self.cfg = cfg
         # Ready-made agent-loop workers (e.g. Ray actor adapters with ``run_episode`` and
@@ -162,6 +169,9 @@ class Trainer:
         self.resume = resume
         self.stop_after_step = stop_after_step
         self._server_urls = server_urls
+        self._transport_override = transport
+        # A rich progress line on an interactive terminal; off in tests / pipes unless asked.
+        self._progress_enabled = progress
         self._handles: list[ServerHandle] = []
         self.version = 0
         self.step = 0
@@ -171,6 +181,10 @@ class Trainer:
         self._pending: Counter[str] = Counter()
         self._task_by_id: dict[str, Task] = {}
         self._replay: list[Task] = []
+        # Task-level accounting of this process (tests assert no admitted task is lost).
+        self.dispatched_task_ids: list[str] = []
+        self.trained_task_ids: list[str] = []
+        self.dropped_task_ids: list[str] = []
         self._rollout_error: BaseException | None = None
         self._max_staleness_seen = 0
         self.tracker: Tracker | None = None
@@ -269,6 +283,7 @@ class Trainer:
             yield task
 
     def _mark_dispatched(self, task: Task) -> None:
+        self.dispatched_task_ids.append(task.id)
         self._pending[task.id] += 1
         self._task_by_id[task.id] = task
 
@@ -286,6 +301,14 @@ class Trainer:
         tmp = ckpt.with_name(ckpt.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(self.actor.state_dict(), tmp / "actor.pt")
+        torch.save(
+            {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
+            tmp / "rng.pt",
+        )
         pending = [
             self._task_by_id[tid].model_dump(mode="json")
             for tid, n in self._pending.items()
@@ -298,11 +321,14 @@ class Trainer:
             "pending_tasks": pending,
             "consumed_trajectories": self.buffer.consumed,
             "buffer": self.buffer.state_dict(),
-            "mlflow_run_id": self.tracker.run_id if self.tracker else None,
-            "rng": {
-                "python": random.getstate()[1][:1],
-                "torch_seed": int(torch.initial_seed()),
+            # Diagnostics only: on resume, accepted = consumed (buffered and running episodes
+            # were lost with the process; their tasks are in pending_tasks and re-dispatched).
+            "admission": {
+                "version": admission.version,
+                "accepted": admission.accepted,
+                "running": admission.running,
             },
+            "mlflow_run_id": self.tracker.run_id if self.tracker else None,
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         if ckpt.exists():
@@ -410,6 +436,12 @@ class Trainer:
             dataset.load_state_dict(saved["dataset"])
             self._replay = [Task.model_validate(t) for t in saved["pending_tasks"]]
             self.buffer.load_state_dict(saved["buffer"])
+            rng_path = self._ckpt_dir() / "rng.pt"
+            if rng_path.exists():
+                rng = torch.load(rng_path, weights_only=False)
+                random.setstate(rng["python"])
+                np.random.set_state(rng["numpy"])
+                torch.set_rng_state(rng["torch"])
             logger.info("resumed at step %d (version %d)", self.step, self.version)
 
         self.tracker = make_tracker(
@@ -431,11 +463,20 @@ class Trainer:
             timeout_s=cfg.inference.request_timeout_s,
         )
         control = [PolicyClient(u, timeout_s=cfg.checkpoint.push_timeout_s) for u in urls]
-        transport = make_transport(cfg.checkpoint.transport, cfg.checkpoint.resolved_shared_dir())
+        transport = self._transport_override or make_transport(
+            cfg.checkpoint.transport, cfg.checkpoint.resolved_shared_dir()
+        )
         self.engine = CheckpointEngine(
             control,
             transport,
-            pause_mode=cfg.checkpoint.pause_mode,
+            # `rollout.partial_rollout` and `checkpoint.pause_mode` name the same choice from the
+            # rollout and the server side; either one set to `abort` aborts in-flight turns
+            # (the agent loop resumes them on the new weights, per-token versions recorded).
+            pause_mode=(
+                "abort"
+                if "abort" in (cfg.rollout.partial_rollout, cfg.checkpoint.pause_mode)
+                else "keep"
+            ),
             verify=cfg.checkpoint.verify,
             verify_tolerance=cfg.checkpoint.verify_tolerance,
             probe_tokens=cfg.checkpoint.probe_tokens,
@@ -518,10 +559,14 @@ class Trainer:
                 dropped = sum(self.buffer.dropped.values()) - dropped_before
                 if dropped:
                     admission.reject(dropped)  # their slots go to replacement episodes
+                for task_id in self.buffer.pop_dropped_task_ids():
+                    self.dropped_task_ids.append(task_id)
+                    self._mark_done(task_id)  # dropped groups are settled, not pending
                 t_wait = time.perf_counter() - t0
                 trajs = [t for g in groups for t in g]
                 metrics = await self.train_step(trajs)
                 for g in groups:
+                    self.trained_task_ids.append(g[0].task_id)
                     self._mark_done(g[0].task_id)
                 self.step += 1
                 t1 = time.perf_counter()
@@ -557,11 +602,15 @@ class Trainer:
                     int(metrics.get("async/staleness_max", 0)),
                     t_push,
                 )
-                if cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0:
+                self._show_progress(metrics)
+                stopping = self.stop_after_step is not None and self.step >= self.stop_after_step
+                saving = cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0
+                if saving or (stopping and cfg.trainer.save_every):
                     self._save(dataset, admission)
-                if self.stop_after_step is not None and self.step >= self.stop_after_step:
+                if stopping:
                     break
         finally:
+            self._close_progress()
             manager.cancel()
             producer.cancel()
             with contextlib.suppress(BaseException):
@@ -569,6 +618,45 @@ class Trainer:
             with contextlib.suppress(BaseException):
                 await stream.aclose()
             await self.buffer.close()
+
+    # ---- console progress (rich) ---------------------------------------------------------------
+    def _show_progress(self, metrics: dict[str, float]) -> None:
+        """One live line: step, reward, staleness, tokens/s (only on a terminal unless asked)."""
+        import sys
+
+        enabled = self._progress_enabled
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        if not enabled:
+            return
+        if getattr(self, "_progress", None) is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=Console(stderr=True),
+            )
+            self._progress_task = self._progress.add_task(
+                "train", total=self.cfg.trainer.total_steps, completed=self.step - 1, info=""
+            )
+            self._progress.start()
+        info = (
+            f"v{self.version} reward {metrics.get('reward/mean', 0.0):.3f} "
+            f"staleness {metrics.get('async/staleness_mean', 0.0):.2f}"
+            f"/{int(metrics.get('async/staleness_max', 0))} "
+            f"{metrics.get('perf/tokens_per_s', 0.0):.0f} tok/s"
+        )
+        self._progress.update(self._progress_task, completed=self.step, info=info)
+
+    def _close_progress(self) -> None:
+        progress = getattr(self, "_progress", None)
+        if progress is not None:
+            progress.stop()
+            self._progress = None
 
     async def _push(self, version: int):
         attempts = 1 + self.cfg.checkpoint.push_retries

@@ -1,4 +1,4 @@
-"""StalenessBudget (AReaL's admission rule) and TrajectoryBuffer accounting."""
+"""TrajectoryBuffer accounting (admission is agentrl.rollout.manager.StalenessAdmission)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from agentrl.training.buffer import BufferClosed, StalenessBudget, TrajectoryBuffer
+from agentrl.training.buffer import BufferClosed, TrajectoryBuffer
 from agentrl.types import StopReason, Trajectory
 
 
@@ -23,53 +23,6 @@ def _traj(uid: str, version: int, reward: float = 0.0, index: int = 0) -> Trajec
         reward=reward,
         stop_reason=StopReason.EOS,
     )
-
-
-def test_budget_rule_matches_areal_formula() -> None:
-    b = StalenessBudget(max_staleness=1, batch_size=4)
-    # (η + v + 1) · B = 8 slots at version 0
-    assert b.capacity == 8
-    assert b.try_admit(4) and b.try_admit(4)
-    assert not b.try_admit(1)
-    for _ in range(8):
-        b.on_finished(accepted=True)
-    assert b.capacity == 0  # 8 accepted, nothing consumed yet: still full
-    b.set_version(1)
-    assert b.capacity == 4
-    # a dropped episode frees its slot
-    assert b.try_admit(4)
-    b.on_finished(accepted=False)
-    assert b.capacity == 1
-
-
-def test_budget_rejects_bad_config() -> None:
-    with pytest.raises(ValueError, match="max_staleness"):
-        StalenessBudget(max_staleness=-1, batch_size=4)
-    with pytest.raises(ValueError, match="batch size"):
-        StalenessBudget(max_staleness=0, batch_size=0)
-
-
-def test_budget_state_round_trip_drops_running() -> None:
-    b = StalenessBudget(max_staleness=2, batch_size=2)
-    assert b.try_admit(2)
-    b.on_finished()
-    b.set_version(3)
-    c = StalenessBudget(max_staleness=2, batch_size=2)
-    c.load_state_dict(b.state_dict())
-    assert (c.version, c.accepted, c.running) == (3, 1, 0)
-
-
-async def test_admit_waits_for_version() -> None:
-    b = StalenessBudget(max_staleness=0, batch_size=2)
-    await b.admit(2)
-    waiter = asyncio.create_task(b.admit(2))
-    await asyncio.sleep(0.01)
-    assert not waiter.done()
-    b.on_finished()
-    b.on_finished()
-    b.set_version(1)
-    await asyncio.wait_for(waiter, 1.0)
-    assert b.running == 2
 
 
 async def test_buffer_groups_and_drops_stale() -> None:
@@ -125,3 +78,20 @@ async def test_every_trajectory_is_consumed_or_dropped_once() -> None:
             assert all(t.staleness(version) <= 1 for t in g)
             seen += len(g)
     assert seen + sum(buf.dropped.values()) == buf.put_count == n_groups * 3
+
+
+async def test_dropped_groups_report_their_task_ids_once() -> None:
+    buf = TrajectoryBuffer(group_size=2, max_staleness=0, drop_uniform_reward_groups=True)
+    for uid, version, rewards in (("a", 0, (1.0, 1.0)), ("b", 0, (0.0, 1.0))):
+        for i, r in enumerate(rewards):
+            t = _traj(uid, version, reward=r, index=i)
+            t.task_id = f"task-{uid}"
+            await buf.put(t)
+    c = _traj("c", 0)
+    c.task_id = "task-c"
+    await buf.put(c)
+    groups = await buf.get_groups(1, current_version=0)
+    assert groups[0][0].uid == "b"
+    assert await buf.discard_group("c") == 1
+    assert buf.pop_dropped_task_ids() == ["task-a", "task-c"]
+    assert buf.pop_dropped_task_ids() == []

@@ -1,0 +1,141 @@
+"""Wall time per trained sample: synchronous (max_staleness 0) vs asynchronous (max_staleness 2).
+
+Both runs train the same tiny model on the same multi-turn calculator workload, side by side in
+one process, against the same two embedded servers. So that the overlap of generation and
+training is measured (not two CPU cores fighting over a tiny model), generation goes through a
+latency-emulating pool: after each real generation it sleeps ``--latency`` seconds per generated
+token times a per-episode long-tail factor (Pareto, ``--tail-alpha``, capped at ``--tail-cap``),
+like an accelerator serving a batch whose episodes have very different lengths. The sleep holds
+no CPU, so the trainer's step can run during it, as on a GPU cluster.
+
+Printed JSON: per mode the wall time per trained sample (sum of ``timing_s/step`` over the
+measured steps / trained samples), the speedup, and the ideal bound from the synchronous run's
+measured generate (``timing_s/wait_rollout``) and train times: with generate time G and train
+time T per step, sync costs G + T and perfect overlap max(G, T), so the bound is
+(G + T) / max(G, T).
+
+    .venv/bin/python benchmarks/async_speedup.py --steps 8 --latency 0.02
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import random
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from agentrl.config import load_config  # noqa: E402
+from agentrl.inference.pool import ServerPool  # noqa: E402
+from agentrl.types import Generation, SamplingParams  # noqa: E402
+
+
+def make_latency_pool(latency_s: float, alpha: float, cap: float) -> type[ServerPool]:
+    class LatencyPool(ServerPool):
+        """A ServerPool whose generations take accelerator-like, long-tailed time."""
+
+        async def generate(
+            self, prompt_ids: list[int], sampling: SamplingParams, session_id: str | None = None
+        ) -> Generation:
+            gen = await super().generate(prompt_ids, sampling, session_id)
+            seed = int(hashlib.sha256((session_id or "").encode()).hexdigest()[:8], 16)
+            factor = min(cap, random.Random(seed).paretovariate(alpha))
+            await asyncio.sleep(latency_s * max(1, len(gen.token_ids)) * factor)
+            return gen
+
+    return LatencyPool
+
+
+def run_mode(args: argparse.Namespace, eta: int, model_dir: Path, urls: list[str]) -> dict:
+    import agentrl.training.trainer as trainer_mod
+
+    out = Path(tempfile.mkdtemp(prefix=f"async-speedup-eta{eta}-"))
+    cfg = load_config(
+        ROOT / "configs" / "quickstart.yaml",
+        [
+            f"model.path={model_dir}",
+            f"trainer.output_dir={out}",
+            f"trainer.total_steps={args.steps}",
+            f"trainer.max_staleness={eta}",
+            f"data.batch_size={args.batch_size}",
+            f"data.n_samples={args.n_samples}",
+            f"trainer.mini_batch_size={args.batch_size}",
+            "data.generator_kwargs.n_val=2",
+            f"inference.max_tokens_per_turn={args.max_tokens}",
+            "agent.max_turns=3",
+            f"agent.max_response_tokens={args.max_tokens * 3}",
+            "rollout.max_concurrency=64",
+            "tracking.enabled=false",
+            f"checkpoint.shared_dir={out / 'weights'}",
+        ],
+    )
+    trainer_mod.ServerPool = make_latency_pool(args.latency, args.tail_alpha, args.tail_cap)  # type: ignore[misc]  # the benchmark's latency emulation
+    try:
+        result = trainer_mod.Trainer(cfg, server_urls=urls).run_sync()
+    finally:
+        trainer_mod.ServerPool = ServerPool  # type: ignore[misc]
+    h = result.history
+    skip = 1  # the first step includes filling the pipeline from empty in both modes
+    steps = [v for s, v in h["timing_s/step"] if s > skip]
+    wait = [v for s, v in h["timing_s/wait_rollout"] if s > skip]
+    samples = len(steps) * args.batch_size * args.n_samples
+    return {
+        "max_staleness": eta,
+        "measured_steps": len(steps),
+        "trained_samples": samples,
+        "loop_s": round(sum(steps), 3),
+        "s_per_sample": sum(steps) / samples,
+        "generate_wait_s_per_step": sum(wait) / len(wait),
+        "train_s_per_step": (sum(steps) - sum(wait)) / len(steps),
+        "staleness_max": max(v for _, v in h["async/staleness_max"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=4, help="tasks per step")
+    p.add_argument("--n-samples", type=int, default=2, help="samples per task (GRPO group)")
+    p.add_argument("--max-tokens", type=int, default=24, help="tokens per turn")
+    p.add_argument("--latency", type=float, default=0.02, help="seconds per generated token")
+    p.add_argument("--tail-alpha", type=float, default=1.5, help="Pareto shape of episode length")
+    p.add_argument("--tail-cap", type=float, default=8.0, help="cap of the long-tail factor")
+    args = p.parse_args(argv)
+
+    from agentrl.inference.server import launch_embedded_server
+    from agentrl.inference.tiny_model import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="async-speedup-"))
+    model_dir = build_tiny_model(work / "tiny", seed=0)
+    handles = [
+        launch_embedded_server(model_dir, log_path=work / f"server-{i}.log", startup_timeout_s=300)
+        for i in range(2)
+    ]
+    try:
+        urls = [h.base_url for h in handles]
+        sync = run_mode(args, 0, model_dir, urls)
+        asyn = run_mode(args, 2, model_dir, urls)
+    finally:
+        for h in handles:
+            h.stop()
+    g, t = sync["generate_wait_s_per_step"], sync["train_s_per_step"]
+    report = {
+        "workload": {k: v for k, v in vars(args).items()},
+        "sync": sync,
+        "async": asyn,
+        "speedup": sync["s_per_sample"] / asyn["s_per_sample"],
+        "ideal_speedup": (g + t) / max(g, t, 1e-9),
+    }
+    print(json.dumps(report, indent=2))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,294 @@
+"""The trainer end to end on real embedded servers: verified pushes, bounded staleness, resume,
+a failed push, and the MLflow run.
+
+Every run uses the tiny model, two embedded inference servers shared by the module, 2 tasks × 2
+samples per step and short turns, so each run takes seconds on two CPU cores. Runs are cached
+per module (several tests assert different things about the same run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentrl.config import ExperimentConfig, load_config
+from agentrl.inference.client import PolicyClient
+from agentrl.training.checkpoint_engine import HttpStreamTransport, StagedWeights, WeightPushError
+from agentrl.training.trainer import Trainer, TrainResult
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4
+FAMILIES = ("reward/", "actor/", "rollout_corr/", "async/", "timing_s/", "perf/", "rollout/")
+
+
+def _cfg(model_dir: Path, out: Path, *overrides: str) -> ExperimentConfig:
+    base = [
+        f"model.path={model_dir}",
+        f"trainer.output_dir={out}",
+        f"trainer.total_steps={STEPS}",
+        "data.batch_size=2",
+        "data.n_samples=2",
+        "data.generator_kwargs.n_val=2",
+        "trainer.mini_batch_size=2",
+        "inference.max_tokens_per_turn=16",
+        "agent.max_turns=2",
+        "agent.max_response_tokens=64",
+        "rollout.max_concurrency=8",
+        "tracking.enabled=false",
+        "tracking.num_sample_trajectories=2",
+        f"checkpoint.shared_dir={out / 'weights'}",
+    ]
+    return load_config(ROOT / "configs" / "quickstart.yaml", [*base, *overrides])
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    from agentrl.inference.server import launch_embedded_server
+
+    tmp = tmp_path_factory.mktemp("train-servers")
+    handles = []
+    try:
+        for i in range(2):
+            handles.append(
+                launch_embedded_server(
+                    tiny_model_dir,
+                    log_path=tmp / f"server-{i}.log",
+                    extra_args=["--seed", str(i)],
+                    startup_timeout_s=300,
+                )
+            )
+        yield [h.base_url for h in handles]
+    finally:
+        for h in handles:
+            h.stop()
+
+
+async def _server_state(urls: list[str]) -> list[tuple[int, bool]]:
+    out = []
+    for url in urls:
+        async with PolicyClient(url, timeout_s=30) as client:
+            out.append(((await client.weight_info())["weight_version"], await client.is_paused()))
+    return out
+
+
+_RUNS: dict[int, tuple[TrainResult, list[tuple[int, bool]]]] = {}
+
+
+@pytest.fixture(scope="module")
+def staleness_run(
+    servers: list[str], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+):
+    """``run(η)``: one cached 4-step run at max_staleness η and the servers' state right after."""
+
+    def run(eta: int) -> tuple[TrainResult, list[tuple[int, bool]]]:
+        if eta not in _RUNS:
+            out = tmp_path_factory.mktemp(f"eta{eta}")
+            cfg = _cfg(tiny_model_dir, out, f"trainer.max_staleness={eta}")
+            result = Trainer(cfg, server_urls=servers).run_sync()
+            _RUNS[eta] = (result, asyncio.run(_server_state(servers)))
+        return _RUNS[eta]
+
+    return run
+
+
+def _values(result: TrainResult, key: str) -> list[tuple[int, float]]:
+    assert key in result.history, f"{key} never logged; logged: {sorted(result.history)}"
+    return result.history[key]
+
+
+def test_every_step_pushes_verified_weights_to_every_server(staleness_run) -> None:
+    result, state = staleness_run(1)
+    assert result.steps == STEPS and result.version == STEPS
+    diffs = _values(result, "weight_sync/verify_max_abs_diff")
+    assert [s for s, _ in diffs] == list(range(1, STEPS + 1))
+    # the checkpoint engine verified on every server; tolerance from the config (default 1e-3)
+    assert all(d <= 1e-3 for _, d in diffs), diffs
+    assert all(f == 0.0 for _, f in _values(result, "weight_sync/failed_servers"))
+    assert state == [(STEPS, False), (STEPS, False)]
+    versions = [v for _, v in _values(result, "trainer/version")]
+    assert versions == [float(v) for v in range(1, STEPS + 1)]
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_staleness_never_exceeds_the_bound(staleness_run, eta: int) -> None:
+    result, _ = staleness_run(eta)
+    assert result.steps == STEPS
+    history = _values(result, "async/staleness_max")
+    assert len(history) == STEPS
+    assert all(v <= eta for _, v in history), history
+    if eta == 0:
+        assert all(v == 0 for _, v in history)
+    for family in FAMILIES:
+        assert any(k.startswith(family) for k in result.history), family
+
+
+# ---- resume ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def resumed_run(
+    servers: list[str],
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, Any]:
+    """Stop after step 2 (checkpoint saved), then ``resume=True`` to step 4; MLflow enabled."""
+    out = tmp_path_factory.mktemp("resume")
+    mp = pytest.MonkeyPatch()
+    mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+    try:
+        cfg = _cfg(
+            tiny_model_dir,
+            out,
+            "trainer.max_staleness=1",
+            "trainer.save_every=2",
+            "tracking.enabled=true",
+            "tracking.experiment=resume-test",
+        )
+        first = Trainer(cfg, server_urls=servers, stop_after_step=2)
+        r1 = first.run_sync()
+        state1 = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+        second = Trainer(cfg, server_urls=servers, resume=True)
+        r2 = second.run_sync()
+        state2 = json.loads((out / "checkpoint" / "trainer_state.json").read_text())
+        servers_after = asyncio.run(_server_state(servers))
+    finally:
+        mp.undo()
+    return {
+        "out": out,
+        "first": first,
+        "second": second,
+        "r1": r1,
+        "r2": r2,
+        "state1": state1,
+        "state2": state2,
+        "servers": servers_after,
+    }
+
+
+def test_resume_continues_exactly(resumed_run: dict[str, Any]) -> None:
+    import mlflow
+
+    r1, r2 = resumed_run["r1"], resumed_run["r2"]
+    s1, s2 = resumed_run["state1"], resumed_run["state2"]
+    first, second = resumed_run["first"], resumed_run["second"]
+    assert (r1.steps, r1.version) == (2, 2)
+    assert (s1["step"], s1["version"]) == (2, 2)
+    assert (r2.steps, r2.version) == (STEPS, STEPS)
+    assert resumed_run["servers"] == [(STEPS, False), (STEPS, False)]
+    # one MLflow run, continued
+    assert s1["mlflow_run_id"] and s1["mlflow_run_id"] == s2["mlflow_run_id"]
+    client = mlflow.MlflowClient(
+        tracking_uri=f"sqlite:///{resumed_run['out'] / 'mlruns' / 'mlflow.db'}"
+    )
+    exp = client.get_experiment_by_name("resume-test")
+    assert exp is not None
+    runs = client.search_runs([exp.experiment_id])
+    assert [r.info.run_id for r in runs] == [s1["mlflow_run_id"]]
+    run_id = s1["mlflow_run_id"]
+    for key in ("trainer/version", "reward/mean", "async/staleness_max"):
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        assert steps == list(range(1, STEPS + 1)), (key, steps)
+    versions = sorted(
+        (m.step, m.value) for m in client.get_metric_history(run_id, "trainer/version")
+    )
+    assert [v for _, v in versions] == [float(v) for v in range(1, STEPS + 1)]
+    # staleness accounting continued: consumed trajectories add up, none above the bound
+    assert s2["consumed_trajectories"] == STEPS * 2 * 2
+    assert s1["consumed_trajectories"] == 2 * 2 * 2
+    # no admitted task lost, none trained twice
+    pending = [t["id"] for t in s1["pending_tasks"]]
+    settled1 = set(first.trained_task_ids) | set(first.dropped_task_ids)
+    assert set(first.dispatched_task_ids) == settled1 | set(pending)
+    assert not settled1 & set(pending)
+    assert second.dispatched_task_ids[: len(pending)] == pending  # re-dispatched first
+    fresh2 = second.dispatched_task_ids[len(pending) :]
+    assert not set(fresh2) & set(first.dispatched_task_ids)  # the data position continued
+    assert not set(first.trained_task_ids) & set(second.trained_task_ids)
+    assert len(first.trained_task_ids) == 4 and len(second.trained_task_ids) == 4
+
+
+def test_mlflow_run_has_params_metrics_and_artifacts(resumed_run: dict[str, Any]) -> None:
+    import mlflow
+
+    out: Path = resumed_run["out"]
+    run_id = resumed_run["state2"]["mlflow_run_id"]
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{out / 'mlruns' / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    params = run.data.params
+    assert params["trainer.max_staleness"] == "1"
+    assert params["data.batch_size"] == "2"
+    metrics = run.data.metrics
+    for family in (*FAMILIES, "critic/", "val/", "weight_sync/"):
+        assert any(k.startswith(family) for k in metrics), (family, sorted(metrics))
+
+    def listing(path: str | None = None) -> list[str]:
+        found: list[str] = []
+        for f in client.list_artifacts(run_id, path):
+            found.extend(listing(f.path) if f.is_dir else [f.path])
+        return found
+
+    files = listing()
+    assert "config.yaml" in files
+    assert any(f.startswith("trajectories/") and f.endswith(".json") for f in files)
+    for plot in ("reward", "staleness", "kl"):
+        assert f"plots/{plot}.png" in files, files
+    assert "final_model/config.json" in files
+    assert any(f.startswith("final_model/") and f.endswith(".safetensors") for f in files)
+    rows = json.loads(
+        Path(
+            client.download_artifacts(run_id, next(f for f in files if "trajectories/" in f))
+        ).read_text()
+    )
+    assert rows and {"uid", "reward", "messages"} <= set(rows[0])
+
+
+# ---- a failed push ---------------------------------------------------------------------------
+class CorruptingTransport(HttpStreamTransport):
+    """Sends garbage safetensors bytes to one server from version ``from_version`` on: that
+    server's real weight loader rejects them (a real rejection, not a scripted error)."""
+
+    def __init__(self, bad_url: str, from_version: int) -> None:
+        self.bad_url = bad_url
+        self.from_version = from_version
+        self.bad_attempts = 0
+
+    async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+        if client.base_url == self.bad_url and staged.version >= self.from_version:
+            self.bad_attempts += 1
+            assert staged.data is not None
+            staged = StagedWeights(
+                version=staged.version,
+                num_bytes=staged.num_bytes,
+                data=staged.data[:16] + b"\x00garbage\x00" + staged.data[64:],
+            )
+        await super().load(client, staged)
+
+
+def test_failed_push_resumes_servers_and_stops_with_weight_push_error(
+    servers: list[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path,
+        "trainer.max_staleness=1",
+        "checkpoint.transport=http",
+        "checkpoint.push_retries=2",
+    )
+    transport = CorruptingTransport(servers[1], from_version=1)
+    trainer = Trainer(cfg, server_urls=servers, transport=transport)
+    with pytest.raises(WeightPushError) as info:
+        trainer.run_sync()
+    report = info.value.report
+    assert not report.ok
+    assert transport.bad_attempts == 3  # 1 + checkpoint.push_retries
+    assert servers[1] in str(info.value)
+    assert trainer.step == 1  # the step trained; its push failed and training stopped
+    state = asyncio.run(_server_state(servers))
+    assert [paused for _, paused in state] == [False, False]  # nobody left paused
+    assert state[1][0] == 0  # the rejecting server still serves the last good version
