@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,7 +148,7 @@ def ray_cluster() -> Iterator[str]:
         if with_pg is not None:
             os.killpg(with_pg, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=30)
+                proc.wait(timeout=10)
             # Whatever of that session is left (raylet workers) goes too.
             for sig_wait in (5, 0):
                 try:
@@ -157,6 +158,7 @@ def ray_cluster() -> Iterator[str]:
                 time.sleep(sig_wait)
         proc.wait(timeout=30)
         log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_actor_state_pickles(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -198,3 +200,49 @@ def test_train_two_steps_on_ray(ray_cluster: str, tiny_model_dir: Path, tmp_path
     assert worker["episodes"] >= 4
     assert info["reward"]["scored"] >= 4
     assert info["trainer"]["actor_pid"] not in (os.getpid(), worker["actor_pid"])
+
+
+def _wait_dead(pid: int, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+@pytest.mark.timeout(300)
+def test_failing_trainer_still_stops_everything(
+    ray_cluster: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-tasks.jsonl"
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path / "run",
+        f"distributed.ray_address={ray_cluster}",
+        f"data.train_files=[{missing}]",
+    )
+    info: dict = {}
+    with pytest.raises(Exception, match="no-such-tasks"):
+        run_with_ray(cfg, placement_info=info)
+    (server,) = info["servers"]
+    assert _wait_dead(server["server_pid"], 30), "the server outlived a failed run"
+    assert _wait_dead(server["actor_pid"], 30), "the server actor outlived a failed run"
+
+
+@pytest.mark.timeout(300)
+def test_killed_server_actor_does_not_orphan_its_server(
+    ray_cluster: str, tiny_model_dir: Path
+) -> None:
+    import ray
+
+    ray.init(address=ray_cluster, log_to_driver=False)
+    try:
+        actor = ray.remote(InferenceServerActor).options(num_cpus=0).remote(str(tiny_model_dir))
+        url = ray.get(actor.start.remote(), timeout=240)
+        assert url.startswith("http://127.0.0.1:") and ray.get(actor.healthy.remote(), timeout=30)
+        pid = ray.get(actor.info.remote(), timeout=30)["server_pid"]
+        ray.kill(actor)  # no shutdown(): the reaper must stop the server
+        assert _wait_dead(pid, 60), "a killed server actor left its server running"
+    finally:
+        ray.shutdown()
