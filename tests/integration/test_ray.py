@@ -246,3 +246,35 @@ def test_killed_server_actor_does_not_orphan_its_server(
         assert _wait_dead(pid, 60), "a killed server actor left its server running"
     finally:
         ray.shutdown()
+
+
+def test_train_cli_dispatches_to_ray(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import argparse
+
+    from agentrl.distributed import ray_backend
+    from agentrl.training import train_cli
+    from agentrl.training.trainer import TrainResult
+
+    calls: list = []
+
+    def fake_run_with_ray(cfg, *, resume: bool = False) -> TrainResult:
+        calls.append((cfg.distributed.backend, resume))
+        return TrainResult(steps=7, version=7, output_dir=cfg.trainer.output_dir)
+
+    monkeypatch.setattr(ray_backend, "run_with_ray", fake_run_with_ray)
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    args = parser.parse_args(
+        [
+            str(ROOT / "configs" / "quickstart.yaml"),
+            f"trainer.output_dir={tmp_path}",
+            "distributed.backend=ray",
+            "--resume",
+            "--quiet",
+        ]
+    )
+    assert train_cli.run(args) == 0
+    assert calls == [("ray", True)]
+    assert '"steps": 7' in capsys.readouterr().out
