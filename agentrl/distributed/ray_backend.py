@@ -347,13 +347,7 @@ class AgentLoopWorkerActor:
         if self._pool is not None:
             await self._pool.aclose()
             self._pool = None
-        if self._worker is not None and self._worker._tools is not None:
-            with contextlib.suppress(Exception):
-                close = getattr(self._worker._tools, "close", None)
-                if close is not None:
-                    res = close()
-                    if asyncio.iscoroutine(res):
-                        await res
+        # Tools need no closing here: each episode releases its tool states when it ends.
 
 
 class RemoteWorker:
