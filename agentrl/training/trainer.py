@@ -185,6 +185,7 @@ class Trainer:
         self.dispatched_task_ids: list[str] = []
         self.trained_task_ids: list[str] = []
         self.dropped_task_ids: list[str] = []
+        self.dispatched_at_save = 0  # len(dispatched_task_ids) when the last checkpoint was written
         self._rollout_error: BaseException | None = None
         self._max_staleness_seen = 0
         self.tracker: Tracker | None = None
@@ -331,6 +332,7 @@ class Trainer:
             "mlflow_run_id": self.tracker.run_id if self.tracker else None,
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        self.dispatched_at_save = len(self.dispatched_task_ids)
         if ckpt.exists():
             import shutil
 

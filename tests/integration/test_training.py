@@ -21,10 +21,10 @@ from agentrl.inference.client import PolicyClient
 from agentrl.training.checkpoint_engine import HttpStreamTransport, StagedWeights, WeightPushError
 from agentrl.training.trainer import Trainer, TrainResult
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4
+STEPS = 3
 FAMILIES = ("reward/", "actor/", "rollout_corr/", "async/", "timing_s/", "perf/", "rollout/")
 
 
@@ -203,13 +203,16 @@ def test_resume_continues_exactly(resumed_run: dict[str, Any]) -> None:
     # no admitted task lost, none trained twice
     pending = [t["id"] for t in s1["pending_tasks"]]
     settled1 = set(first.trained_task_ids) | set(first.dropped_task_ids)
-    assert set(first.dispatched_task_ids) == settled1 | set(pending)
+    # tasks pulled after the checkpoint lie past the saved data position: read again on resume
+    dispatched1 = first.dispatched_task_ids[: first.dispatched_at_save]
+    assert pending, "with max_staleness 1 rollouts run ahead: some tasks must be pending"
+    assert set(dispatched1) == settled1 | set(pending)
     assert not settled1 & set(pending)
     assert second.dispatched_task_ids[: len(pending)] == pending  # re-dispatched first
     fresh2 = second.dispatched_task_ids[len(pending) :]
-    assert not set(fresh2) & set(first.dispatched_task_ids)  # the data position continued
+    assert not set(fresh2) & set(dispatched1)  # the data position continued
     assert not set(first.trained_task_ids) & set(second.trained_task_ids)
-    assert len(first.trained_task_ids) == 4 and len(second.trained_task_ids) == 4
+    assert len(first.trained_task_ids) == 4 and len(second.trained_task_ids) == 2
 
 
 def test_mlflow_run_has_params_metrics_and_artifacts(resumed_run: dict[str, Any]) -> None:
