@@ -300,6 +300,22 @@ async def test_verify_compares_probe_logprobs_with_the_trainers_score() -> None:
     assert probe["temperature"] == 1.0 and probe["max_tokens"] == 3
 
 
+async def test_verify_scores_each_distinct_probe_once() -> None:
+    # Both fakes answer the probe with the same tokens (a function of the prompt).
+    a, b = FakeInferenceServer("http://a"), FakeInferenceServer("http://b")
+    calls: list[list[int]] = []
+
+    def score(prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        calls.append(token_ids)
+        return [-0.5] * len(token_ids)
+
+    engine = CheckpointEngine(_clients(a, b), HttpStreamTransport(), probe_tokens=2)
+    report = await engine.push(_state(), 1, score=score)
+    assert report.ok
+    assert len(calls) == 1
+    assert all(s.verify_max_abs_diff == 0.0 for s in report.servers.values())
+
+
 async def test_verify_mismatch_fails_loudly_and_async_score_is_awaited() -> None:
     a = FakeInferenceServer("http://a")
 
