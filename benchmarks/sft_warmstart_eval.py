@@ -20,7 +20,8 @@ the task's ``a op b``, spaces ignored), ``accuracy``, ``accuracy_with_tool`` and
 ``accuracy_without_tool``.
 
 Run: ``python benchmarks/sft_warmstart_eval.py checkpoints/calculator-sft [--n 64] [--seed 777]``
-(both greedy and temperature 1 by default).
+(greedy and temperature 1 by default, then greedy with the ``<tool_call>`` opener forced, which
+measures the calls the model writes when it decides to call the tool).
 """
 
 from __future__ import annotations
@@ -115,12 +116,16 @@ def evaluate_warmstart(
     temperature: float = 0.0,
     min_digits: int = 2,
     max_digits: int = 3,
-    max_new_tokens: int = 48,
+    max_new_tokens: int = 96,
     batch_size: int = 32,
+    force_tool_call: bool = False,
     model: Any = None,
     tokenizer: Any = None,
 ) -> dict[str, Any]:
-    """Run ``n`` held-out calculator tasks (``seed``) through the two-turn tool loop; return rates."""
+    """Run ``n`` held-out calculator tasks (``seed``) through the two-turn tool loop; return rates.
+
+    ``force_tool_call`` appends the ``<tool_call>`` token to every first-turn prompt: the rates
+    then describe the calls the model writes *when it decides to call the tool*."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from agentrl.inference.chat import parse_hermes_tool_calls
@@ -145,9 +150,12 @@ def evaluate_warmstart(
         for t in tasks
     ]
     first: list[str] = []
+    opener = tokenizer.convert_tokens_to_ids("<tool_call>") if force_tool_call else None
     for i in range(0, n, batch_size):
         prompts = [_render(tokenizer, c, schemas) for c in convs[i : i + batch_size]]
-        first += _generate(
+        if opener is not None:
+            prompts = [[*p, opener] for p in prompts]
+        texts = _generate(
             model,
             tokenizer,
             prompts,
@@ -155,6 +163,7 @@ def evaluate_warmstart(
             max_new_tokens=max_new_tokens,
             seed=seed + i,
         )
+        first += [("<tool_call>" if force_tool_call else "") + t for t in texts]
     rows: list[dict[str, Any]] = []
     second_idx: list[int] = []
     for k, (task, text) in enumerate(zip(tasks, first, strict=True)):
@@ -221,6 +230,7 @@ def evaluate_warmstart(
         "n": n,
         "seed": seed,
         "temperature": temperature,
+        "force_tool_call": force_tool_call,
         "tool_call_rate": rate(len(calls), n),
         "well_formed_rate": rate(len(well), len(calls)),
         "expression_correct_rate": rate(sum(r["expression_correct"] for r in well), len(well)),
@@ -265,6 +275,20 @@ def main() -> None:
         )
         for t in args.temperatures
     ]
+    # Conditional on calling the tool: greedy after a forced ``<tool_call>`` opener.
+    results.append(
+        evaluate_warmstart(
+            args.model_dir,
+            n=args.n,
+            seed=args.seed,
+            temperature=0.0,
+            min_digits=args.min_digits,
+            max_digits=args.max_digits,
+            force_tool_call=True,
+            model=model,
+            tokenizer=tok,
+        )
+    )
     print(json.dumps(results, indent=2))
 
 
