@@ -607,7 +607,8 @@ class Trainer:
                 self._show_progress(metrics)
                 stopping = self.stop_after_step is not None and self.step >= self.stop_after_step
                 saving = cfg.trainer.save_every and self.step % cfg.trainer.save_every == 0
-                if saving or (stopping and cfg.trainer.save_every):
+                last = stopping or self.step >= cfg.trainer.total_steps
+                if saving or (last and cfg.trainer.save_every):
                     self._save(dataset, admission)
                 if stopping:
                     break
