@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("agentrl.inference.tiny_model", "build a tiny Qwen2 model and tokenizer"),
     "serve-model": ("agentrl.inference.server", "serve a model over the vLLM-compatible HTTP API"),
     "sft": ("agentrl.training.sft_cli", "supervised warm start on chat conversations"),
+    "train": ("agentrl.training.train_cli", "train an agent with async RL (one experiment)"),
+    "eval": ("agentrl.training.eval_cli", "held-out metrics of a saved model"),
 }
 
 

@@ -477,6 +477,8 @@ class CheckpointConfig(Section):
     """Time limit of one push on one server (pause, transfer, verify, resume)."""
     pause_mode: Literal["keep", "abort"] = "keep"
     """On pause: `keep` in-flight requests (they finish on new weights) or `abort` them."""
+    push_retries: int = Field(default=1, ge=0)
+    """Extra attempts of a failed push before training stops with the push report as error."""
 
     def resolved_shared_dir(self) -> Path:
         """`shared_dir`, or tmpfs `/dev/shm` when it exists, else the system temp dir."""
