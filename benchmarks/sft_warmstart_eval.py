@@ -246,7 +246,7 @@ def evaluate_warmstart(
 def main() -> None:
     import torch
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("model_dir", nargs="?", default="checkpoints/calculator-sft")
     parser.add_argument("--n", type=int, default=64, help="held-out tasks")
     parser.add_argument("--seed", type=int, default=777, help="task seed (the SFT data used 1234)")

@@ -146,11 +146,13 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
         dtype = cfg.model.dtype
         if dtype == "auto":
             dtype = "bfloat16" if device == "cuda" else "float32"
-        model = AutoModelForCausalLM.from_pretrained(
+        # Any: transformers' stubs type .to() on the generate mixin, not on nn.Module.
+        model: Any = AutoModelForCausalLM.from_pretrained(
             model_path,
             dtype=getattr(torch, dtype),
             trust_remote_code=cfg.model.trust_remote_code,
-        ).to(device)
+        )
+        model.to(device)
 
     conversations = load_sft_data(cfg)
     steps = cfg.trainer.total_steps
