@@ -48,3 +48,13 @@ def test_gsm8k_is_a_gpu_vllm_recipe() -> None:
     assert cfg.inference.backend == "vllm"
     assert cfg.trainer.device == "cuda" and cfg.model.dtype == "bfloat16"
     assert cfg.reward.sources["gsm8k"] == "numeric_match"
+
+
+def test_quickstart_uses_the_warm_start_system_prompt() -> None:
+    """RL must see the system prompt the shipped warm start was trained with."""
+    from agentrl.config import load_config
+    from agentrl.rollout.calculator_task import CALCULATOR_SYSTEM_PROMPT
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+    assert cfg.agent.system_prompt == CALCULATOR_SYSTEM_PROMPT
+    assert cfg.inference.max_tokens_per_turn >= 80  # a full 3-digit calculator call is ~68 tokens
