@@ -99,7 +99,7 @@ def run_mode(args: argparse.Namespace, eta: int, model_dir: Path, urls: list[str
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=4, help="tasks per step")
     p.add_argument("--n-samples", type=int, default=2, help="samples per task (GRPO group)")

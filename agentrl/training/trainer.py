@@ -653,7 +653,9 @@ class Trainer:
             f"/{int(metrics.get('async/staleness_max', 0))} "
             f"{metrics.get('perf/tokens_per_s', 0.0):.0f} tok/s"
         )
-        self._progress.update(self._progress_task, completed=self.step, info=info)
+        progress = self._progress
+        assert progress is not None
+        progress.update(self._progress_task, completed=self.step, info=info)
 
     def _close_progress(self) -> None:
         progress = getattr(self, "_progress", None)
