@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from enum import Enum
+from enum import StrEnum
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -60,7 +60,7 @@ class TrajectoryError(ValueError):
     """A trajectory broke one of its invariants; the message names the field and position."""
 
 
-class StopReason(str, Enum):
+class StopReason(StrEnum):
     """Why an episode ended."""
 
     EOS = "eos"
