@@ -62,7 +62,6 @@ from agentrl.training.checkpoint_engine import (
     make_transport,
 )
 from agentrl.types import SamplingParams, Task, Trajectory
-from agents import AgentLimits
 from tools import ToolSet
 
 __all__ = ["TrainResult", "Trainer", "build_tasks", "build_toolset", "evaluate_checkpoint"]
@@ -369,23 +368,14 @@ class Trainer:
         }
 
     def _worker_config(self, temperature: float | None = None) -> WorkerConfig:
-        inf, ag = self.cfg.inference, self.cfg.agent
-        return WorkerConfig(
-            sampling=SamplingParams(
-                max_tokens=inf.max_tokens_per_turn,
-                temperature=inf.temperature if temperature is None else temperature,
-                top_p=inf.top_p,
-                top_k=inf.top_k,
-            ),
-            limits=AgentLimits(
-                max_turns=ag.max_turns,
-                max_response_tokens=ag.max_response_tokens,
-                max_parallel_calls=ag.max_parallel_calls,
-            ),
-            tool_call_format=ag.tool_call_format,
-            system_prompt=ag.system_prompt,
-            episode_timeout_s=ag.episode_timeout_s,
+        inf = self.cfg.inference
+        sampling = SamplingParams(
+            max_tokens=inf.max_tokens_per_turn,
+            temperature=inf.temperature if temperature is None else temperature,
+            top_p=inf.top_p,
+            top_k=inf.top_k,
         )
+        return WorkerConfig.from_config(self.cfg.agent, sampling)
 
     # ---- the loop -----------------------------------------------------------------------------
     def run_sync(self) -> TrainResult:
