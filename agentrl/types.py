@@ -37,7 +37,9 @@ Nothing here imports torch, servers or trackers.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import uuid
 from enum import StrEnum
 from typing import Any, Literal, Protocol, runtime_checkable
@@ -243,6 +245,37 @@ class Trajectory(BaseModel):
                     f"trajectory {self.uid!r}: {name} has {got} entries but response_ids has {n}; "
                     "every response token needs exactly one entry in each per-token list"
                 )
+        if not self._per_token_fields_ok():
+            self._raise_first_per_token_error()
+        if not self.prompt_ids:
+            raise TrajectoryError(f"trajectory {self.uid!r}: prompt_ids is empty")
+        return self
+
+    def _per_token_fields_ok(self) -> bool:
+        """The per-token invariants, checked with C-level builtins (no Python loop per token).
+
+        Validation runs for every episode, so it must stay cheap; when this says no,
+        :meth:`_raise_first_per_token_error` finds and names the first bad position.
+        """
+        mask = self.loss_mask
+        if not set(mask) <= {0, 1}:
+            return False
+        unmasked = list(map(operator.not_, mask))
+        sampled_lp = list(itertools.compress(self.rollout_logprobs, mask))
+        if sampled_lp:
+            try:
+                total = math.fsum(sampled_lp)
+            except (OverflowError, ValueError):  # +inf and -inf together
+                return False
+            if not math.isfinite(total) or max(sampled_lp) > 0.0:
+                return False
+            if min(itertools.compress(self.policy_version, mask)) < 0:
+                return False
+        if not set(itertools.compress(self.rollout_logprobs, unmasked)) <= {0.0}:
+            return False
+        return set(itertools.compress(self.policy_version, unmasked)) <= {-1}
+
+    def _raise_first_per_token_error(self) -> None:
         for t, (m, lp, v) in enumerate(
             zip(self.loss_mask, self.rollout_logprobs, self.policy_version, strict=True)
         ):
@@ -267,9 +300,7 @@ class Trajectory(BaseModel):
                 raise TrajectoryError(
                     f"trajectory {self.uid!r}: loss_mask[{t}] = {m!r}; the mask holds only 0 and 1"
                 )
-        if not self.prompt_ids:
-            raise TrajectoryError(f"trajectory {self.uid!r}: prompt_ids is empty")
-        return self
+        raise TrajectoryError(f"trajectory {self.uid!r}: per-token fields are inconsistent")
 
     # ---- derived quantities -------------------------------------------------------------
     @property
