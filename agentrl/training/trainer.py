@@ -117,9 +117,12 @@ def build_tasks(
     from agentrl.rollout.calculator_task import generate_calculator_tasks
 
     kwargs = dict(cfg.data.generator_kwargs)
-    n = int(kwargs.pop(f"n_{split}", kwargs.pop("n", default_n)))
-    kwargs.pop("n_train", None)
-    kwargs.pop("n_val", None)
+    # `n` sizes the training set; the held-out set is `n_val` (default `default_n`), so a big
+    # training set does not make every evaluation as long.
+    n_train = kwargs.pop("n_train", kwargs.pop("n", default_n))
+    n_val = kwargs.pop("n_val", default_n)
+    kwargs.pop("n", None)
+    n = int(n_train if split == "train" else n_val)
     # Held-out tasks come from another seed: val never overlaps train by construction.
     seed = int(kwargs.pop("seed", cfg.data.seed)) + (0 if split == "train" else 10_000)
     return generate_calculator_tasks(n, seed=seed, **kwargs)
