@@ -7,22 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from agentrl.rollout.calculator_task import calculator_tool_schemas
 from agentrl.training.sft import SFTSettings, load_conversations, tokenize_conversation, train_sft
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate arithmetic.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+TOOLS = calculator_tool_schemas()
 
 
 def _conversation(a: int, b: int) -> list[dict]:
