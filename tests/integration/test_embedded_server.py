@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import httpx
+import openai  # a dev dependency: missing it must fail, never skip
 import pytest
 import torch
 
@@ -24,7 +25,6 @@ from agentrl.inference.tiny_model import build_tiny_model, tiny_tokenizer
 
 pytestmark = pytest.mark.integration
 
-openai = pytest.importorskip("openai")
 
 MODEL_NAME = "tiny-tools"
 TOOLS = [

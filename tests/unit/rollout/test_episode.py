@@ -8,6 +8,7 @@ import pickle
 import pytest
 
 from agentrl.inference.tiny_model import build_tiny_tokenizer
+from agentrl.rollout.calculator_task import calculator_tool_schemas
 from agentrl.rollout.episode import (
     ChatTemplateError,
     EpisodeRecorder,
@@ -16,20 +17,7 @@ from agentrl.rollout.episode import (
 )
 from agentrl.types import Generation, StopReason
 
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate arithmetic.",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    }
-]
+TOOLS = calculator_tool_schemas()
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+2"}}\n</tool_call>'
 
 
