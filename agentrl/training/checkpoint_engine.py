@@ -230,6 +230,10 @@ class PushReport:
             "weight_sync/verify_s": self.verify_seconds,
             "weight_sync/bytes": float(self.num_bytes),
             "weight_sync/failed_servers": float(sum(not s.ok for s in self.servers.values())),
+            # servers whose probe logprobs were compared with the trainer's (0 when verify is off)
+            "weight_sync/verified_servers": float(
+                sum(s.ok and s.verify_max_abs_diff is not None for s in self.servers.values())
+            ),
         }
         if self.max_abs_diff is not None:
             out["weight_sync/verify_max_abs_diff"] = self.max_abs_diff

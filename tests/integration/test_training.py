@@ -111,6 +111,7 @@ def test_every_step_pushes_verified_weights_to_every_server(staleness_run) -> No
     # the checkpoint engine verified on every server; tolerance from the config (default 1e-3)
     assert all(d <= 1e-3 for _, d in diffs), diffs
     assert all(f == 0.0 for _, f in _values(result, "weight_sync/failed_servers"))
+    assert [v for _, v in _values(result, "weight_sync/verified_servers")] == [2.0] * STEPS
     assert state == [(STEPS, False), (STEPS, False)]
     versions = [v for _, v in _values(result, "trainer/version")]
     assert versions == [float(v) for v in range(1, STEPS + 1)]
