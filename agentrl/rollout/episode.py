@@ -22,6 +22,14 @@ gives the same ids as tokenizing the whole render. The first delta per tokenizer
 token level (``render(prefix) + delta == render(all)``); a template that is not prefix-stable
 raises :class:`ChatTemplateError` naming the template.
 
+The delta ids are cached per renderer (a bounded LRU, :meth:`DeltaRenderer.cache_info`): the
+samples of one GRPO group usually make the same tool calls and get the same tool outputs, so
+the same delta is rendered and tokenized again and again. The cache is exact: its key is the
+messages themselves (every key and value, which must all be plain strings or ``None``; other
+messages are not cached), the tools that matter to the delta and ``add_generation_prompt``, and
+a template that can render differently for the same messages (one that calls
+``strftime_now`` or ``random``) is never cached.
+
 A model turn that ended without the end-of-turn token (``max_tokens`` reached, a custom stop
 token, an aborted request) is closed by appending the end-of-turn token with mask 0 before any
 new message, exactly as the chat template would have rendered it.
@@ -110,14 +118,53 @@ def _tools_key(tools: Sequence[dict[str, Any]] | None) -> str:
     return json.dumps(tools, sort_keys=True) if tools else ""
 
 
+_MessagesKey = tuple[tuple[tuple[str, str | None], ...], ...]
+
+
+def _messages_key(messages: Sequence[Message]) -> _MessagesKey | None:
+    """An exact, hashable key of ``messages``, or None when a key or value is not a plain str.
+
+    Only ``str`` (not a subclass) and ``None`` values qualify: hashing would make ``1``, ``1.0``
+    and ``True`` equal although a template renders them differently, and nested content (lists,
+    dicts) would need a deep key. Two messages with the same items in another order get
+    different keys (a miss, never a wrong hit).
+    """
+    key = []
+    for m in messages:
+        items = tuple(m.items())
+        for k, v in items:
+            if type(k) is not str or (v is not None and type(v) is not str):
+                return None
+        key.append(items)
+    return tuple(key)
+
+
+def _template_is_deterministic(tokenizer: Any) -> bool:
+    """False when the chat template may render the same messages differently (date, random)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = " ".join(str(t) for t in template.values())
+    source = str(template or "")
+    return "strftime_now" not in source and "random" not in source
+
+
 class DeltaRenderer:
     """Renders the token delta of new messages appended after an assistant turn.
 
     One instance per tokenizer (see :func:`get_delta_renderer`); it caches the rendered dummy
     prefix per tools list and verifies prefix stability once, on its first delta.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template.
+        end_of_turn_token: the token that ends an assistant turn (default: ``eos_token``).
+        cache_size: most deltas kept in the LRU cache of delta ids (0 = no cache).
     """
 
-    def __init__(self, tokenizer: Any, end_of_turn_token: str | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, end_of_turn_token: str | None = None, cache_size: int = 4096
+    ) -> None:
+        if cache_size < 0:
+            raise ValueError(f"DeltaRenderer(cache_size={cache_size}): use 0 (off) or more")
         self.tokenizer = tokenizer
         eot = end_of_turn_token or getattr(tokenizer, "eos_token", None)
         if not eot:
@@ -135,6 +182,24 @@ class DeltaRenderer:
         self._verified = False
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if hasattr(backend, "encode") else None
+        self.cache_size = cache_size if _template_is_deterministic(tokenizer) else 0
+        self._deltas: OrderedDict[tuple[_MessagesKey, str, bool], list[int]] = OrderedDict()
+        self._hits = 0
+        self._misses = 0
+
+    def cache_info(self) -> dict[str, int]:
+        """Delta-cache counters: ``hits``, ``misses`` (every uncached delta), ``size``, ``maxsize``."""
+        return {
+            "hits": self._hits,
+            "misses": self._misses,
+            "size": len(self._deltas),
+            "maxsize": self.cache_size,
+        }
+
+    def cache_clear(self) -> None:
+        """Empty the delta cache and reset its counters."""
+        self._deltas.clear()
+        self._hits = self._misses = 0
 
     def _encode(self, text: str) -> list[int]:
         # The Rust backend skips the Python wrapper (a third of the cost per turn); the first
@@ -233,8 +298,39 @@ class DeltaRenderer:
                 if len(self._tools_matter) > 64:
                     self._tools_matter.clear()
                 self._tools_matter[key] = matter
-            if not matter:
+            if matter:
+                tools_key = key
+            else:
                 tools, tools_key = None, ""
+        else:
+            tools, tools_key = None, ""
+        cache_key = None
+        if self.cache_size:  # empty until the first delta is verified (never cached if not)
+            msgs_key = _messages_key(messages)
+            if msgs_key is not None:
+                cache_key = (msgs_key, tools_key, add_generation_prompt)
+                cached = self._deltas.get(cache_key)
+                if cached is not None:
+                    self._deltas.move_to_end(cache_key)
+                    self._hits += 1
+                    return list(cached)
+        self._misses += 1
+        delta = self._render_delta(messages, tools, add_generation_prompt, tools_key)
+        if cache_key is not None:
+            self._deltas[cache_key] = delta
+            if len(self._deltas) > self.cache_size:
+                self._deltas.popitem(last=False)
+            return list(delta)
+        return delta
+
+    def _render_delta(
+        self,
+        messages: Sequence[Message],
+        tools: Sequence[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+        tools_key: str,
+    ) -> list[int]:
+        """Render and tokenize one delta (uncached); the first one is verified token by token."""
         text = self._delta_text(messages, tools, add_generation_prompt, tools_key)
         delta = self._encode(text)
         if not self._verified:
