@@ -179,7 +179,10 @@ class AgentContext:
             return Generation(token_ids=[], logprobs=[], finish_reason="length", weight_version=0)
         base = self.sampling
         max_tokens = min(sampling_overrides.pop("max_tokens", base.max_tokens), budget)
-        sampling = base.model_copy(update={"max_tokens": max_tokens, **sampling_overrides})
+        if sampling_overrides or max_tokens != base.max_tokens:
+            sampling = base.model_copy(update={"max_tokens": max_tokens, **sampling_overrides})
+        else:  # the common case: the shared parameters as they are (no copy per turn)
+            sampling = base
         start = time.perf_counter()
         gen = await self.policy.generate(rec.context_ids(), sampling, self.session_id)
         rec.add_generation(gen)
@@ -249,24 +252,26 @@ class AgentContext:
         Returns the tool messages, in call order, then one error message per malformed call,
         and whether a tool asked to stop. Never raises, except on cancellation.
         """
-        sem = asyncio.Semaphore(self.limits.max_parallel_calls)
-
-        async def one(name: str, args: dict[str, Any]) -> ToolResult:
-            async with sem:
-                return await episode.call(name, args)
-
         start = time.perf_counter()
-        if len(parsed.calls) == 1:  # the common case: no task, no semaphore
+        if len(parsed.calls) == 1:  # the common case: run inline, no task, no semaphore
             results = [await episode.call(parsed.calls[0].name, parsed.calls[0].arguments)]
-        else:
+        elif parsed.calls:
+            sem = asyncio.Semaphore(self.limits.max_parallel_calls)
+
+            async def one(name: str, args: dict[str, Any]) -> ToolResult:
+                async with sem:
+                    return await episode.call(name, args)
+
             results = await asyncio.gather(*(one(c.name, c.arguments) for c in parsed.calls))
+        else:
+            results = []
         self.timings["tools"] = self.timings.get("tools", 0.0) + time.perf_counter() - start
-        known = set(self.tools.names()) if self.tools is not None else set()
+        tools = self.tools
         out: list[Message] = []
         stop = False
         step_reward: float | None = None
         for call, res in zip(parsed.calls, results, strict=True):
-            key = call.name if call.name in known else INVALID_TOOL
+            key = call.name if tools is not None and call.name in tools else INVALID_TOOL
             self.tool_counts[key] = self.tool_counts.get(key, 0) + 1
             if key == INVALID_TOOL:
                 self._count("tool_calls_unknown")

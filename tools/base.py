@@ -660,18 +660,18 @@ class ToolEpisode:
             ), False
 
         timeout = t.timeout_s if t.timeout_s is not None else self.toolset.timeout_s
-
-        async def guarded() -> ToolResult | str | BaseException:
-            # Exceptions come back as values, so a TimeoutError raised by the tool itself is
-            # never mistaken for our timeout.
-            try:
-                state = await self._ensure_state(t)
-                return await t.execute(state, args)
-            except Exception as exc:
-                return exc
-
+        # ``asyncio.timeout`` runs the call in this task (``wait_for`` would wrap it in a new
+        # Task per call). Exceptions of the tool are caught inside the timeout block and become
+        # values, so a TimeoutError raised by the tool itself is never mistaken for ours: only
+        # the block's own expiry reaches the ``except TimeoutError`` below.
+        out: ToolResult | str | BaseException
         try:
-            out = await asyncio.wait_for(guarded(), timeout)
+            async with asyncio.timeout(timeout):
+                try:
+                    state = await self._ensure_state(t)
+                    out = await t.execute(state, args)
+                except Exception as exc:
+                    out = exc
         except TimeoutError:
             return ToolResult(
                 content=f"error: tool {t.name!r} timed out after {_fmt_s(timeout)} s",
@@ -734,7 +734,8 @@ class ToolEpisode:
             if t is None:
                 continue
             try:
-                await asyncio.wait_for(t.release(state), self.toolset.release_timeout_s)
+                async with asyncio.timeout(self.toolset.release_timeout_s):
+                    await t.release(state)
             except asyncio.CancelledError as exc:
                 cancelled = exc
                 self.toolset._record_release_error(name)
