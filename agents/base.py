@@ -210,8 +210,9 @@ class AgentContext:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of generated tokens, special tool tags kept, a trailing end-of-turn token dropped."""
-        text = get_delta_renderer(self.tokenizer).decode(token_ids)
-        eos = getattr(self.tokenizer, "eos_token", None)
+        renderer = get_delta_renderer(self.tokenizer)
+        text = renderer.decode(token_ids)
+        eos = renderer.eos_token
         if eos and text.endswith(eos):
             text = text[: -len(eos)]
         return text

@@ -173,12 +173,14 @@ class DeltaRenderer:
                 "end_of_turn_token= (the token that ends an assistant turn, e.g. '<|im_end|>')"
             )
         self.end_of_turn_token: str = eot
+        self.eos_token: str | None = getattr(tokenizer, "eos_token", None)
+        """The tokenizer's EOS text (read once: a tokenizer attribute lookup is not free)."""
         self.end_of_turn_ids: list[int] = list(tokenizer.encode(eot, add_special_tokens=False))
         if not self.end_of_turn_ids:
             raise ChatTemplateError(f"end-of-turn token {eot!r} encodes to no ids")
         self._prefix_cache: dict[str, str] = {}
         self._tools_matter: dict[str, bool] = {}
-        self._prompts: OrderedDict[tuple[str, str], list[int]] = OrderedDict()
+        self._prompts: OrderedDict[tuple[_MessagesKey | str, str], list[int]] = OrderedDict()
         self._verified = False
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend = backend if hasattr(backend, "encode") else None
@@ -215,10 +217,11 @@ class DeltaRenderer:
         tools_key: str | None = None,
     ) -> list[int]:
         """:func:`render_prompt_ids`, cached: the samples of one task share their prompt."""
-        key = (
-            json.dumps(messages, sort_keys=True),
-            _tools_key(tools) if tools_key is None else tools_key,
-        )
+        # The exact key of plain-str messages; JSON (key order kept) for anything else.
+        msgs_key: _MessagesKey | str | None = _messages_key(messages)
+        if msgs_key is None:
+            msgs_key = json.dumps(messages)
+        key = (msgs_key, _tools_key(tools) if tools_key is None else tools_key)
         ids = self._prompts.get(key)
         if ids is None:
             text = _render(self.tokenizer, messages, tools, add_generation_prompt=True)
@@ -390,6 +393,8 @@ class EpisodeRecorder:
         max_context_tokens: budget for prompt + response (the model's context); ``None`` =
             unlimited.
         end_of_turn_token: the token that ends an assistant turn (default: the tokenizer's EOS).
+        tools_key: ``json.dumps(tools, sort_keys=True)`` if the caller already has it (it keys
+            the renderer's caches); computed when ``None``.
     """
 
     def __init__(
@@ -401,6 +406,7 @@ class EpisodeRecorder:
         max_response_tokens: int | None = None,
         max_context_tokens: int | None = None,
         end_of_turn_token: str | None = None,
+        tools_key: str | None = None,
     ) -> None:
         if not prompt_ids:
             raise ValueError("EpisodeRecorder needs a non-empty prompt_ids")
@@ -411,7 +417,8 @@ class EpisodeRecorder:
         self.policy_version: list[int] = []
         self.tokenizer = tokenizer
         self.tools = list(tools) if tools else None
-        self._tools_key = _tools_key(self.tools)
+        self._tools_key = _tools_key(self.tools) if tools_key is None else tools_key
+        self._eot: list[int] | None = None
         self.max_response_tokens = max_response_tokens
         self.max_context_tokens = max_context_tokens
         self.end_of_turn_token = end_of_turn_token
@@ -435,13 +442,15 @@ class EpisodeRecorder:
     ) -> EpisodeRecorder:
         """Start an episode from a conversation rendered with the generation prompt."""
         renderer = get_delta_renderer(tokenizer, end_of_turn_token)
+        tools_key = _tools_key(tools)
         return cls(
-            renderer.prompt_ids(messages, tools),
+            renderer.prompt_ids(messages, tools, tools_key),
             tokenizer=tokenizer,
             tools=tools,
             max_response_tokens=max_response_tokens,
             max_context_tokens=max_context_tokens,
             end_of_turn_token=end_of_turn_token,
+            tools_key=tools_key,
         )
 
     # ---- budget ---------------------------------------------------------------------------
@@ -559,19 +568,20 @@ class EpisodeRecorder:
             self.truncate_to(limit)
 
     def _eot_ids(self) -> list[int] | None:
-        if self.tokenizer is None:
-            return None
-        return get_delta_renderer(self.tokenizer, self.end_of_turn_token).end_of_turn_ids
+        if self._eot is None and self.tokenizer is not None:
+            self._eot = get_delta_renderer(self.tokenizer, self.end_of_turn_token).end_of_turn_ids
+        return self._eot
 
     # ---- output ---------------------------------------------------------------------------
     def to_trajectory(self, **meta: Any) -> Trajectory:
         """Freeze the record into a :class:`Trajectory`; ``meta`` sets the other fields."""
         meta.setdefault("num_turns", self.num_turns)
+        # Validation builds new lists, so the trajectory never aliases the recorder's.
         return Trajectory(
-            prompt_ids=list(self.prompt_ids),
-            response_ids=list(self.response_ids),
-            loss_mask=list(self.loss_mask),
-            rollout_logprobs=list(self.rollout_logprobs),
-            policy_version=list(self.policy_version),
+            prompt_ids=self.prompt_ids,
+            response_ids=self.response_ids,
+            loss_mask=self.loss_mask,
+            rollout_logprobs=self.rollout_logprobs,
+            policy_version=self.policy_version,
             **meta,
         )
