@@ -71,14 +71,18 @@ def compute_dtype(tensor: torch.Tensor) -> torch.dtype:
 def metrics_to_floats(metrics: Mapping[str, torch.Tensor | float]) -> dict[str, float]:
     """Convert a dict of 0-dim tensors (and floats) to Python floats, one sync per device."""
     out: dict[str, float] = {}
-    by_device: dict[torch.device, list[str]] = {}
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for key, value in metrics.items():
         if isinstance(value, torch.Tensor):
-            by_device.setdefault(value.device, []).append(key)
+            by_device.setdefault(value.device, []).append((key, value))
         else:
             out[key] = float(value)
-    for keys in by_device.values():
-        tensors = [metrics[k] for k in keys]
-        stacked = torch.stack([t.detach().to(torch.float64).reshape(()) for t in tensors])  # type: ignore[union-attr]  # only tensor entries are grouped
-        out.update(zip(keys, stacked.tolist(), strict=True))
+    for items in by_device.values():
+        tensors = [t for _, t in items]
+        # the engine's metrics already are float64 scalars: no per-metric copies then
+        if not all(
+            t.dtype == torch.float64 and t.dim() == 0 and not t.requires_grad for t in tensors
+        ):
+            tensors = [t.detach().to(torch.float64).reshape(()) for t in tensors]
+        out.update(zip((k for k, _ in items), torch.stack(tensors).tolist(), strict=True))
     return {k: out[k] for k in metrics}
