@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from agentrl.inference.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
 from agentrl.rollout.calculator_task import calculator_tool_schemas
-from agentrl.rollout.episode import DeltaRenderer, EpisodeRecorder, render_prompt_ids
+from agentrl.rollout.episode import DeltaRenderer, EpisodeRecorder, _render, render_prompt_ids
 from agentrl.types import Generation
 
 TOOLS = calculator_tool_schemas()
@@ -137,3 +137,41 @@ def test_cached_episode_equals_the_full_render(turns):
 
 
 _TOK = build_tiny_tokenizer()
+
+
+def test_direct_template_render_equals_apply_chat_template(tok):
+    r = DeltaRenderer(tok)
+    assert r._direct is not None, "the tiny tokenizer uses the stock apply_chat_template"
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}, *_tool("3")]
+    for agp in (True, False):
+        assert r._render_full(msgs, None, agp) == _render(tok, msgs, None, agp)
+    assert r._direct_checked == {True, False} and r._direct is not None
+
+
+def test_direct_render_that_disagrees_is_dropped_for_apply_chat_template(tok):
+    r = DeltaRenderer(tok)
+    assert r._direct is not None
+    template, variables = r._direct
+
+    class Skewed:
+        def render(self, **kw):
+            return template.render(**kw) + " "
+
+    r._direct = (Skewed(), variables)
+    msgs = [{"role": "user", "content": "U"}]
+    assert r._render_full(msgs, None, True) == _render(tok, msgs, None, True)
+    assert r._direct is None
+
+
+def test_overridden_apply_chat_template_is_always_used():
+    tok = build_tiny_tokenizer()
+    base = type(tok)
+
+    class Custom(base):  # type: ignore[misc, valid-type]  # a subclass made at run time
+        def apply_chat_template(self, *args, **kwargs):
+            return base.apply_chat_template(self, *args, **kwargs).replace("tool\n", "tool:\n")
+
+    tok.__class__ = Custom
+    r = DeltaRenderer(tok)
+    assert r._direct is None
+    assert "tool:" in tok.decode(r.delta_ids(_tool("1")))
