@@ -14,6 +14,8 @@ Guarantees:
 - Any local Hugging Face causal-LM directory loads (``AutoModelForCausalLM``).
 - ``state_dict_for_push()`` returns contiguous CPU tensors under the Hugging Face parameter
   names, so the same file serves the embedded server and vLLM's ``reload_weights``.
+- ``Actor(..., dist=DistContext)`` (optional; :mod:`agentrl.training.fsdp`) trains one FSDP2
+  shard per rank with the single-process full-batch gradient; without ``dist`` nothing changes.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
@@ -34,6 +36,9 @@ from agentrl.algos import (
     policy_loss,
 )
 from agentrl.batch import merge_micro_batches, split_by_token_budget
+
+if TYPE_CHECKING:
+    from agentrl.training.fsdp import DistContext
 
 __all__ = ["Actor", "ActorConfig", "FrozenPolicy"]
 
@@ -160,7 +165,14 @@ class FrozenPolicy:
 
 
 class Actor(FrozenPolicy):
-    """A Hugging Face causal LM with AdamW, warmup + constant/cosine LR, and the policy update."""
+    """A Hugging Face causal LM with AdamW, warmup + constant/cosine LR, and the policy update.
+
+    With ``dist`` (a :class:`~agentrl.training.fsdp.DistContext`, one process per device) the
+    model is loaded on CPU (float32 master weights when ``dtype="auto"``), sharded with FSDP2
+    onto ``dist.device``, and every rank must call :meth:`update`, :meth:`compute_log_probs`
+    and :meth:`state_dict_for_push` with the same batch (they are collectives). ``device`` is
+    then ignored.
+    """
 
     def __init__(
         self,
@@ -170,7 +182,13 @@ class Actor(FrozenPolicy):
         device: str = "auto",
         dtype: str = "auto",
         trust_remote_code: bool = False,
+        dist: DistContext | None = None,
     ) -> None:
+        self.dist = dist
+        if dist is not None:
+            # Load whole on CPU, shard onto the device: no rank ever holds the full model there.
+            device = "cpu"
+            dtype = "float32" if dtype == "auto" else dtype
         super().__init__(
             model_dir,
             temperature=config.temperature,
@@ -179,6 +197,9 @@ class Actor(FrozenPolicy):
             dtype=dtype,
             trust_remote_code=trust_remote_code,
         )
+        if dist is not None:
+            self.model = dist.shard(self.model)
+            self.device = dist.device
         self.config = config
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -235,14 +256,25 @@ class Actor(FrozenPolicy):
         for epoch in range(c.ppo_epochs):
             for start in range(0, n, mini):
                 mb_full = batch[start : start + mini]
-                mask = mb_full["response_mask"].float()
-                global_tokens = mask.sum().item()
-                global_seqs = (mask.sum(dim=1) > 0).sum().item()
-                self.optimizer.zero_grad(set_to_none=True)
-                micro, indices = self._micro_batches(mb_full)
+                if self.dist is None:
+                    mask = mb_full["response_mask"].float()
+                    global_tokens = mask.sum().item()
+                    global_seqs = (mask.sum(dim=1) > 0).sum().item()
+                    self.optimizer.zero_grad(set_to_none=True)
+                    micro, indices = self._micro_batches(mb_full)
+                    loss_scale = 1.0
+                else:
+                    # this rank's rows; global normalizers; loss x world size (FSDP averages)
+                    plan = self.dist.plan_mini_batch(mb_full, max(1, self.micro_batch_max_tokens))
+                    global_tokens, global_seqs = plan.global_tokens, plan.global_seqs
+                    self.optimizer.zero_grad(set_to_none=True)
+                    micro, indices, loss_scale = plan.micro, plan.rows, plan.loss_scale
                 for mb, rows in zip(micro, indices, strict=True):
+                    # a padding micro-batch (data-parallel only) keeps the ranks' collectives in
+                    # step: its loss counts 0 and it records nothing
+                    padding = not rows
                     logp, entropy = self._forward(mb, with_entropy=True)
-                    if epoch == 0:
+                    if epoch == 0 and not padding:
                         first_pass.append(logp.detach().cpu())
                         first_index.append([start + r for r in rows])
                     m = mb["response_mask"].to(self.device).float()
@@ -288,13 +320,22 @@ class Actor(FrozenPolicy):
                             loss_scale_factor=float(resp_width),
                         )
                         loss = loss + c.kl_loss_coef * kl
-                        acc("actor/kl_loss", kl.item())
+                        if not padding:
+                            acc("actor/kl_loss", kl.item())
+                    if self.dist is not None:
+                        loss = loss * (0.0 if padding else loss_scale)
                     loss.backward()
+                    if padding:
+                        continue
                     acc("actor/pg_loss", pg_loss.item())
                     acc("actor/entropy", ent.item())
                     for k, v in pg_metrics.items():
                         acc(f"actor/{k}", v)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
+                if self.dist is not None:
+                    from agentrl.training.fsdp import full_tensor
+
+                    grad_norm = full_tensor(grad_norm)  # a replicated DTensor under FSDP2
                 if not torch.isfinite(grad_norm):
                     self.optimizer.zero_grad(set_to_none=True)
                     acc("actor/skipped_nonfinite_grad", 1.0)
@@ -303,6 +344,8 @@ class Actor(FrozenPolicy):
                 acc("actor/grad_norm", float(grad_norm))
         self.scheduler.step()
         self.global_step += 1
+        if self.dist is not None:
+            sums, counts = self.dist.reduce_metric_sums(sums, counts)
         metrics = {k: sums[k] / counts[k] for k in sums}
         # pg_loss and entropy were accumulated per micro-batch with global normalizers: their
         # per-mini-batch value is the *sum* over micro-batches, so report sums per mini-batch.
@@ -311,8 +354,31 @@ class Actor(FrozenPolicy):
                 n_mini = c.ppo_epochs * math.ceil(n / mini)
                 metrics[key] = sums[key] / max(1, n_mini)
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
-        first = merge_micro_batches(first_pass, first_index, width=resp_width)
+        if self.dist is not None:
+            first = self.dist.merge_rows(first_pass, first_index, n_rows=n, width=resp_width)
+        else:
+            first = merge_micro_batches(first_pass, first_index, width=resp_width)
         return metrics, first * batch["response_mask"].float()
+
+    @torch.no_grad()
+    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
+        """π of every response token, ``[B, R]`` float32 (0 on padding); each rank scores its
+        share under ``dist`` (a collective: every rank passes the same batch)."""
+        if self.dist is None:
+            return super().compute_log_probs(batch)
+        was_training = self.model.training
+        self.model.eval()
+        resp_len = batch["responses"].shape[1]
+        plan = self.dist.plan_mini_batch(batch, max(1, self.micro_batch_max_tokens))
+        outputs, rows = [], []
+        for mb, ix in zip(plan.micro, plan.rows, strict=True):
+            logp = self._forward(mb, with_entropy=False)[0]  # padding still runs the collectives
+            if ix:
+                outputs.append(logp)
+                rows.append(ix)
+        self.model.train(was_training)
+        out = self.dist.merge_rows(outputs, rows, n_rows=batch.batch_size[0], width=resp_len)
+        return out * batch["response_mask"].float()
 
     @torch.no_grad()
     def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
@@ -327,7 +393,14 @@ class Actor(FrozenPolicy):
 
     # ---- weights ------------------------------------------------------------------------
     def state_dict_for_push(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named, contiguous CPU tensors (tied weights appear once)."""
+        """Hugging Face-named, contiguous CPU tensors (tied weights appear once).
+
+        Under ``dist`` a collective: rank 0 gets the gathered full weights, other ranks ``{}``.
+        """
+        if self.dist is not None:
+            from agentrl.training.fsdp import full_state_dict_for_push
+
+            return full_state_dict_for_push(self.model)
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, tensor in self.model.state_dict().items():

@@ -1,0 +1,195 @@
+"""FSDP2 data parallelism on CPU: two gloo ranks train exactly like one process on the whole batch.
+
+Two real processes (``torch.multiprocessing``, fork, gloo over a file store) each build an
+``Actor(..., dist=DistContext)`` on the tiny model (FSDP2 ``fully_shard`` per decoder layer and
+the root), and run one update on a fixed batch with uneven response lengths (one row trains
+nothing), two mini-batches (two optimizer steps) and a small token budget, so the ranks get
+different numbers of micro-batches. The same batch goes through a single-process ``Actor``. The
+test compares: π_old from ``compute_log_probs``, the first-pass log-probs, the loss metrics and
+the pre-clip gradient norm, the last mini-batch's (clipped) gradients, and every updated
+parameter of the gathered full state dict, which must also carry the original model's Hugging
+Face names and shapes. Both normalizer families are covered: ``token-mean`` (global token
+count) and ``seq-mean-token-mean`` (global sequence count).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors import safe_open
+from tensordict import TensorDict
+
+from agentrl.batch import trajectories_to_batch
+from agentrl.training.actor import Actor, ActorConfig
+from agentrl.types import StopReason, Trajectory
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
+
+WORLD = 2
+PAD = 256
+MODES = ("token-mean", "seq-mean-token-mean")
+WORKER_TIMEOUT_S = 600.0  # wall time on a heavily shared machine; the work is ~3 s CPU
+
+
+def _config(mode: str) -> ActorConfig:
+    return ActorConfig(
+        lr=1e-4,
+        grad_clip=0.5,
+        micro_batch_max_tokens=40,
+        mini_batch_size=4,
+        loss_agg_mode=mode,
+        entropy_coeff=0.01,
+        use_kl_loss=True,
+        kl_loss_coef=0.1,
+    )
+
+
+def _batch(model_dir: Path) -> TensorDict:
+    """7 rows, responses of 2..24 tokens, row 3 with no sampled token; π_old perturbed."""
+    rng = random.Random(5)
+    trajs = []
+    for i in range(7):
+        p, r = rng.randint(3, 9), rng.choice([2, 5, 9, 14, 24])
+        mask = [0] * r if i == 3 else [1 if rng.random() < 0.75 else 0 for _ in range(r)]
+        trajs.append(
+            Trajectory(
+                prompt_ids=[rng.randrange(256) for _ in range(p)],
+                response_ids=[rng.randrange(256) for _ in range(r)],
+                loss_mask=mask,
+                rollout_logprobs=[-1.0 if m else 0.0 for m in mask],
+                policy_version=[0 if m else -1 for m in mask],
+                uid=f"g{i // 2}",
+                reward=float(i % 2),
+                stop_reason=StopReason.EOS,
+            )
+        )
+    batch = trajectories_to_batch(trajs, pad_token_id=PAD)
+    mask = batch["response_mask"].float()
+    gen = torch.Generator().manual_seed(0)
+    # π_old: the model's own log-probs (a single-process Actor) plus noise, so that some
+    # ratios leave the clip range; the reference policy a little further away for the KL term.
+    logp = Actor(model_dir, _config(MODES[0]), device="cpu").compute_log_probs(batch)
+    batch["old_log_probs"] = (logp + 0.15 * torch.randn(logp.shape, generator=gen)) * mask
+    batch["ref_log_prob"] = (logp + 0.3 * torch.randn(logp.shape, generator=gen)) * mask
+    batch["advantages"] = torch.randn(len(trajs), 1, generator=gen) * mask
+    return batch
+
+
+def _run(actor: Actor, batch: TensorDict) -> dict[str, Any]:
+    """One update; everything the test compares (collectives: every rank calls this)."""
+    old = actor.compute_log_probs(batch)
+    metrics, first = actor.update_with_log_probs(batch)
+    grads = {}
+    for name, param in actor.model.named_parameters():
+        grad = param.grad
+        if grad is not None and hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        grads[name] = None if grad is None else grad.detach().cpu().clone()
+    return {
+        "old": old,
+        "first": first,
+        "metrics": metrics,
+        "grads": grads,
+        "weights": actor.state_dict_for_push(),
+    }
+
+
+def _worker(rank: int, init_file: str, model_dir: str, batch: TensorDict, out_dir: str) -> None:
+    from agentrl.training.fsdp import DistContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+    try:
+        ctx = DistContext.current("cpu")
+        result = {}
+        for mode in MODES:
+            actor = Actor(model_dir, _config(mode), device="cpu", dist=ctx)
+            result[mode] = _run(actor, batch)
+        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path: Path, model_dir: Path, batch: TensorDict) -> list[dict[str, Any]]:
+    out_dir = tmp_path / "out"
+    out_dir.mkdir()
+    context = mp.start_processes(
+        _worker,
+        args=(str(tmp_path / "store"), str(model_dir), batch, str(out_dir)),
+        nprocs=WORLD,
+        join=False,
+        start_method="fork",  # the parent's imports are reused: seconds, not a minute
+    )
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    try:
+        while not context.join(timeout=2.0):  # raises with the worker's traceback on error
+            if time.monotonic() > deadline:
+                pytest.fail(f"FSDP workers did not finish within {WORKER_TIMEOUT_S:.0f} s")
+    finally:
+        for proc in context.processes:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def test_fsdp2_update_matches_single_process(
+    tiny_model_dir: Path, tmp_path: Path, report_metric
+) -> None:
+    batch = _batch(tiny_model_dir)
+    single = {}
+    for mode in MODES:
+        single[mode] = _run(Actor(tiny_model_dir, _config(mode), device="cpu"), batch)
+    ranks = _spawn(tmp_path, tiny_model_dir, batch)
+
+    with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+        hf_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+
+    for mode in MODES:
+        ref, got = single[mode], ranks[0][mode]
+        # every rank returns the same (gathered) log-probs and metrics
+        for other in ranks[1:]:
+            assert torch.equal(other[mode]["first"], got["first"])
+            assert torch.equal(other[mode]["old"], got["old"])
+            assert other[mode]["metrics"] == got["metrics"]
+            assert other[mode]["weights"] == {}, "only rank 0 receives the full state dict"
+
+        # π_old, sharded over ranks and gathered
+        assert _max_diff(got["old"], ref["old"]) < 1e-5
+        assert _max_diff(got["first"], ref["first"]) < 1e-5
+        for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+            assert got["metrics"][key] == pytest.approx(ref["metrics"][key], rel=1e-5, abs=1e-7)
+        # the clip really acted, so its norm had to be the global one
+        assert ref["metrics"]["actor/grad_norm"] > _config(mode).grad_clip
+
+        # the last mini-batch's clipped gradient, parameter by parameter
+        grad_scale = max(float(g.abs().max()) for g in ref["grads"].values() if g is not None)
+        worst_grad = 0.0
+        for name, g in ref["grads"].items():
+            assert g is not None and got["grads"][name] is not None, name
+            worst_grad = max(worst_grad, _max_diff(got["grads"][name], g))
+        assert worst_grad <= 1e-5 * grad_scale, (worst_grad, grad_scale)
+
+        # the gathered weights: HF names and shapes of the original model, values of the
+        # single-process update (which moved them by far more than the tolerance)
+        weights = got["weights"]
+        assert {k: tuple(v.shape) for k, v in weights.items()} == hf_shapes
+        assert all(v.device.type == "cpu" and v.is_contiguous() for v in weights.values())
+        worst = max(_max_diff(weights[k], ref["weights"][k]) for k in weights)
+        with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
+            moved = max(_max_diff(ref["weights"][k], f.get_tensor(k)) for k in hf_shapes)
+        assert moved > 1e-4
+        assert worst <= 1e-5, f"{mode}: max |FSDP - single| = {worst:.3g}"
+        report_metric(f"{mode}/max_abs_param_diff", worst)
+        report_metric(f"{mode}/max_abs_grad_diff_rel", worst_grad / grad_scale)
