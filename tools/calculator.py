@@ -180,7 +180,7 @@ def format_number(value: int | float) -> str:
 
 class _Args(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    expression: str = Field(description='The expression to evaluate, e.g. "(3 + 4) * 2 ** 10 / 7".')
+    expression: str = Field(description='The expression, e.g. "(3 + 4) * 2".')
 
 
 class Calculator(Tool):
@@ -193,10 +193,7 @@ class Calculator(Tool):
         name: Tool name the model sees.
     """
 
-    description = (
-        "Evaluate an arithmetic expression exactly. Supports numbers, parentheses and the "
-        "operators + - * / // % ** (also ^ for power). Integers are exact."
-    )
+    description = "Exact arithmetic: numbers, ( ), + - * / // % ** (^ is power)."
     arguments_model: ClassVar[type[BaseModel] | None] = _Args
 
     def __init__(

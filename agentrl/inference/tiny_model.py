@@ -71,12 +71,12 @@ CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
     "{%- if system_message is not none %}{{- system_message + '\\n\\n' }}{%- endif %}"
-    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    # A compact hermes tools block (Qwen2.5's wording is ~400 characters longer): with one token
+    # per byte, every character of the system prompt is a position the tiny model attends over.
+    "{{- '# Tools\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
-    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
+    "{{- '\\n</tools>\\nCall a tool with <tool_call>\\n"
+    '{\\"name\\": <name>, \\"arguments\\": <json>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- elif system_message is not none %}"
     "{{- '<|im_start|>system\\n' + system_message + '<|im_end|>\\n' }}"
     "{%- endif %}"
