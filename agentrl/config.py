@@ -371,6 +371,8 @@ class AlgorithmConfig(Section):
     """Discount factor (GAE, REINFORCE++)."""
     lam: float = Field(default=1.0, ge=0.0, le=1.0)
     """GAE λ."""
+    cliprange_value: float = Field(default=0.5, gt=0.0)
+    """GAE critic: value-loss clip, V_clip = V_old + clip(V - V_old, ±cliprange_value)."""
     policy_loss: str = "vanilla"
     """Policy loss (vanilla, gspo, cispo, bypass, reinforce, or a registered name)."""
     clip_ratio_low: float = Field(default=0.2, ge=0.0)
@@ -458,6 +460,8 @@ class TrainerConfig(OptimizerFields):
     """Critic learning rate (GAE only)."""
     critic_warmup_steps: int = Field(default=0, ge=0)
     """Steps that train only the critic before the actor starts (GAE only)."""
+    critic_micro_batch_max_tokens: int | None = Field(default=None, ge=1)
+    """Critic token budget per micro-batch (GAE only; null = trainer.micro_batch_max_tokens)."""
 
 
 class CheckpointConfig(Section):
