@@ -61,6 +61,7 @@ from agentrl.training.checkpoint_engine import (
     WeightTransport,
     make_transport,
 )
+from agentrl.training.critic import Critic, CriticConfig, value_metrics
 from agentrl.types import SamplingParams, Task, Trajectory
 from tools import ToolSet
 
@@ -191,6 +192,7 @@ class Trainer:
         self._rollout_error: BaseException | None = None
         self._max_staleness_seen = 0
         self.tracker: Tracker | None = None
+        self.critic: Critic | None = None  # built by run() for algorithm.adv_estimator=gae
 
     # ---- setup ------------------------------------------------------------------------------
     def _model_dir(self) -> Path:
@@ -243,6 +245,23 @@ class Trainer:
             with contextlib.suppress(Exception):
                 h.stop()
         self._handles.clear()
+
+    def _critic_config(self) -> CriticConfig:
+        a, t = self.cfg.algorithm, self.cfg.trainer
+        return CriticConfig(
+            lr=t.critic_lr,
+            weight_decay=t.weight_decay,
+            betas=(float(t.betas[0]), float(t.betas[1])),
+            grad_clip=t.grad_clip,
+            warmup_steps=t.warmup_steps,
+            total_steps=t.total_steps,
+            lr_schedule=t.lr_schedule,
+            micro_batch_max_tokens=t.critic_micro_batch_max_tokens or t.micro_batch_max_tokens,
+            ppo_epochs=t.ppo_epochs,
+            mini_batch_size=t.mini_batch_size * self.group_size,
+            cliprange_value=a.cliprange_value,
+            loss_agg_mode=a.loss_agg_mode,
+        )
 
     def _actor_config(self) -> ActorConfig:
         a, t = self.cfg.algorithm, self.cfg.trainer
@@ -304,6 +323,8 @@ class Trainer:
         tmp = ckpt.with_name(ckpt.name + ".tmp")
         tmp.mkdir(parents=True, exist_ok=True)
         torch.save(self.actor.state_dict(), tmp / "actor.pt")
+        if self.critic is not None:
+            torch.save(self.critic.state_dict(), tmp / "critic.pt")
         torch.save(
             {
                 "python": random.getstate(),
@@ -417,6 +438,21 @@ class Trainer:
             if needs_ref
             else None
         )
+        # The value model exists only for GAE: other estimators pay no memory or time for it.
+        self.critic = (
+            Critic(
+                model_dir, self._critic_config(), device=cfg.trainer.device, dtype=cfg.model.dtype
+            )
+            if cfg.algorithm.adv_estimator == "gae"
+            else None
+        )
+        if self.critic is None and cfg.trainer.critic_warmup_steps:
+            logger.warning(
+                "trainer.critic_warmup_steps=%d is ignored: algorithm.adv_estimator=%r has no "
+                "critic (use gae)",
+                cfg.trainer.critic_warmup_steps,
+                cfg.algorithm.adv_estimator,
+            )
         self.buffer = TrajectoryBuffer(
             self.group_size,
             cfg.trainer.max_staleness,
@@ -426,6 +462,14 @@ class Trainer:
             self.actor.load_state_dict(
                 torch.load(self._ckpt_dir() / "actor.pt", weights_only=False)
             )
+            critic_path = self._ckpt_dir() / "critic.pt"
+            if self.critic is not None and critic_path.exists():
+                self.critic.load_state_dict(torch.load(critic_path, weights_only=False))
+            elif self.critic is not None:
+                logger.warning(
+                    "%s has no critic.pt (saved by a run without gae): the critic starts fresh",
+                    self._ckpt_dir(),
+                )
             self.step = int(saved["step"])
             self.version = int(saved["version"])
             dataset.load_state_dict(saved["dataset"])
@@ -713,24 +757,52 @@ class Trainer:
         adv_kwargs: dict[str, Any] = {}
         if a.adv_estimator == "grpo":
             adv_kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
+        values: torch.Tensor | None = None
+        if self.critic is not None:
+            # V(s_t) of the post-RS sampled tokens, before the critic's update on this batch.
+            t_v = time.perf_counter()
+            values = await loop.run_in_executor(None, self.critic.compute_values, batch)
+            batch["values"] = values
+            adv_kwargs.update(gamma=a.gamma, lam=a.lam)
+            m["timing_s/values"] = time.perf_counter() - t_v
         adv, returns = compute_advantage(
             a.adv_estimator,
             batch["token_level_rewards"],
             batch["response_mask"].float(),
             index=uids,
+            values=values,
             **adv_kwargs,
         )
         batch["advantages"] = adv
         batch["returns"] = returns
-        t1 = time.perf_counter()
-        actor_metrics, first_lp = await loop.run_in_executor(
-            None, self.actor.update_with_log_probs, batch
-        )
-        m["timing_s/update_actor"] = time.perf_counter() - t1
-        m.update(actor_metrics)
+        # Critic warmup: the first `critic_warmup_steps` steps train only the critic. The actor's
+        # weights, optimizer and LR schedule stay untouched; the step still pushes (same weights,
+        # new version), so versions and staleness advance as on any other step.
+        frozen = self.critic is not None and self.step < cfg.trainer.critic_warmup_steps
+        if self.critic is not None:
+            assert values is not None
+            m.update(value_metrics(values, returns, batch["response_mask"]))
+            t_c = time.perf_counter()
+            m.update(await loop.run_in_executor(None, self.critic.update, batch))
+            m["timing_s/update_critic"] = time.perf_counter() - t_c
+            m["actor/frozen"] = float(frozen)
+        first_lp: torch.Tensor | None = None
+        if not frozen:
+            t1 = time.perf_counter()
+            actor_metrics, first_lp = await loop.run_in_executor(
+                None, self.actor.update_with_log_probs, batch
+            )
+            m["timing_s/update_actor"] = time.perf_counter() - t1
+            m.update(actor_metrics)
         if train_lp is None:
-            # Bypass without IS/RS: diagnostics from the first update pass (π_θ before the step).
-            diag = correction.offpolicy_metrics(first_lp, rollout, mask)
+            # Bypass without IS/RS: diagnostics from the first update pass (π_θ before the step),
+            # or, while the actor is frozen, from one forward pass of the unchanged policy.
+            theta_lp: torch.Tensor = (
+                first_lp
+                if first_lp is not None
+                else await loop.run_in_executor(None, self.actor.compute_log_probs, batch)
+            )
+            diag = correction.offpolicy_metrics(theta_lp, rollout, mask)
             m.update({f"rollout_corr/{k}": v for k, v in diag.items()})
         rewards = [t.reward for t in trajs]
         m.update(
