@@ -296,3 +296,121 @@ def test_failed_push_resumes_servers_and_stops_with_weight_push_error(
     state = asyncio.run(_server_state(servers))
     assert [paused for _, paused in state] == [False, False]  # nobody left paused
     assert state[1][0] == 0  # the rejecting server still serves the last good version
+
+
+# ---- GAE: the critic, critic warmup (frozen actor) and its resume ------------------------------
+def even_token_reward(traj: Any, task: Any) -> float:
+    """A dense, varied reward the random tiny model earns (share of even sampled token ids), so
+    GAE returns, critic targets and advantages are non-zero (the calculator reward is 0)."""
+    sampled = [t for t, m in zip(traj.response_ids, traj.loss_mask, strict=True) if m]
+    return sum(t % 2 == 0 for t in sampled) / max(1, len(sampled))
+
+
+GAE = (
+    "algorithm.adv_estimator=gae",
+    "algorithm.lam=0.95",
+    "trainer.critic_warmup_steps=1",
+    "trainer.critic_lr=1e-3",
+    "trainer.max_staleness=1",
+    "reward.sources.calculator=tests.integration.test_training:even_token_reward",
+)
+CRITIC_KEYS = (
+    "critic/vf_loss",
+    "critic/vf_clipfrac",
+    "critic/vpred_mean",
+    "critic/values_mean",
+    "critic/returns_mean",
+    "critic/vf_explained_var",
+    "critic/grad_norm",
+    "critic/lr",
+)
+
+
+class RecordingTrainer(Trainer):
+    """Keeps a copy of the actor's pushed weights and of the critic's state at every push."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pushed: dict[int, dict[str, Any]] = {}
+        self.critic_at_push: dict[int, dict[str, Any]] = {}
+
+    async def _push(self, version: int):
+        self.pushed[version] = {k: v.clone() for k, v in self.actor.state_dict_for_push().items()}
+        if self.critic is not None:
+            state = self.critic.state_dict()
+            self.critic_at_push[version] = {
+                "model": {k: v.clone() for k, v in state["model"].items()},
+                "value_head": {k: v.clone() for k, v in state["value_head"].items()},
+                "optimizer_steps": [float(s["step"]) for s in state["optimizer"]["state"].values()],
+                "global_step": state["global_step"],
+            }
+        return await super()._push(version)
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(bool((a[k] == b[k]).all()) for k in a)
+
+
+@pytest.fixture(scope="module")
+def gae_run(
+    servers: list[str], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[RecordingTrainer, TrainResult]:
+    out = tmp_path_factory.mktemp("gae")
+    trainer = RecordingTrainer(_cfg(tiny_model_dir, out, *GAE), server_urls=servers)
+    return trainer, trainer.run_sync()
+
+
+def test_gae_critic_warmup_freezes_the_actor_then_trains_it(gae_run) -> None:
+    trainer, result = gae_run
+    assert result.steps == STEPS and result.version == STEPS
+    assert sorted(trainer.pushed) == list(range(STEPS + 1))  # initial push + one per step
+    # step 1 (critic warmup): the actor is frozen; the push carries the same weights, new version
+    assert _same(trainer.pushed[1], trainer.pushed[0])
+    assert [v for _, v in _values(result, "actor/frozen")] == [1.0, 0.0, 0.0]
+    # steps 2 and 3 train the actor
+    assert not _same(trainer.pushed[2], trainer.pushed[1])
+    assert not _same(trainer.pushed[3], trainer.pushed[2])
+    assert [s for s, _ in _values(result, "actor/pg_loss")] == [2, 3]
+    assert trainer.actor.global_step == STEPS - 1  # its LR schedule did not move while frozen
+    # the critic trains (and is logged) every step
+    assert trainer.critic is not None and trainer.critic.global_step == STEPS
+    for key in CRITIC_KEYS:
+        assert [s for s, _ in _values(result, key)] == list(range(1, STEPS + 1)), key
+    head = [trainer.critic_at_push[v]["value_head"]["weight"] for v in range(STEPS + 1)]
+    assert all(not bool((head[v] == head[v + 1]).all()) for v in range(STEPS))
+    assert all(v > 0 for _, v in _values(result, "critic/returns_mean"))
+    assert _values(result, "critic/values_mean")[0][1] == 0.0  # zero-initialised value head
+    assert all(v > 0 for _, v in _values(result, "critic/vf_loss"))
+    # every push (frozen or not) was verified on both servers
+    diffs = _values(result, "weight_sync/verify_max_abs_diff")
+    assert [s for s, _ in diffs] == list(range(1, STEPS + 1))
+    assert all(d <= 1e-3 for _, d in diffs), diffs
+    assert [v for _, v in _values(result, "weight_sync/verified_servers")] == [2.0] * STEPS
+
+
+def test_non_gae_runs_build_no_critic(staleness_run) -> None:
+    result, _ = staleness_run(1)
+    assert not any(k in result.history for k in CRITIC_KEYS)
+    assert "actor/frozen" not in result.history
+
+
+def test_gae_resume_restores_the_critic_exactly(
+    servers: list[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _cfg(tiny_model_dir, tmp_path, *GAE, "trainer.save_every=1")
+    first = RecordingTrainer(cfg, server_urls=servers, stop_after_step=1)
+    r1 = first.run_sync()
+    assert (tmp_path / "checkpoint" / "critic.pt").exists()
+    second = RecordingTrainer(cfg, server_urls=servers, resume=True)
+    r2 = second.run_sync()
+    assert (r1.steps, r2.steps, r2.version) == (1, STEPS, STEPS)
+    # second's first push (version 1, right after loading) sees first's critic at version 1
+    saved, loaded = first.critic_at_push[1], second.critic_at_push[1]
+    assert saved["global_step"] == loaded["global_step"] == 1
+    assert saved["optimizer_steps"] == loaded["optimizer_steps"] and saved["optimizer_steps"]
+    assert _same(saved["model"], loaded["model"])
+    assert _same(saved["value_head"], loaded["value_head"])
+    assert not _same(loaded["value_head"], first.critic_at_push[0]["value_head"])
+    # the warmup step is not repeated after resume: the actor trains on steps 2 and 3
+    assert [v for _, v in _values(r2, "actor/frozen")] == [0.0, 0.0]
+    assert second.critic is not None and second.critic.global_step == STEPS
