@@ -61,7 +61,9 @@ def _time(fn: Callable[[], object], repeats: int) -> tuple[list[float], list[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=(__doc__ or "correction benchmark").splitlines()[0]
+    )
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--seq", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per round")
