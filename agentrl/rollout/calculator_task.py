@@ -157,6 +157,7 @@ def generate_sft_conversations(
     min_digits: int = 3,
     max_digits: int = 4,
     ops: Sequence[str] = DEFAULT_OPS,
+    schema_free_fraction: float = 0.0,
 ) -> list[dict[str, Any]]:
     """``n`` chat conversations for a supervised warm start, each
     ``{"messages": [...], "tools": [calculator schema], "used_tool": bool, "correct": bool}``.
@@ -173,12 +174,23 @@ def generate_sft_conversations(
     warm-started policy still explores both behaviours and RL has something to prefer. Render
     them with the tokenizer's chat template and ``tools``; the tool message content is what
     the built-in ``calculator`` tool returns for integer results.
+
+    ``schema_free_fraction`` of the conversations carry ``"tools": None``, so the chat template
+    renders them without the tools block. Why: a tiny model must learn to copy the user's
+    expression into the call, i.e. to attend from the call back to the user turn. Behind a
+    tools block of hundreds of positions that attention pattern takes thousands of steps to
+    emerge; on short contexts it forms in a few hundred, and it carries over to the full
+    prompt (the relative positions of user turn and call are the same). RL always shows the tools.
+    Drawn from a separate stream, so the problems do not depend on it.
     """
     _check_args(n, min_digits, max_digits, ops)
     if not 0.0 <= tool_fraction <= 1.0:
         raise ValueError(f"tool_fraction = {tool_fraction}; it must be in [0, 1]")
+    if not 0.0 <= schema_free_fraction <= 1.0:
+        raise ValueError(f"schema_free_fraction = {schema_free_fraction}; it must be in [0, 1]")
     schemas = calculator_tool_schemas()
     rng = random.Random(seed)
+    schema_rng = random.Random(f"{seed}-schema-free")
     conversations = []
     for i in range(n):
         a, op, b, result = _problem(rng, min_digits, max_digits, ops)
@@ -216,10 +228,11 @@ def generate_sft_conversations(
         else:
             answer = _wrong_guess(rng, result)
             messages.append({"role": "assistant", "content": format_answer(answer)})
+        schema_free = schema_rng.random() < schema_free_fraction
         conversations.append(
             {
                 "messages": messages,
-                "tools": schemas,
+                "tools": None if schema_free else schemas,
                 "used_tool": used_tool,
                 "correct": answer == result,
             }

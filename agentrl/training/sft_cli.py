@@ -84,7 +84,7 @@ def load_sft_data(cfg: Any) -> list[dict[str, Any]]:
         except TypeError as e:
             raise ValueError(
                 f"data.generator_kwargs {kwargs!r} do not fit the calculator generator ({e}); "
-                "use n, seed, tool_fraction, min_digits, max_digits, ops"
+                "use n, seed, tool_fraction, min_digits, max_digits, ops, schema_free_fraction"
             ) from None
     if cfg.data.generator is None:
         raise ValueError("no SFT data: set data.train_files or data.generator (e.g. calculator)")

@@ -137,3 +137,17 @@ def test_sft_conversations_render_with_the_tiny_chat_template():
 def test_sft_bad_tool_fraction():
     with pytest.raises(ValueError, match="tool_fraction"):
         generate_sft_conversations(1, tool_fraction=1.5)
+
+
+def test_schema_free_fraction_drops_only_the_tools_block():
+    base = generate_sft_conversations(200, seed=3)
+    none = generate_sft_conversations(200, seed=3, schema_free_fraction=1.0)
+    half = generate_sft_conversations(200, seed=3, schema_free_fraction=0.5)
+    assert all(c["tools"] for c in base)
+    assert all(c["tools"] is None for c in none)
+    assert 60 < sum(c["tools"] is None for c in half) < 140
+    # the problems, answers and tool choices do not depend on it
+    for a, b in zip(base, half, strict=True):
+        assert a["messages"] == b["messages"] and a["used_tool"] == b["used_tool"]
+    with pytest.raises(ValueError, match="schema_free_fraction"):
+        generate_sft_conversations(1, schema_free_fraction=-0.1)
