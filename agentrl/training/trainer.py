@@ -741,8 +741,10 @@ class Trainer:
                 train_lp = await loop.run_in_executor(None, self.actor.compute_log_probs, batch)
         m["timing_s/old_log_prob"] = time.perf_counter() - t0
         if train_lp is not None:
-            log_ratio = (train_lp - rollout) * mask
-            out = correction.apply_correction(self.corr, log_ratio, mask, rollout_log_probs=rollout)
+            # ℓ = train − rollout is formed inside the pass, block by block (the fast path).
+            out = correction.apply_correction(
+                self.corr, None, mask, rollout_log_probs=rollout, train_log_probs=train_lp
+            )
             if out.weights is not None:
                 batch["rollout_is_weights"] = out.weights
             batch["response_mask"] = out.response_mask.to(batch["response_mask"].dtype)
