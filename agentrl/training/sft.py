@@ -15,7 +15,9 @@ Guarantees:
 - Deterministic for a seed (data order and initialisation of the optimizer state).
 - ``share_prefix=True`` (a speed knob for long shared system prompts, e.g. a tools block):
   the token prefix common to a whole batch carries no loss, so it is run once per step,
-  without gradient, and its KV cache is shared by every row. The forward pass is the same
+  without gradient, and its KV cache is shared by every row. Conversations with different
+  ``tools`` (or none) are then batched separately (each batch from one group, groups drawn in
+  proportion to their size), so that every batch has a long common prefix. The forward pass is the same
   function (same logits); only the gradient through the prefix's keys/values is dropped.
 """
 
@@ -225,12 +227,34 @@ def train_sft(
     tokens = 0
     t0 = time.perf_counter()
     loss_ema = None
+    # With share_prefix, conversations offering different tools (or none) have different system
+    # prompts; a batch drawn from one such group keeps its long common prefix shareable.
+    groups: dict[str, list[int]] = {}
+    for k, conv in enumerate(conversations):
+        groups.setdefault(json.dumps(conv.get("tools"), sort_keys=True), []).append(k)
+    group_keys = sorted(groups)
+    group_weights = [len(groups[g]) for g in group_keys]
+    pending: dict[str, list[int]] = {g: [] for g in group_keys}
+
+    def draw_grouped() -> list[SFTExample]:
+        key = rng.choices(group_keys, group_weights)[0]
+        picked = []
+        for _ in range(settings.batch_size):
+            if not pending[key]:
+                pending[key] = list(groups[key])
+                rng.shuffle(pending[key])
+            picked.append(examples[pending[key].pop()])
+        return picked
+
     for step in range(settings.steps):
-        if len(order) < settings.batch_size:
-            more = list(range(len(examples)))
-            rng.shuffle(more)
-            order.extend(more)
-        picked = [examples[order.pop()] for _ in range(settings.batch_size)]
+        if settings.share_prefix and len(group_keys) > 1:
+            picked = draw_grouped()
+        else:
+            if len(order) < settings.batch_size:
+                more = list(range(len(examples)))
+                rng.shuffle(more)
+                order.extend(more)
+            picked = [examples[order.pop()] for _ in range(settings.batch_size)]
         batch = {k: v.to(device) for k, v in _collate(picked, pad_id).items()}
         loss = _batch_loss(model, batch, _shared_prefix_len(picked) if settings.share_prefix else 0)
         opt.zero_grad(set_to_none=True)

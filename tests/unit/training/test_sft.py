@@ -81,3 +81,28 @@ def test_sft_loss_decreases(tiny_model_dir: Path, tokenizer) -> None:
     )
     assert len(seen) == 8
     assert seen[-1] < 0.5 * seen[0], seen
+
+
+def test_share_prefix_batches_each_tools_group_separately(tokenizer, tiny_model_dir, monkeypatch):
+    """Conversations with and without the tools block never share a batch under share_prefix,
+    and both groups are drawn."""
+    from transformers import AutoModelForCausalLM
+
+    import agentrl.training.sft as sft
+
+    seen: list[set[bool]] = []
+    collate = sft._collate
+
+    def recording_collate(examples, pad_id):
+        seen.append({"# Tools" in tokenizer.decode(e.input_ids[:200]) for e in examples})
+        return collate(examples, pad_id)
+
+    monkeypatch.setattr(sft, "_collate", recording_collate)
+    convs = [
+        {"messages": _conversation(i, i + 1), "tools": TOOLS if i % 2 else None}
+        for i in range(10, 22)
+    ]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    train_sft(model, tokenizer, convs, SFTSettings(steps=8, batch_size=3, share_prefix=True))
+    assert all(len(kinds) == 1 for kinds in seen), seen
+    assert {next(iter(k)) for k in seen} == {True, False}
