@@ -3,7 +3,7 @@
 Steps (each printed as it happens):
 
 1. Warm start. The tiny model's supervised warm start (``agentrl sft configs/sft_calculator.yaml``)
-   takes ~20 minutes on 2 cores, so the repository ships its output in
+   takes longer than the quickstart's budget on 2 cores, so the repository ships its output in
    ``checkpoints/calculator-sft`` (made by exactly that command; see its ``sft_manifest.json``).
    ``--from-scratch`` re-runs the recipe instead.
 2. Async GRPO (``configs/quickstart.yaml``: max_staleness 2, decoupled token-level IS) against two

@@ -47,7 +47,7 @@ def _generate(
 ) -> list[str]:
     """One continuation per prompt; text up to ``<|im_end|>``.
 
-    Every prompt starts with the same ~870-token tools system prompt, so that common prefix is
+    Every prompt starts with the same tools system prompt (~500 tokens), so that common prefix is
     run once and its KV cache is copied into each generation; prompts are grouped by length so
     no row needs padding (the logits are those of a plain forward over the whole prompt)."""
     import copy
