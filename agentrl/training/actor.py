@@ -40,7 +40,7 @@ from agentrl.batch import merge_micro_batches, split_by_token_budget
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
 
-__all__ = ["Actor", "ActorConfig", "FrozenPolicy"]
+__all__ = ["Actor", "ActorConfig", "FrozenPolicy", "lr_factor"]
 
 
 @dataclass
@@ -65,6 +65,20 @@ class ActorConfig:
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+
+
+def lr_factor(step: int, c: Any) -> float:
+    """LR multiplier at ``step``: linear warmup over ``c.warmup_steps``, then ``c.lr_schedule``
+    (constant, or cosine to 0 at ``c.total_steps``). Shared by the actor and the critic."""
+    if c.warmup_steps > 0 and step < c.warmup_steps:
+        return (step + 1) / c.warmup_steps
+    if c.lr_schedule == "constant":
+        return 1.0
+    if c.lr_schedule == "cosine":
+        span = max(1, c.total_steps - c.warmup_steps)
+        progress = min(1.0, (step - c.warmup_steps) / span)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"trainer.lr_schedule={c.lr_schedule!r}; use 'constant' or 'cosine'")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -212,16 +226,7 @@ class Actor(FrozenPolicy):
 
     # ---- learning-rate schedule ---------------------------------------------------------
     def _lr_lambda(self, step: int) -> float:
-        c = self.config
-        if c.warmup_steps > 0 and step < c.warmup_steps:
-            return (step + 1) / c.warmup_steps
-        if c.lr_schedule == "constant":
-            return 1.0
-        if c.lr_schedule == "cosine":
-            span = max(1, c.total_steps - c.warmup_steps)
-            progress = min(1.0, (step - c.warmup_steps) / span)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        raise ValueError(f"trainer.lr_schedule={c.lr_schedule!r}; use 'constant' or 'cosine'")
+        return lr_factor(step, self.config)
 
     # ---- update -------------------------------------------------------------------------
     def update(self, batch: TensorDict) -> dict[str, float]:

@@ -25,7 +25,6 @@ Guarantees:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from torch import nn
 
 from agentrl.algos import masked_mean, masked_var, value_loss
 from agentrl.batch import merge_micro_batches, split_by_token_budget
-from agentrl.training.actor import resolve_device, resolve_dtype
+from agentrl.training.actor import lr_factor, resolve_device, resolve_dtype
 
 __all__ = ["Critic", "CriticConfig", "load_backbone", "value_metrics"]
 
@@ -123,19 +122,6 @@ def value_metrics(
     }
 
 
-def _lr_factor(step: int, c: CriticConfig) -> float:
-    """Linear warmup, then constant or cosine (the actor's schedule, at ``critic_lr``)."""
-    if c.warmup_steps > 0 and step < c.warmup_steps:
-        return (step + 1) / c.warmup_steps
-    if c.lr_schedule == "constant":
-        return 1.0
-    if c.lr_schedule == "cosine":
-        span = max(1, c.total_steps - c.warmup_steps)
-        progress = min(1.0, (step - c.warmup_steps) / span)
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"trainer.lr_schedule={c.lr_schedule!r}; use 'constant' or 'cosine'")
-
-
 class Critic:
     """V(s_t) for every response token: an LM backbone + ``nn.Linear(hidden, 1)``, with AdamW.
 
@@ -173,7 +159,7 @@ class Critic:
             weight_decay=config.weight_decay,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda step: _lr_factor(step, self.config)
+            self.optimizer, lambda step: lr_factor(step, self.config)
         )
         self.global_step = 0
 
