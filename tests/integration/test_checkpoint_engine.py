@@ -149,9 +149,11 @@ async def test_push_moves_every_server_to_the_new_weights_and_verifies(
             "weight_sync/verify_s",
             "weight_sync/bytes",
             "weight_sync/failed_servers",
+            "weight_sync/verified_servers",
             "weight_sync/verify_max_abs_diff",
         }
         assert metrics["weight_sync/failed_servers"] == 0.0
+        assert metrics["weight_sync/verified_servers"] == len(servers)
         assert metrics["weight_sync/bytes"] > 0
         for c, old in zip(clients, before, strict=True):
             assert await c.weight_version() == v
