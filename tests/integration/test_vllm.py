@@ -238,7 +238,8 @@ async def test_vllm_version_bracketing_detects_a_keep_mode_update(vllm_server):
     the older version and counted."""
     async with PolicyClient(vllm_server.base_url) as client:
         v0 = await client.weight_version()
-        sampling = SamplingParams(max_tokens=1000, temperature=1.0)
+        # Near the 2,048-token context: long enough to be caught running on a fast, idle machine.
+        sampling = SamplingParams(max_tokens=2000, temperature=1.0)
         long = asyncio.create_task(
             client.generate(PROMPTS[0], sampling, extra_body={"ignore_eos": True})
         )
@@ -249,7 +250,7 @@ async def test_vllm_version_bracketing_detects_a_keep_mode_update(vllm_server):
         finally:
             await client.resume()
         gen = await asyncio.wait_for(long, timeout=600)
-        assert len(gen.token_ids) == 1000  # it was parked, not aborted, and finished afterwards
+        assert len(gen.token_ids) == 2000  # it was parked, not aborted, and finished afterwards
         assert gen.weight_version == v0
         assert client.version_straddles == 1
         after = await client.generate(PROMPTS[0], SamplingParams(max_tokens=2))
