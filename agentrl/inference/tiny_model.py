@@ -11,6 +11,11 @@ Guarantees:
 - **Lossless tokenizer.** A byte-level BPE with no merges: every UTF-8 byte is one token, so
   ``decode(encode(text)) == text`` for any text, and ``encode(a + b) == encode(a) + encode(b)``
   whenever no special token straddles the boundary (the agent loop appends token deltas).
+  ``AutoTokenizer`` (and vLLM) load a saved copy as ``Qwen2Tokenizer``, which adds Qwen's NFC
+  normalizer: text that is not in NFC comes back normalized, as with real Qwen models.
+- **Optional learned merges** (:func:`learn_bpe_merges`): the quickstart's warm start learns
+  BPE merges from its own conversations, split with Qwen2's pre-tokenizer pattern, so words
+  become single tokens while digits stay one token each.
 - **Special tokens** are single ids: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>``
   (EOS: the tokenizer's ``eos_token`` and ``generation_config.eos_token_id``), ``<tool_call>``,
   ``</tool_call>``, ``<tool_response>``, ``</tool_response>``. The tool tags are *not* marked
@@ -32,7 +37,11 @@ Guarantees:
 from __future__ import annotations
 
 import argparse
+import collections
+import itertools
 import json
+import re
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +51,7 @@ __all__ = [
     "add_arguments",
     "build_tiny_model",
     "build_tiny_tokenizer",
+    "learn_bpe_merges",
     "run",
     "tiny_tokenizer",
 ]
@@ -106,9 +116,12 @@ CHAT_TEMPLATE = (
 """The Jinja chat template stored in ``tokenizer_config.json`` (see the module docstring)."""
 
 
-def build_tiny_tokenizer() -> Any:
-    """A byte-level BPE tokenizer (256 byte tokens, no merges) plus :data:`SPECIAL_TOKENS`.
+def build_tiny_tokenizer(merges: Sequence[tuple[str, str]] = ()) -> Any:
+    """A byte-level BPE tokenizer (256 byte tokens) plus :data:`SPECIAL_TOKENS`, plus ``merges``.
 
+    With no ``merges`` (the default) every UTF-8 byte is one token. ``merges`` (from
+    :func:`learn_bpe_merges`, in the ByteLevel alphabet) add one token each, with ids after the
+    special tokens, so ids 0..255 stay the bytes and ``<|endoftext|>`` stays id 256 either way.
     Returns a ``transformers.PreTrainedTokenizerFast`` with the chat template, pad and EOS set.
     """
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -119,8 +132,16 @@ def build_tiny_tokenizer() -> Any:
     # Ids 0..255 are the bytes in order, so a token id below 256 *is* the byte value.
     vocab = {byte_to_unicode[b]: b for b in range(256)}
     assert set(vocab) == set(alphabet)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    # The special tokens sit in the model vocab too, so that the added tokens below reuse these
+    # ids (256..262) whatever the number of merges.
+    for i, t in enumerate(SPECIAL_TOKENS):
+        vocab[t] = 256 + i
+    for a, b in merges:
+        if a not in vocab or b not in vocab:
+            raise ValueError(f"merge ({a!r}, {b!r}) uses a token that no earlier merge made")
+        vocab.setdefault(a + b, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=list(merges), fuse_unk=False))
+    tok.pre_tokenizer = _pre_tokenizer()
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(
         [
@@ -152,6 +173,31 @@ def build_tiny_tokenizer() -> Any:
     return fast
 
 
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+"""Qwen2's pre-tokenizer pattern: words, single digits, punctuation runs, newlines."""
+
+
+def _pre_tokenizer() -> Any:
+    """Qwen2's pre-tokenizer: split by :data:`QWEN2_PRETOKENIZE_REGEX`, then map bytes.
+
+    ``AutoTokenizer`` loads a saved Qwen2 model's tokenizer as ``Qwen2Tokenizer``, which installs
+    exactly this pre-tokenizer (and an NFC normalizer) whatever ``tokenizer.json`` says, and so
+    does vLLM; building the same one here keeps the in-memory tokenizer, the learned merges
+    and every loaded copy in agreement. With no merges the split does not change any id.
+    """
+    from tokenizers import Regex, pre_tokenizers
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+
+
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable unicode map (what ByteLevel uses)."""
     bs = (
@@ -169,6 +215,67 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
+def learn_bpe_merges(
+    texts: Iterable[str], num_merges: int, max_token_bytes: int = 16
+) -> list[tuple[str, str]]:
+    """Learn up to ``num_merges`` byte-level BPE merges from ``texts`` (deterministic).
+
+    Words are split as the tokenizer splits them (:func:`_pre_tokenizer`, Qwen2's pattern), so
+    merges never join two words: every digit stays its own token (numbers are read and written
+    digit by digit) and no token reaches from one line into the next (turn boundaries, which
+    end in a newline or a special token, stay token boundaries). No token is longer than
+    ``max_token_bytes`` bytes (as HF's ``BpeTrainer(max_token_length=...)``). Ties between
+    equally frequent pairs go to the lexicographically smallest pair, so the same texts always
+    give the same merges.
+
+    Why: with one token per byte, a fixed system prompt and tools block is hundreds of positions
+    that a tiny model must attend across; merges learned from the task's own conversations (as
+    real tokenizers are learned from their corpus) make most words one token. Any other text
+    still encodes losslessly, byte by byte where no merge applies.
+    """
+    if num_merges < 0:
+        raise ValueError(f"num_merges={num_merges}; it must be >= 0")
+    if max_token_bytes < 2:
+        raise ValueError(f"max_token_bytes={max_token_bytes}; it must be >= 2 for any merge")
+    pre_tokenizer = _pre_tokenizer()
+    special = re.compile("|".join(re.escape(t) for t in SPECIAL_TOKENS))
+    words: collections.Counter[tuple[str, ...]] = collections.Counter()
+    for text in texts:
+        for segment in special.split(text):
+            for word, _ in pre_tokenizer.pre_tokenize_str(segment):
+                if len(word) > 1:
+                    words[tuple(word)] += 1
+    merges: list[tuple[str, str]] = []
+    corpus = list(words.items())
+    for _ in range(num_merges):
+        pairs: collections.Counter[tuple[str, str]] = collections.Counter()
+        for symbols, count in corpus:
+            for pair in itertools.pairwise(symbols):
+                # One ByteLevel character is one byte, so len() counts bytes.
+                if len(pair[0]) + len(pair[1]) <= max_token_bytes:
+                    pairs[pair] += count
+        if not pairs:
+            break
+        best = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))[0]
+        merges.append(best)
+        joined = best[0] + best[1]
+        new_corpus = []
+        for symbols, count in corpus:
+            out: list[str] = []
+            i = 0
+            while i < len(symbols):
+                if i + 1 < len(symbols) and (symbols[i], symbols[i + 1]) == best:
+                    out.append(joined)
+                    i += 2
+                else:
+                    out.append(symbols[i])
+                    i += 1
+            if len(out) > 1:
+                new_corpus.append((tuple(out), count))
+        corpus = new_corpus
+    return merges
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -180,10 +287,12 @@ def build_tiny_model(
     max_position_embeddings: int = 2048,
     seed: int = 0,
     tie_embeddings: bool = False,
+    merges: Sequence[tuple[str, str]] = (),
 ) -> Path:
     """Write a random Qwen2 causal LM, its tokenizer and chat template to ``out_dir``.
 
     Deterministic: the same arguments give byte-identical files. Returns ``out_dir`` as a Path.
+    ``merges`` (from :func:`learn_bpe_merges`) extend the byte-level tokenizer and the vocabulary.
     Raises ``ValueError`` naming the argument when the shapes are unusable
     (``hidden_size`` not divisible by ``num_heads``, head_dim < 32, ...).
     """
@@ -211,7 +320,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(merges)
     vocab_size = len(tokenizer)
     eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")

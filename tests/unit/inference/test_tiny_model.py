@@ -16,6 +16,7 @@ from agentrl.inference.tiny_model import (
     SPECIAL_TOKENS,
     build_tiny_model,
     build_tiny_tokenizer,
+    learn_bpe_merges,
     tiny_tokenizer,
 )
 
@@ -182,3 +183,95 @@ def test_cli_builds_a_model(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"model_dir": str(out)}
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+
+
+# ---- learned BPE merges (the quickstart's tokenizer) -------------------------------------------
+def _calculator_corpus() -> list[str]:
+    rows = [[*CONVERSATION[:2], {"role": "assistant", "content": "\\boxed{5}"}]] * 3
+    texts = [_TOK.apply_chat_template(r, tools=TOOLS, tokenize=False) for r in rows]
+    return [
+        *texts,
+        _TOK.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False),
+        _TOK.apply_chat_template(CONVERSATION[1:2], tokenize=False, add_generation_prompt=True),
+    ]
+
+
+_MERGES = learn_bpe_merges(_calculator_corpus(), 300, max_token_bytes=12)
+_BPE = build_tiny_tokenizer(_MERGES)
+
+
+def test_merges_are_deterministic_capped_and_never_touch_digits_or_span_newlines() -> None:
+    assert learn_bpe_merges(_calculator_corpus(), 300, max_token_bytes=12) == _MERGES
+    assert 50 < len(_MERGES) <= 300
+    # A prefix of the merge list is what a smaller budget learns (greedy, one at a time).
+    assert learn_bpe_merges(_calculator_corpus(), 20, max_token_bytes=12) == _MERGES[:20]
+    for a, b in _MERGES:
+        token = a + b
+        assert len(token) <= 12
+        assert not any(c.isdigit() for c in token), token
+        # "\n" is "Ċ" in the ByteLevel alphabet: a token may end in line breaks, never go on
+        # past one into the next line's text.
+        if "Ċ" in token:
+            assert set(token[token.index("Ċ") :]) <= {"Ċ", "č"}, token
+    vocab = _BPE.get_vocab()
+    assert len(_BPE) == 256 + len(SPECIAL_TOKENS) + len({a + b for a, b in _MERGES})
+    assert all(vocab[t] == 256 + i for i, t in enumerate(SPECIAL_TOKENS))
+
+
+def test_merges_shorten_the_prompt_and_numbers_stay_one_token_per_digit() -> None:
+    text = _TOK.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    ids = _BPE.encode(text, add_special_tokens=False)
+    assert len(ids) < len(_TOK.encode(text, add_special_tokens=False)) / 3
+    assert _BPE.decode(ids) == text
+    ids = _BPE.encode("What is 4821 * 37?", add_special_tokens=False)
+    pieces = [_BPE.decode([i]) for i in ids]
+    assert pieces[pieces.index("4") : pieces.index("4") + 4] == ["4", "8", "2", "1"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_merged_tokenizer_is_lossless_on_any_unicode(text: str) -> None:
+    assert _BPE.decode(_BPE.encode(text, add_special_tokens=False)) == text
+
+
+@pytest.mark.parametrize("tools", [None, TOOLS])
+def test_merged_tokenizer_keeps_the_template_prefix_stable(tools: list | None) -> None:
+    # Turn boundaries end in a newline or a special token, and no merge spans either, so the
+    # agent loop's and SFT's token deltas line up with the whole conversation's tokens.
+    full = _BPE.encode(
+        _BPE.apply_chat_template(CONVERSATION, tools=tools, tokenize=False),
+        add_special_tokens=False,
+    )
+    for k in range(1, len(CONVERSATION)):
+        gen = _BPE.apply_chat_template(
+            CONVERSATION[:k], tools=tools, tokenize=False, add_generation_prompt=True
+        )
+        prefix = _BPE.encode(gen, add_special_tokens=False)
+        if CONVERSATION[k]["role"] == "assistant":
+            assert full[: len(prefix)] == prefix, k
+
+
+def test_builder_with_merges_sizes_the_vocab_and_vllm_shapes(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = build_tiny_model(tmp_path / "bpe", num_layers=1, merges=_MERGES)
+    tok = tiny_tokenizer(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert model.config.vocab_size == len(tok) == len(_BPE)
+    text = _TOK.apply_chat_template(CONVERSATION, tools=TOOLS, tokenize=False)
+    assert tok.encode(text, add_special_tokens=False) == _BPE.encode(text, add_special_tokens=False)
+    assert _digest(build_tiny_model(tmp_path / "again", num_layers=1, merges=_MERGES)) == _digest(
+        out
+    )
+    # AutoTokenizer swaps in Qwen2Tokenizer's own pre-tokenizer; it must be the one we built.
+    loaded = json.loads(tok.backend_tokenizer.to_str())["pre_tokenizer"]
+    assert loaded == json.loads(_BPE.backend_tokenizer.to_str())["pre_tokenizer"]
+
+
+def test_merge_errors_name_the_argument() -> None:
+    with pytest.raises(ValueError, match="num_merges"):
+        learn_bpe_merges([], -1)
+    with pytest.raises(ValueError, match="max_token_bytes"):
+        learn_bpe_merges([], 1, max_token_bytes=1)
+    with pytest.raises(ValueError, match="no earlier merge"):
+        build_tiny_tokenizer([("ab", "c")])
