@@ -594,6 +594,12 @@ class TinyModelConfig(Section):
     """MLP width."""
     seed: int = 0
     """Weight-init seed (the built model is deterministic for it)."""
+    bpe_merges: int = Field(default=0, ge=0)
+    """BPE merges learned from the SFT conversations (digits never merge); 0 = one token per byte."""
+    bpe_max_token_bytes: int = Field(default=16, ge=2)
+    """Longest token, in bytes, that a learned merge may make."""
+    bpe_corpus_size: int = Field(default=1000, ge=1)
+    """How many of the SFT conversations (the first ones) the merges are learned from."""
 
 
 class SFTModelConfig(ModelConfig):

@@ -93,6 +93,21 @@ def load_sft_data(cfg: Any) -> list[dict[str, Any]]:
     )
 
 
+def _tiny_merges(tiny: Any, conversations: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The tiny tokenizer's BPE merges, learned from the first ``tiny.bpe_corpus_size``
+    conversations rendered by its own chat template (none when ``tiny.bpe_merges`` is 0)."""
+    if tiny.bpe_merges == 0:
+        return []
+    from agentrl.inference.tiny_model import build_tiny_tokenizer, learn_bpe_merges
+
+    byte_tokenizer = build_tiny_tokenizer()
+    texts = [
+        byte_tokenizer.apply_chat_template(c["messages"], tools=c.get("tools"), tokenize=False)
+        for c in conversations[: tiny.bpe_corpus_size]
+    ]
+    return learn_bpe_merges(texts, tiny.bpe_merges, tiny.bpe_max_token_bytes)
+
+
 def _threads() -> int:
     env = os.environ.get("AGENTRL_SFT_THREADS")
     if env:
@@ -120,6 +135,7 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
 
+    conversations = load_sft_data(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = cfg.model.path
         if model_path is None:
@@ -135,8 +151,12 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
                     num_kv_heads=tiny.num_kv_heads,
                     intermediate_size=tiny.intermediate_size,
                     seed=tiny.seed,
+                    merges=_tiny_merges(tiny, conversations),
                 )
             )
+        init_manifest = None
+        if (Path(model_path) / MANIFEST).is_file():
+            init_manifest = json.loads((Path(model_path) / MANIFEST).read_text())
         tokenizer = AutoTokenizer.from_pretrained(
             model_path, trust_remote_code=cfg.model.trust_remote_code
         )
@@ -154,7 +174,6 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
         )
         model.to(device)
 
-    conversations = load_sft_data(cfg)
     steps = cfg.trainer.total_steps
     if cfg.trainer.epochs is not None:
         steps = max(1, math.ceil(cfg.trainer.epochs * len(conversations) / cfg.data.batch_size))
@@ -217,6 +236,9 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
             "python_version": platform.python_version(),
             "weights_sha256": sha256_weights(out),
         }
+        if init_manifest is not None:
+            # Provenance of a multi-stage recipe: the manifest of the checkpoint we started from.
+            manifest["init_manifest"] = init_manifest
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         tracker.log_metrics({"sft/train_wall_s": train_s}, steps)
         if tr.enabled:
