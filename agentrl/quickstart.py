@@ -2,10 +2,11 @@
 
 Steps (each printed as it happens):
 
-1. Warm start. The tiny model's supervised warm start (``agentrl sft configs/sft_calculator.yaml``)
-   takes longer than the quickstart's budget on 2 cores, so the repository ships its output in
-   ``checkpoints/calculator-sft`` (made by exactly that command; see its ``sft_manifest.json``).
-   ``--from-scratch`` re-runs the recipe instead.
+1. Warm start: the tiny model (built on the spot) gets two ``agentrl sft`` stages
+   (``configs/sft_calculator_tool.yaml``: learn to call the calculator and copy;
+   ``configs/sft_calculator.yaml``: mix in wrong guesses, for an imperfect start), about 5
+   minutes on 2 cores. ``--shipped-warm-start`` skips them and uses the committed output of
+   the same two commands, ``checkpoints/calculator-sft`` (see its ``sft_manifest.json``).
 2. Async GRPO (``configs/quickstart.yaml``: max_staleness 2, decoupled token-level IS) against two
    embedded inference servers, with a verified weight push after every step.
 3. Held-out accuracy before and after, and where the MLflow run is.
@@ -23,6 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SHIPPED_CHECKPOINT = REPO / "checkpoints" / "calculator-sft"
+SFT_STAGE1_CONFIG = REPO / "configs" / "sft_calculator_tool.yaml"
 SFT_CONFIG = REPO / "configs" / "sft_calculator.yaml"
 RL_CONFIG = REPO / "configs" / "quickstart.yaml"
 
@@ -35,9 +37,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agentrl.quickstart", description=__doc__)
     parser.add_argument("overrides", nargs="*", help="dotted overrides for configs/quickstart.yaml")
     parser.add_argument(
-        "--from-scratch",
+        "--shipped-warm-start",
         action="store_true",
-        help="re-run the supervised warm start instead of using the shipped checkpoint",
+        help=f"skip the supervised warm start: use {SHIPPED_CHECKPOINT.relative_to(REPO)} "
+        "(made by the same recipe)",
     )
     parser.add_argument("--output-dir", default="outputs/quickstart", help="where the run goes")
     args = parser.parse_args(argv)
@@ -48,20 +51,27 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     out = Path(args.output_dir)
-    if args.from_scratch or not (SHIPPED_CHECKPOINT / "config.json").exists():
-        warm = out / "sft"
-        _say(f"1/3 supervised warm start: agentrl sft {SFT_CONFIG.relative_to(REPO)} (slow on CPU)")
-        subprocess.run(
-            [sys.executable, "-m", "agentrl", "sft", str(SFT_CONFIG), "--output-dir", str(warm)],
-            check=True,
+    if not args.shipped_warm_start:
+        stage1, warm = out / "sft_tool", out / "sft"
+        _say(
+            f"1/3 supervised warm start: agentrl sft {SFT_STAGE1_CONFIG.relative_to(REPO)}, "
+            f"then {SFT_CONFIG.relative_to(REPO)} (about 5 minutes on 2 CPU cores)"
         )
+        for config, dest, extra in (
+            (SFT_STAGE1_CONFIG, stage1, []),
+            (SFT_CONFIG, warm, [f"model.path={stage1}"]),
+        ):
+            overrides = [*extra, f"trainer.output_dir={dest}", "--output-dir", str(dest)]
+            subprocess.run(
+                [sys.executable, "-m", "agentrl", "sft", str(config), *overrides], check=True
+            )
     else:
         warm = SHIPPED_CHECKPOINT
         manifest = json.loads((warm / "sft_manifest.json").read_text())
         _say(
             f"1/3 warm start: using the shipped checkpoint {warm.relative_to(REPO)} "
-            f"({manifest.get('steps', '?')} SFT steps made by `agentrl sft "
-            f"{SFT_CONFIG.relative_to(REPO)}`; --from-scratch re-runs it)"
+            f"(made by `agentrl sft {SFT_STAGE1_CONFIG.relative_to(REPO)}` and "
+            f"`{SFT_CONFIG.relative_to(REPO)}`, {_total_steps(manifest)} SFT steps)"
         )
     cfg = load_config(
         RL_CONFIG,
@@ -72,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{cfg.trainer.max_staleness}, {cfg.inference.num_servers} embedded servers, "
         f"correction {cfg.algorithm.correction.preset}"
     )
-    result = Trainer(cfg).run_sync()
+    result = Trainer(cfg, progress=True).run_sync()
     before = result.val_before.get("val/accuracy", float("nan"))
     after = result.val_after.get("val/accuracy", float("nan"))
     wall = time.perf_counter() - t0
@@ -95,6 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     if db.exists():
         _say(f"open the run: mlflow ui --backend-store-uri sqlite:///{db.resolve()}")
     return 0
+
+
+def _total_steps(manifest: dict) -> int:
+    """SFT steps of a checkpoint, counting the stages it started from (``init_manifest``)."""
+    steps = 0
+    while manifest:
+        steps += int(manifest.get("steps", 0))
+        manifest = manifest.get("init_manifest") or {}
+    return steps
 
 
 if __name__ == "__main__":

@@ -669,6 +669,20 @@ class Trainer:
             enabled = sys.stderr.isatty()
         if not enabled:
             return
+        info = (
+            f"v{self.version} reward {metrics.get('reward/mean', 0.0):.3f} "
+            f"staleness {metrics.get('async/staleness_mean', 0.0):.2f}"
+            f"/{int(metrics.get('async/staleness_max', 0))} "
+            f"{metrics.get('perf/tokens_per_s', 0.0):.0f} tok/s"
+        )
+        if not sys.stderr.isatty():
+            # Asked for progress but writing to a pipe or a log: one plain line per step.
+            print(
+                f"[train] step {self.step}/{self.cfg.trainer.total_steps} {info}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return
         if getattr(self, "_progress", None) is None:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -684,12 +698,6 @@ class Trainer:
                 "train", total=self.cfg.trainer.total_steps, completed=self.step - 1, info=""
             )
             self._progress.start()
-        info = (
-            f"v{self.version} reward {metrics.get('reward/mean', 0.0):.3f} "
-            f"staleness {metrics.get('async/staleness_mean', 0.0):.2f}"
-            f"/{int(metrics.get('async/staleness_max', 0))} "
-            f"{metrics.get('perf/tokens_per_s', 0.0):.0f} tok/s"
-        )
         progress = self._progress
         assert progress is not None
         progress.update(self._progress_task, completed=self.step, info=info)
