@@ -144,6 +144,22 @@ def _is_correct(t: Trajectory) -> bool:
     return bool(correct) if correct is not None else t.reward > 0.5
 
 
+def advantage_kwargs(a: Any, *, critic: bool) -> dict[str, Any]:
+    """The estimator options that ``algorithm`` config ``a`` sets (see ``compute_advantage``).
+
+    GRPO takes its std normalization, REINFORCE++ its discount, GAE (with a critic) gamma and
+    lambda; the other estimators take none.
+    """
+    kwargs: dict[str, Any] = {}
+    if a.adv_estimator == "grpo":
+        kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
+    elif a.adv_estimator == "reinforce_plus_plus":
+        kwargs["gamma"] = a.gamma
+    if critic:
+        kwargs.update(gamma=a.gamma, lam=a.lam)
+    return kwargs
+
+
 class Trainer:
     """Owns the servers, the rollout manager, the buffer, the actor and the tracker for one run.
 
@@ -764,16 +780,13 @@ class Trainer:
         scores = batch["token_level_scores"]
         batch["token_level_rewards"] = scores
         uids = non_tensor_list(batch, "uid")
-        adv_kwargs: dict[str, Any] = {}
-        if a.adv_estimator == "grpo":
-            adv_kwargs["norm_adv_by_std_in_grpo"] = a.norm_adv_by_std_in_grpo
+        adv_kwargs = advantage_kwargs(a, critic=self.critic is not None)
         values: torch.Tensor | None = None
         if self.critic is not None:
             # V(s_t) of the post-RS sampled tokens, before the critic's update on this batch.
             t_v = time.perf_counter()
             values = await loop.run_in_executor(None, self.critic.compute_values, batch)
             batch["values"] = values
-            adv_kwargs.update(gamma=a.gamma, lam=a.lam)
             m["timing_s/values"] = time.perf_counter() - t_v
         adv, returns = compute_advantage(
             a.adv_estimator,
