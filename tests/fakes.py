@@ -216,3 +216,37 @@ class ScriptedPolicy:
         return Generation(
             token_ids=ids, logprobs=logprobs, finish_reason=finish, weight_version=self.version
         )
+
+
+# ---- synthetic trajectories (actor / critic unit tests) ----------------------------------------
+
+
+def random_trajectories(n: int, seed: int = 0) -> list[Any]:
+    """``n`` random multi-turn-like episodes over byte ids: prompts of 3-9 tokens, responses of
+    2-12 with ~30% tool tokens (mask 0, the first token always sampled), rollout log-prob -1 on
+    sampled tokens, GRPO groups of two (``uid`` g0, g0, g1, ...) with rewards 0, 1, 0, 1, ..."""
+    import random
+
+    from agentrl.types import StopReason, Trajectory
+
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        p = rng.randint(3, 9)
+        r = rng.randint(2, 12)
+        mask = [1 if rng.random() < 0.7 else 0 for _ in range(r)]
+        mask[0] = 1
+        out.append(
+            Trajectory(
+                prompt_ids=[rng.randrange(256) for _ in range(p)],
+                response_ids=[rng.randrange(256) for _ in range(r)],
+                loss_mask=mask,
+                rollout_logprobs=[-1.0 if m else 0.0 for m in mask],
+                policy_version=[0 if m else -1 for m in mask],
+                uid=f"g{i // 2}",
+                index=i % 2,
+                reward=float(i % 2),
+                stop_reason=StopReason.EOS,
+            )
+        )
+    return out

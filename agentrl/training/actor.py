@@ -40,12 +40,14 @@ from agentrl.batch import merge_micro_batches, split_by_token_budget
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
 
-__all__ = ["Actor", "ActorConfig", "FrozenPolicy", "lr_factor"]
+__all__ = ["Actor", "ActorConfig", "FrozenPolicy", "OptimizerSettings", "lr_factor"]
 
 
 @dataclass
-class ActorConfig:
-    """The optimizer and loss settings the actor needs (filled from ``ExperimentConfig``)."""
+class OptimizerSettings:
+    """What the actor and the critic are both trained with: AdamW, the LR schedule
+    (:func:`lr_factor`), token-budget micro-batches, PPO epochs and mini-batches, and the loss
+    aggregation mode. Filled in one place from ``ExperimentConfig`` (the trainer)."""
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -54,12 +56,18 @@ class ActorConfig:
     warmup_steps: int = 0
     total_steps: int = 1000
     lr_schedule: str = "constant"
-    temperature: float = 1.0
     micro_batch_max_tokens: int = 4096
     ppo_epochs: int = 1
     mini_batch_size: int | None = None
-    policy_loss: str = "vanilla"
     loss_agg_mode: str = "token-mean"
+
+
+@dataclass
+class ActorConfig(OptimizerSettings):
+    """The optimizer and loss settings the actor needs (filled from ``ExperimentConfig``)."""
+
+    temperature: float = 1.0
+    policy_loss: str = "vanilla"
     loss_kwargs: dict[str, Any] = field(default_factory=dict)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

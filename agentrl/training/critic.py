@@ -35,27 +35,16 @@ from torch import nn
 
 from agentrl.algos import masked_mean, masked_var, value_loss
 from agentrl.batch import merge_micro_batches, split_by_token_budget
-from agentrl.training.actor import lr_factor, resolve_device, resolve_dtype
+from agentrl.training.actor import OptimizerSettings, lr_factor, resolve_device, resolve_dtype
 
 __all__ = ["Critic", "CriticConfig", "load_backbone", "value_metrics"]
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(OptimizerSettings):
     """The optimizer and loss settings of the critic (filled from ``ExperimentConfig``)."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    lr_schedule: str = "constant"
-    micro_batch_max_tokens: int = 4096
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None
     cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
 
 
 def load_backbone(

@@ -262,21 +262,29 @@ class Trainer:
                 h.stop()
         self._handles.clear()
 
+    def _optimizer_settings(self, *, lr: float, micro_batch_max_tokens: int) -> dict[str, Any]:
+        """The :class:`OptimizerSettings` fields shared by the actor and the critic."""
+        t = self.cfg.trainer
+        return {
+            "lr": lr,
+            "weight_decay": t.weight_decay,
+            "betas": (float(t.betas[0]), float(t.betas[1])),
+            "grad_clip": t.grad_clip,
+            "warmup_steps": t.warmup_steps,
+            "total_steps": t.total_steps,
+            "lr_schedule": t.lr_schedule,
+            "micro_batch_max_tokens": micro_batch_max_tokens,
+            "ppo_epochs": t.ppo_epochs,
+            "mini_batch_size": t.mini_batch_size * self.group_size,
+            "loss_agg_mode": self.cfg.algorithm.loss_agg_mode,
+        }
+
     def _critic_config(self) -> CriticConfig:
-        a, t = self.cfg.algorithm, self.cfg.trainer
+        t = self.cfg.trainer
+        micro = t.critic_micro_batch_max_tokens or t.micro_batch_max_tokens
         return CriticConfig(
-            lr=t.critic_lr,
-            weight_decay=t.weight_decay,
-            betas=(float(t.betas[0]), float(t.betas[1])),
-            grad_clip=t.grad_clip,
-            warmup_steps=t.warmup_steps,
-            total_steps=t.total_steps,
-            lr_schedule=t.lr_schedule,
-            micro_batch_max_tokens=t.critic_micro_batch_max_tokens or t.micro_batch_max_tokens,
-            ppo_epochs=t.ppo_epochs,
-            mini_batch_size=t.mini_batch_size * self.group_size,
-            cliprange_value=a.cliprange_value,
-            loss_agg_mode=a.loss_agg_mode,
+            **self._optimizer_settings(lr=t.critic_lr, micro_batch_max_tokens=micro),
+            cliprange_value=self.cfg.algorithm.cliprange_value,
         )
 
     def _actor_config(self) -> ActorConfig:
@@ -290,19 +298,9 @@ class Trainer:
             if loss_name in ("vanilla", "bypass"):
                 loss_kwargs["clip_ratio_c"] = a.clip_ratio_c
         return ActorConfig(
-            lr=t.lr,
-            weight_decay=t.weight_decay,
-            betas=(float(t.betas[0]), float(t.betas[1])),
-            grad_clip=t.grad_clip,
-            warmup_steps=t.warmup_steps,
-            total_steps=t.total_steps,
-            lr_schedule=t.lr_schedule,
+            **self._optimizer_settings(lr=t.lr, micro_batch_max_tokens=t.micro_batch_max_tokens),
             temperature=self.cfg.inference.temperature or 1.0,
-            micro_batch_max_tokens=t.micro_batch_max_tokens,
-            ppo_epochs=t.ppo_epochs,
-            mini_batch_size=t.mini_batch_size * self.group_size,
             policy_loss=loss_name,
-            loss_agg_mode=a.loss_agg_mode,
             loss_kwargs=loss_kwargs,
             entropy_coeff=a.entropy_coeff,
             use_kl_loss=a.use_kl_loss,

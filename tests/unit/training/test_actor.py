@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -10,33 +9,13 @@ import torch
 
 from agentrl.batch import trajectories_to_batch
 from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
-from agentrl.types import StopReason, Trajectory
+from agentrl.types import Trajectory
+from tests.fakes import random_trajectories
 
 PAD = 256
 
 
-def _trajectories(n: int, seed: int = 0) -> list[Trajectory]:
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        p = rng.randint(3, 9)
-        r = rng.randint(2, 12)
-        mask = [1 if rng.random() < 0.7 else 0 for _ in range(r)]
-        mask[0] = 1
-        out.append(
-            Trajectory(
-                prompt_ids=[rng.randrange(256) for _ in range(p)],
-                response_ids=[rng.randrange(256) for _ in range(r)],
-                loss_mask=mask,
-                rollout_logprobs=[-1.0 if m else 0.0 for m in mask],
-                policy_version=[0 if m else -1 for m in mask],
-                uid=f"g{i // 2}",
-                index=i % 2,
-                reward=float(i % 2),
-                stop_reason=StopReason.EOS,
-            )
-        )
-    return out
+_trajectories = random_trajectories
 
 
 def _reference_logprobs(model_dir: Path, traj: Trajectory, temperature: float) -> list[float]:
