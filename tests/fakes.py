@@ -227,8 +227,6 @@ def random_trajectories(n: int, seed: int = 0) -> list[Any]:
     sampled tokens, GRPO groups of two (``uid`` g0, g0, g1, ...) with rewards 0, 1, 0, 1, ..."""
     import random
 
-    from agentrl.types import StopReason, Trajectory
-
     rng = random.Random(seed)
     out = []
     for i in range(n):
@@ -236,17 +234,24 @@ def random_trajectories(n: int, seed: int = 0) -> list[Any]:
         r = rng.randint(2, 12)
         mask = [1 if rng.random() < 0.7 else 0 for _ in range(r)]
         mask[0] = 1
-        out.append(
-            Trajectory(
-                prompt_ids=[rng.randrange(256) for _ in range(p)],
-                response_ids=[rng.randrange(256) for _ in range(r)],
-                loss_mask=mask,
-                rollout_logprobs=[-1.0 if m else 0.0 for m in mask],
-                policy_version=[0 if m else -1 for m in mask],
-                uid=f"g{i // 2}",
-                index=i % 2,
-                reward=float(i % 2),
-                stop_reason=StopReason.EOS,
-            )
-        )
+        out.append(synthetic_trajectory(rng, i, p, mask))
     return out
+
+
+def synthetic_trajectory(rng: Any, i: int, prompt_len: int, loss_mask: list[int]) -> Any:
+    """Trajectory ``i`` of a GRPO batch (groups of two, reward ``i % 2``): random byte ids for a
+    ``prompt_len``-token prompt and a response as long as ``loss_mask``, rollout log-prob -1 and
+    version 0 on sampled tokens (``random.Random`` ``rng``)."""
+    from agentrl.types import StopReason, Trajectory
+
+    return Trajectory(
+        prompt_ids=[rng.randrange(256) for _ in range(prompt_len)],
+        response_ids=[rng.randrange(256) for _ in range(len(loss_mask))],
+        loss_mask=loss_mask,
+        rollout_logprobs=[-1.0 if m else 0.0 for m in loss_mask],
+        policy_version=[0 if m else -1 for m in loss_mask],
+        uid=f"g{i // 2}",
+        index=i % 2,
+        reward=float(i % 2),
+        stop_reason=StopReason.EOS,
+    )

@@ -34,7 +34,7 @@ from tensordict import TensorDict
 
 from agentrl.batch import trajectories_to_batch
 from agentrl.training.actor import Actor, ActorConfig
-from agentrl.types import StopReason, Trajectory
+from tests.fakes import synthetic_trajectory
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -68,18 +68,7 @@ def _batch(model_dir: Path) -> TensorDict:
     for i in range(7):
         p, r = rng.randint(3, 9), rng.choice([2, 5, 9, 14, 24])
         mask = [0] * r if i == 3 else [1 if rng.random() < 0.75 else 0 for _ in range(r)]
-        trajs.append(
-            Trajectory(
-                prompt_ids=[rng.randrange(256) for _ in range(p)],
-                response_ids=[rng.randrange(256) for _ in range(r)],
-                loss_mask=mask,
-                rollout_logprobs=[-1.0 if m else 0.0 for m in mask],
-                policy_version=[0 if m else -1 for m in mask],
-                uid=f"g{i // 2}",
-                reward=float(i % 2),
-                stop_reason=StopReason.EOS,
-            )
-        )
+        trajs.append(synthetic_trajectory(rng, i, p, mask))
     batch = trajectories_to_batch(trajs, pad_token_id=PAD)
     mask = batch["response_mask"].float()
     gen = torch.Generator().manual_seed(0)

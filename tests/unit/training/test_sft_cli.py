@@ -34,22 +34,13 @@ def test_cli_trains_and_writes_a_loadable_model(tmp_path: Path) -> None:
     """Stage 1 of the recipe (tiny model, merges learned from its data), then stage 2 from it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    def sft(recipe: Path, out: Path, *overrides: str) -> None:
+        tiny = ["data.batch_size=2", "data.generator_kwargs.n=4", "tracking.enabled=false"]
+        unused = f"trainer.output_dir={tmp_path / 'unused'}"
+        assert main(["sft", str(recipe), *tiny, unused, *overrides, "--output-dir", str(out)]) == 0
+
     out = tmp_path / "sft-out"
-    rc = main(
-        [
-            "sft",
-            str(STAGE1),
-            "trainer.total_steps=2",
-            "data.batch_size=2",
-            "data.generator_kwargs.n=4",
-            "tracking.enabled=false",
-            "tracking.log_every=1",
-            f"trainer.output_dir={tmp_path / 'unused'}",
-            "--output-dir",
-            str(out),
-        ]
-    )
-    assert rc == 0
+    sft(STAGE1, out, "trainer.total_steps=2", "tracking.log_every=1")
     manifest = json.loads((out / MANIFEST).read_text())
     assert manifest["steps"] == 2
     assert manifest["num_conversations"] == 4
@@ -69,21 +60,7 @@ def test_cli_trains_and_writes_a_loadable_model(tmp_path: Path) -> None:
 
     # Stage 2 starts from stage 1's output and keeps its manifest as provenance.
     final = tmp_path / "sft-final"
-    rc = main(
-        [
-            "sft",
-            str(RECIPE),
-            f"model.path={out}",
-            "trainer.total_steps=1",
-            "data.batch_size=2",
-            "data.generator_kwargs.n=4",
-            "tracking.enabled=false",
-            f"trainer.output_dir={tmp_path / 'unused'}",
-            "--output-dir",
-            str(final),
-        ]
-    )
-    assert rc == 0
+    sft(RECIPE, final, f"model.path={out}", "trainer.total_steps=1")
     final_manifest = json.loads((final / MANIFEST).read_text())
     assert final_manifest["init_manifest"] == manifest
     assert len(AutoTokenizer.from_pretrained(str(final))) == len(tok)
