@@ -7,6 +7,9 @@ diagnostic, metrics converted to Python floats. The same pass from a caller-made
 Reference pass = ``torch.addcmul(train, rollout, mask)``: one elementwise kernel that reads the three
 ``[B, T]`` inputs and writes one ``[B, T]`` output, i.e. the memory-traffic floor of any pass.
 
+The full pass runs on the default path (the fused C kernel of ``correction/_native.c`` when it
+builds) and, interleaved in the same run, on the eager torch path (``AGENTRL_CORRECTION_NATIVE=0``),
+reported under ``torch_path``.
 Prints one JSON object: tokens/s of both and ``ratio`` = full time / reference time (target ≤ 8), by
 wall clock and by process CPU time (on a shared, oversubscribed machine wall-clock minima mostly
 measure the scheduler; CPU time is the fairer figure), plus one ``torch.exp`` pass over the same
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -96,6 +100,20 @@ def main() -> None:
     def full_from_log_ratio() -> object:  # the caller materializes ℓ first
         return correction.apply_correction(config, train - rollout, mask, rollout_log_probs=rollout)
 
+    def full_torch_path() -> object:  # the same call on the eager torch path
+        os.environ["AGENTRL_CORRECTION_NATIVE"] = "0"
+        try:
+            return full()
+        finally:
+            if previous is None:
+                del os.environ["AGENTRL_CORRECTION_NATIVE"]
+            else:
+                os.environ["AGENTRL_CORRECTION_NATIVE"] = previous
+
+    previous = os.environ.get("AGENTRL_CORRECTION_NATIVE")
+    native = importlib.import_module("correction._native")
+    kernel = native.kernel()  # builds on first use (not timed)
+
     def reference() -> object:
         return torch.addcmul(train, rollout, mask)
 
@@ -109,7 +127,9 @@ def main() -> None:
     ref_cpu: list[float] = []
     exp_cpu: list[float] = []
     via_lr_cpu: list[float] = []
+    torch_cpu: list[float] = []
     for _ in range(args.rounds):
+        torch_cpu += _time(full_torch_path, args.repeats)[1]
         exp_cpu += _time(exp_only, args.repeats)[1]
         via_lr_cpu += _time(full_from_log_ratio, args.repeats)[1]
         wall, cpu = _time(reference, args.repeats)
@@ -130,6 +150,7 @@ def main() -> None:
         "AND seq_mean_k3<=0.01, all diagnostics, metrics as floats)",
         "reference_pass": "torch.addcmul(train, rollout, mask)",
         "n_metrics": len(metrics),
+        "default_path": "native C kernel" if kernel is not None else "torch (kernel unavailable)",
     }
     for label, full_t, ref_t in (("wall", full_wall, ref_wall), ("cpu", full_cpu, ref_cpu)):
         full_best, ref_best = min(full_t), min(ref_t)
@@ -146,6 +167,14 @@ def main() -> None:
         }
     report["full_pass_from_log_ratio_cpu_ms_best"] = 1e3 * min(via_lr_cpu)
     report["full_pass_from_log_ratio_over_reference_cpu"] = min(via_lr_cpu) / min(ref_cpu)
+    torch_best, torch_med = min(torch_cpu), statistics.median(torch_cpu)
+    report["torch_path"] = {
+        "cpu_full_pass_ms_best": 1e3 * torch_best,
+        "cpu_full_pass_ms_median": 1e3 * torch_med,
+        "cpu_ratio_best": torch_best / min(ref_cpu),
+        "cpu_ratio_median": torch_med / statistics.median(ref_cpu),
+        "default_path_speedup_cpu_best": torch_best / min(full_cpu),
+    }
     report["exp_pass_cpu_ms_best"] = 1e3 * min(exp_cpu)
     report["exp_pass_over_reference_cpu"] = min(exp_cpu) / min(ref_cpu)
     report["target_ratio"] = 8.0

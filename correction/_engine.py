@@ -3,19 +3,30 @@
 Why one engine: the three share their inputs (the masked log-ratio ℓ, ``exp(ℓ)``, per-sequence
 sums and lengths), so computing them together reads each ``[B, T]`` tensor once per batch.
 
-How it stays fast on CPU: sequences are independent, so the batch is processed in blocks of rows
-small enough (``CPU_BLOCK_ELEMENTS``) that every temporary stays in cache; each block yields its
-slice of the outputs plus per-sequence ``[B]`` statistics, and all metrics are computed afterwards
-from those ``[B]`` vectors. On accelerators the whole batch is one block. The loop is over row
-blocks, never over tokens. The mask is used as a float multiplier (bool tensors and ``where`` are
-slow on CPU); values at padding are zeroed by that multiply and only re-read with ``where`` when it
-produced a non-finite sum (NaN/inf sitting in padding).
+Two implementations of the same per-token work, chosen once per call:
+- the fused C kernel (``correction/_native.c``, built and loaded by ``correction._native``) for
+  CPU, float32, contiguous, non-empty inputs: one loop per row computes −ℓ, ρ, the token IS
+  weights, the token-rule keep mask and every per-row statistic (float64) at once. If it reports
+  a non-finite input (at a response token, or NaN/inf in padding) or a mask value other than 0/1,
+  the call is recomputed by the torch path, which raises the usual error or masks the padding;
+- the eager torch path (every other device/dtype, ``AGENTRL_CORRECTION_NATIVE=0``, no compiler).
+Sequence-level IS weights, sequence-scope rules and all metrics are computed from the per-row
+``[B]`` statistics by the same Python code for both.
 
-Numerics: the shared per-token primitive is ``em1 = ρ − 1 = exp(ℓ) − 1`` (exactly 0 on padding, so
-plain sums are masked sums); ``k3 = em1 − ℓ`` and ``ρ² − 1 = 2·em1 + em1²`` are formed from it. ``exp``
-is used rather than ``expm1`` (twice as fast on CPU); in float32 this leaves an absolute error of about
-1e-7 per token in em1, far below any threshold in use, and exactly 0 where ℓ = 0 (pass float64
-inputs for bit-exact on-policy checks). ℓ is clamped to ±LOG_RATIO_BOUND where it is exponentiated (per
+How the torch path stays fast on CPU: sequences are independent, so the batch is processed in
+blocks of rows small enough (``CPU_BLOCK_ELEMENTS``) that every temporary stays in cache; each
+block yields its slice of the outputs plus per-sequence ``[B]`` statistics, and all metrics are
+computed afterwards from those ``[B]`` vectors. On accelerators the whole batch is one block. The
+loop is over row blocks, never over tokens. The mask is used as a float multiplier (bool tensors
+and ``where`` are slow on CPU); values at padding are zeroed by that multiply and only re-read with
+``where`` when it produced a non-finite sum (NaN/inf sitting in padding).
+
+Numerics: the shared per-token primitive is ``em1 = ρ − 1 = exp(ℓ) − 1`` (exactly 0 on padding,
+so plain sums are masked sums); ``k3 = em1 − ℓ`` and ``ρ² − 1 = 2·em1 + em1²`` are formed from it.
+``exp`` is used rather than ``expm1`` (twice as fast on CPU); in float32 this leaves an absolute
+error of about 1e-7 per token in em1 (the C kernel's exp: relative error < 1e-7 over the clamped
+range), far below any threshold in use, and exactly 0 where ℓ = 0 (pass float64 inputs for
+bit-exact on-policy checks). ℓ is clamped to ±LOG_RATIO_BOUND where it is exponentiated (per
 token, and per-sequence sums/means). Per-sequence vectors are float64.
 """
 
@@ -28,6 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
+from correction import _native
 from correction._common import LOG_RATIO_BOUND, check_finite, check_pair, compute_dtype
 from correction.types import ISLevel, RejectionRule, RSOption
 
@@ -216,11 +228,119 @@ def correction_pass(
     need_k2_rows = bool(options & {RSOption.SEQ_SUM_K2, RSOption.SEQ_MEAN_K2})
     need_minmax = bool(options & {RSOption.SEQ_MAX_K2, RSOption.SEQ_MAX_K3})
     need_k3_tok = RSOption.TOKEN_K3 in options
-    token_is = is_level is ISLevel.TOKEN
-    need_em1 = token_is or need_k3_rows or need_k3_tok
 
     weights = torch.empty((batch, length), dtype=dtype, device=device) if is_level else None
     keep = torch.empty((batch, length), dtype=dtype, device=device) if rules else None
+    plan = _Plan(
+        is_level, threshold, token_rules, diag, need_k3_rows, need_k2_rows, need_minmax, need_k3_tok
+    )
+    native = _native_kernel(log_ratio, response_mask, rollout_log_probs, train_log_probs)
+    found = None
+    if native is not None:
+        found = _native_blocks(
+            native,
+            plan,
+            log_ratio,
+            response_mask,
+            rollout_log_probs,
+            train_log_probs,
+            weights,
+            keep,
+        )
+    if found is None:  # torch path (also when the kernel reported a non-finite value: it raises)
+        found = _torch_blocks(
+            plan,
+            log_ratio,
+            response_mask,
+            rollout_log_probs,
+            train_log_probs,
+            weights,
+            keep,
+            name,
+        )
+    cat, totals, (w_max, w_min) = found
+    seq_len = cat["seq_len"]
+    if keep is not None:
+        kept = cat.get("kept_token", seq_len)
+        if seq_rules:
+            # Sequence-scope rules need only [B] statistics: decide once, then zero just the rows
+            # that were dropped (index_fill touches those rows only).
+            seq_keep_all = torch.ones_like(seq_len, dtype=torch.bool)
+            for rule in seq_rules:
+                ok = _seq_keep(rule, cat)
+                cat[f"seq_keep/{rule.option.value}"] = ok
+                seq_keep_all &= ok
+            dropped = (~seq_keep_all).nonzero().view(-1)
+            if dropped.numel():
+                keep.index_fill_(0, dropped, 0.0)
+                if weights is not None:
+                    weights.index_fill_(0, dropped, 0.0)
+            kept = torch.where(seq_keep_all, kept, 0.0)
+        cat["kept"] = kept
+    n_tok = seq_len.sum()
+    valid = seq_len > 0
+    n_seq = valid.sum().to(_F64)
+    metrics: Metrics = {}
+    if is_level is not None:
+        assert weights is not None
+        extremes = (max(w_max), min(w_min)) if w_max else (0.0, 0.0)
+        metrics.update(_is_metrics(is_level, threshold, totals, extremes, cat, n_tok, n_seq, valid))
+        if batch_normalize:
+            mean = metrics["is_weight_mean"]
+            assert isinstance(mean, torch.Tensor)
+            factor = torch.where(mean > 0, mean, 1.0)
+            weights.div_(factor.to(dtype))
+            metrics["is_batch_norm_factor"] = factor
+    if rules is not None:
+        metrics.update(_rs_metrics(rules, cat, n_tok, n_seq, valid))
+    if diag:
+        metrics.update(_diagnostics(totals, cat, n_tok, n_seq, valid))
+    return PassResult(weights, keep, metrics)
+
+
+@dataclass
+class _Plan:
+    """What one call computes (decided once per call from its options)."""
+
+    is_level: ISLevel | None
+    threshold: float
+    token_rules: list[RejectionRule]
+    diag: bool
+    need_k3_rows: bool
+    need_k2_rows: bool
+    need_minmax: bool
+    need_k3_tok: bool
+
+
+_Found = tuple[dict[str, torch.Tensor], torch.Tensor, tuple[list[float], list[float]]]
+"""(per-sequence float64 statistics by key, ``[4]`` float64 block totals, token w max/min)."""
+
+
+def _torch_blocks(
+    plan: _Plan,
+    log_ratio: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None,
+    train_log_probs: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    keep: torch.Tensor | None,
+    name: str,
+) -> _Found:
+    """The eager torch pass over cache-sized row blocks (any device and dtype)."""
+    first = train_log_probs if log_ratio is None else log_ratio
+    assert first is not None
+    dtype = compute_dtype(first)
+    batch, length = first.shape
+    device = first.device
+    is_level, threshold, token_rules, diag = (
+        plan.is_level,
+        plan.threshold,
+        plan.token_rules,
+        plan.diag,
+    )
+    need_k3_rows, need_k2_rows, need_minmax = plan.need_k3_rows, plan.need_k2_rows, plan.need_minmax
+    token_is = is_level is ISLevel.TOKEN
+    need_em1 = token_is or need_k3_rows or plan.need_k3_tok
     # "neg_sum" and "rollout_sum" are adjacent: one finiteness check covers both.
     row_keys = ["neg_sum", "rollout_sum", "seq_len"]
     row_keys += ["em1_sum", "neg_clamped_sum"] if need_k3_rows else []
@@ -249,7 +369,9 @@ def correction_pass(
         mask = response_mask[r0:r1].detach().to(dtype)
         nlr = ws_lr[:n_rows]  # −ℓ, 0 on padding: the sign that makes exp a single multiply
         # --- −ℓ and Σ_t m·log π_rollout; the rollout block is read once for both ---
-        rollout = rollout_log_probs[r0:r1].detach().to(dtype) if diag else None
+        rollout = (
+            rollout_log_probs[r0:r1].detach().to(dtype) if rollout_log_probs is not None else None
+        )
         train = values = None
         if rollout is not None:
             rollout_masked = torch.mul(rollout, mask, out=ws_tmp[:n_rows])
@@ -311,14 +433,12 @@ def correction_pass(
 
         # --- sequence-level IS weights (statistics over the original response mask) ---
         if weights is not None and not token_is:
-            seq_len = rows("seq_len").to(_F64)
-            log_w = -rows("neg_sum").to(_F64)
-            if is_level is ISLevel.GEOMETRIC:
-                log_w = log_w / seq_len.clamp(min=1.0)
-            log_w = torch.clamp(log_w, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
-            seq_w = torch.where(seq_len > 0, torch.clamp(torch.exp(log_w), max=threshold), 0.0)
+            assert is_level is not None
+            seq_w, seq_trunc = _seq_weights(
+                is_level, threshold, -rows("neg_sum").to(_F64), rows("seq_len").to(_F64)
+            )
             seq_w_rows.append(seq_w)
-            seq_trunc_rows.append((log_w > math.log(threshold)) & (seq_len > 0))
+            seq_trunc_rows.append(seq_trunc)
             torch.mul(seq_w.to(dtype).unsqueeze(-1), mask, out=weights[r0:r1])
 
         # --- RS: token-scope rules here (AND), sequence-scope rules after the loop ---
@@ -339,7 +459,6 @@ def correction_pass(
 
     cat = rows.as_float64()
     cat["seq_sum"] = -cat["neg_sum"]
-    seq_len = cat["seq_len"]
     if need_k3_rows:
         # the clamp removes the rounding sign-noise on exactly on-policy rows
         cat["k3_sum"] = torch.clamp(cat["em1_sum"] + cat["neg_clamped_sum"], min=0.0)
@@ -352,43 +471,102 @@ def correction_pass(
         cat["seq_trunc"] = torch.cat(seq_trunc_rows)
     if len(token_rules) == 1:
         cat["kept_token"] = cat[f"kept/{token_rules[0].option.value}"]
-    totals = block_sums.to(_F64).sum(dim=1)  # [len(_BLOCK_SUMS)]
-    if keep is not None:
-        kept = cat.get("kept_token", seq_len)
-        if seq_rules:
-            # Sequence-scope rules need only [B] statistics: decide once, then zero just the rows
-            # that were dropped (index_fill touches those rows only).
-            seq_keep_all = torch.ones_like(seq_len, dtype=torch.bool)
-            for rule in seq_rules:
-                ok = _seq_keep(rule, cat)
-                cat[f"seq_keep/{rule.option.value}"] = ok
-                seq_keep_all &= ok
-            dropped = (~seq_keep_all).nonzero().view(-1)
-            if dropped.numel():
-                keep.index_fill_(0, dropped, 0.0)
-                if weights is not None:
-                    weights.index_fill_(0, dropped, 0.0)
-            kept = torch.where(seq_keep_all, kept, 0.0)
-        cat["kept"] = kept
-    n_tok = seq_len.sum()
-    valid = seq_len > 0
-    n_seq = valid.sum().to(_F64)
-    metrics: Metrics = {}
-    if is_level is not None:
-        assert weights is not None
-        extremes = (max(w_max), min(w_min)) if w_max else (0.0, 0.0)
-        metrics.update(_is_metrics(is_level, threshold, totals, extremes, cat, n_tok, n_seq, valid))
-        if batch_normalize:
-            mean = metrics["is_weight_mean"]
-            assert isinstance(mean, torch.Tensor)
-            factor = torch.where(mean > 0, mean, 1.0)
-            weights.div_(factor.to(dtype))
-            metrics["is_batch_norm_factor"] = factor
-    if rules is not None:
-        metrics.update(_rs_metrics(rules, cat, n_tok, n_seq, valid))
-    if diag:
-        metrics.update(_diagnostics(totals, cat, n_tok, n_seq, valid))
-    return PassResult(weights, keep, metrics)
+    return cat, block_sums.to(_F64).sum(dim=1), (w_max, w_min)
+
+
+def _seq_weights(
+    level: ISLevel, threshold: float, seq_sum: torch.Tensor, seq_len: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[rows]`` float64 sequence-level IS weights and their truncation flags (bool)."""
+    log_w = seq_sum / seq_len.clamp(min=1.0) if level is ISLevel.GEOMETRIC else seq_sum
+    log_w = torch.clamp(log_w, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    seq_w = torch.where(seq_len > 0, torch.clamp(torch.exp(log_w), max=threshold), 0.0)
+    return seq_w, (log_w > math.log(threshold)) & (seq_len > 0)
+
+
+def _native_kernel(
+    log_ratio: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None,
+    train_log_probs: torch.Tensor | None,
+) -> _native.NativeKernel | None:
+    """The fused C kernel when this call can use it: CPU, float32, contiguous, non-empty inputs
+    (and the kernel is enabled and built, see ``correction._native``); else None."""
+    inputs = [t for t in (log_ratio, rollout_log_probs, train_log_probs) if t is not None]
+    if not all(
+        t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in inputs
+    ):
+        return None
+    if response_mask.device.type != "cpu" or response_mask.numel() == 0:
+        return None
+    return _native.kernel()
+
+
+def _native_blocks(
+    native: _native.NativeKernel,
+    plan: _Plan,
+    log_ratio: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None,
+    train_log_probs: torch.Tensor | None,
+    weights: torch.Tensor | None,
+    keep: torch.Tensor | None,
+) -> _Found | None:
+    """The fused pass (one C loop per row, float64 row statistics); None if the kernel reported
+    a non-finite input or a mask value other than 0/1 (the caller then runs the torch path)."""
+    batch = response_mask.shape[0]
+    mask = response_mask.detach().to(torch.float32).contiguous()
+    bounds = {r.option: r for r in plan.token_rules}
+    inf = math.inf
+    k1, k2, k3 = (bounds.get(o) for o in (RSOption.TOKEN_K1, RSOption.TOKEN_K2, RSOption.TOKEN_K3))
+    params = torch.tensor(
+        [
+            plan.threshold,
+            math.log(k1.lower) if k1 is not None and k1.lower is not None else -inf,
+            math.log(k1.upper) if k1 is not None else inf,
+            math.sqrt(2.0 * k2.upper) if k2 is not None else inf,
+            k3.upper if k3 is not None else inf,
+        ],
+        dtype=torch.float32,
+    )
+    stats = torch.empty((_native.N_STATS, batch), dtype=_F64)
+    sums = torch.tensor([0.0, 0.0, 0.0, 0.0, -inf, inf], dtype=_F64)
+    token_is = plan.is_level is ISLevel.TOKEN
+    code = native.rows(
+        train_log_probs.detach() if log_ratio is None and train_log_probs is not None else None,
+        rollout_log_probs.detach() if rollout_log_probs is not None else None,
+        log_ratio.detach() if log_ratio is not None else None,
+        mask,
+        params,
+        weights if token_is else None,
+        keep,
+        stats,
+        sums,
+        threads=torch.get_num_threads(),
+    )
+    if code:
+        return None
+    cat = dict(zip(_native.STAT_KEYS, stats.unbind(0), strict=True))
+    cat["seq_sum"] = -cat["neg_sum"]
+    cat["k3_sum"] = torch.clamp(cat["k3_sum"], min=0.0)  # rounding sign-noise when on-policy
+    cat["k2_sum"] = 0.5 * cat.pop("k2x2_sum")
+    cat["lr_min"], cat["lr_max"] = -cat["neg_max"], -cat["neg_min"]
+    if len(plan.token_rules) <= 1:
+        # kept_token is absent without token rules, the single rule's count with one (torch path)
+        del cat["kept_token"]
+        if plan.token_rules:
+            cat["kept_token"] = cat[f"kept/{plan.token_rules[0].option.value}"]
+    if weights is not None and not token_is:
+        assert plan.is_level is not None
+        cat["seq_w"], cat["seq_trunc"] = _seq_weights(
+            plan.is_level, plan.threshold, cat["seq_sum"], cat["seq_len"]
+        )
+        torch.mul(cat["seq_w"].to(torch.float32).unsqueeze(-1), mask, out=weights)
+        if keep is not None and plan.token_rules:
+            weights.mul_(keep)
+    w_hi, w_lo = float(sums[4]), float(sums[5])
+    extremes = ([w_hi], [w_lo]) if math.isfinite(w_hi) and math.isfinite(w_lo) else ([], [])
+    return cat, sums[:4].clone(), extremes
 
 
 _W_SUM, _W_SQ, _N_TRUNC, _EM1_SQ = range(4)
