@@ -234,30 +234,11 @@ def correction_pass(
     plan = _Plan(
         is_level, threshold, token_rules, diag, need_k3_rows, need_k2_rows, need_minmax, need_k3_tok
     )
+    tensors = (log_ratio, response_mask, rollout_log_probs, train_log_probs, weights, keep)
     native = _native_kernel(log_ratio, response_mask, rollout_log_probs, train_log_probs)
-    found = None
-    if native is not None:
-        found = _native_blocks(
-            native,
-            plan,
-            log_ratio,
-            response_mask,
-            rollout_log_probs,
-            train_log_probs,
-            weights,
-            keep,
-        )
+    found = _native_blocks(native, plan, *tensors) if native is not None else None
     if found is None:  # torch path (also when the kernel reported a non-finite value: it raises)
-        found = _torch_blocks(
-            plan,
-            log_ratio,
-            response_mask,
-            rollout_log_probs,
-            train_log_probs,
-            weights,
-            keep,
-            name,
-        )
+        found = _torch_blocks(plan, *tensors, name)
     cat, totals, (w_max, w_min) = found
     seq_len = cat["seq_len"]
     if keep is not None:

@@ -314,15 +314,10 @@ def test_nonfinite_padding_and_fractional_mask_fall_back_to_torch(
 ) -> None:
     train, rollout, mask = _batch(5, 12, seed=7)
     mask[3, 6:] = 0.0
-    clean = _run(
-        False,
-        monkeypatch,
-        log_ratio=None,
-        response_mask=mask,
-        is_level=ISLevel.TOKEN,
-        train_log_probs=train,
-        rollout_log_probs=rollout,
-    )
+    # train/rollout are changed in place below, after the clean run.
+    inputs = {"log_ratio": None, "response_mask": mask, "is_level": ISLevel.TOKEN}
+    inputs |= {"train_log_probs": train, "rollout_log_probs": rollout}
+    clean = _run(False, monkeypatch, **inputs)
     calls: list[int] = []
     original = engine._torch_blocks
 
@@ -333,15 +328,7 @@ def test_nonfinite_padding_and_fractional_mask_fall_back_to_torch(
     monkeypatch.setattr(engine, "_torch_blocks", spy)
     train[3, 8] = bad
     rollout[3, 9] = bad
-    got = _run(
-        True,
-        monkeypatch,
-        log_ratio=None,
-        response_mask=mask,
-        is_level=ISLevel.TOKEN,
-        train_log_probs=train,
-        rollout_log_probs=rollout,
-    )
+    got = _run(True, monkeypatch, **inputs)
     assert calls == [1]
     _assert_same(got, clean, torch.zeros(0), mask, ISLevel.TOKEN)
     half = mask.clone()
