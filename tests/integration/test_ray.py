@@ -90,6 +90,25 @@ def _children(pid: int) -> set[int]:
     return out
 
 
+def _local_children(pid: int) -> set[int]:
+    """Descendants of ``pid`` outside the Ray head's process tree.
+
+    The fixture's ``ray start --head`` is a child of this test process, so every process the
+    cluster spawns (raylet, actor workers) descends from it too, for as long as it lives. Those
+    are Ray's, not ours: what must not happen is work running here or in a subprocess we
+    started ourselves.
+    """
+    mine = _children(pid)
+    for child in list(mine):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"start" in argv and b"--head" in argv and any(a.endswith(b"ray") for a in argv):
+            mine -= {child} | _children(child)
+    return mine
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -189,7 +208,7 @@ def test_train_two_steps_on_ray(ray_cluster: str, tiny_model_dir: Path, tmp_path
     assert result.steps == 2 and result.version == 2
     assert (Path(result.output_dir) / "final_model").is_dir()
     # The server ran in the server actor: not a child of this test process; stopped at the end.
-    mine = _children(os.getpid())
+    mine = _local_children(os.getpid())
     (server,) = info["servers"]
     assert server["server_pid"] not in mine and server["actor_pid"] not in mine
     assert server["url"].startswith("http://127.0.0.1:")
