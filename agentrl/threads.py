@@ -1,0 +1,220 @@
+"""One CPU-thread plan for every process of a run.
+
+Why it exists: torch sizes its intra-op pool to every core it can see, in *every* process. A
+run is several processes (the trainer, each embedded inference server, tool/reward workers), so
+on a 2-core laptop the quickstart ran 3 processes x 2 threads, and was measured 1.5-3x slower
+than with one thread each; weight pushes queued 0.5-22 s behind oversubscribed generation.
+Here the run decides, once, how many threads each process gets from the cores it may use, and
+each process applies its share before torch starts any parallel work.
+
+Guarantees:
+
+- :func:`make_plan` never gives a process fewer than one thread, and by default the threads of
+  all processes add up to at most the usable cores (or one each when there are more processes
+  than cores: one thread per process is the measured best then).
+- :meth:`ProcessThreads.env` is what a child process needs (``OMP_NUM_THREADS``,
+  ``MKL_NUM_THREADS``, ...; ``AGENTRL_THREADS`` for our own servers), so a child that imports
+  torch starts with the right pool; :meth:`ProcessThreads.apply` sets torch's intra-op and
+  inter-op pools (and the CPU affinity when the plan pins) in the current process.
+- The plan is plain data (it pickles, crosses Ray) and :meth:`ThreadPlan.describe` is the one
+  line logged at start-up.
+
+Example::
+
+    plan = make_plan(num_servers=2)                 # 2 cores -> trainer 1, servers 1 + 1
+    plan.trainer.apply()                            # in the trainer process, early
+    env = {**os.environ, **plan.servers[0].env()}   # for the first server's subprocess
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "ProcessThreads",
+    "ThreadPlan",
+    "apply_env_threads",
+    "available_cpus",
+    "make_plan",
+]
+
+logger = logging.getLogger(__name__)
+
+THREAD_ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+)
+"""Environment variables that size the BLAS/OpenMP pools of a child process."""
+
+ENV_THREADS = "AGENTRL_THREADS"
+"""Set for a child process by the plan: its intra-op thread count (read by :func:`apply_env_threads`)."""
+ENV_CPUS = "AGENTRL_CPUS"
+"""Set for a child process by a pinning plan: its CPU list, comma separated."""
+
+
+def available_cpus() -> tuple[int, ...]:
+    """The CPUs this process may run on (``os.sched_getaffinity``; all CPUs where unsupported)."""
+    try:
+        return tuple(sorted(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return tuple(range(os.cpu_count() or 1))
+
+
+@dataclass(frozen=True)
+class ProcessThreads:
+    """The share of one process: intra-op threads, inter-op threads, and CPUs when pinned."""
+
+    role: str
+    threads: int
+    interop_threads: int = 1
+    cpus: tuple[int, ...] | None = None
+    """CPUs to pin the process to; None = not pinned."""
+
+    def env(self) -> dict[str, str]:
+        """Environment for a child process that runs this share."""
+        env = {name: str(self.threads) for name in THREAD_ENV_VARS}
+        env[ENV_THREADS] = str(self.threads)
+        if self.cpus is not None:
+            env[ENV_CPUS] = ",".join(str(c) for c in self.cpus)
+        return env
+
+    def apply(self) -> None:
+        """Size torch's pools (and pin) in *this* process; call before torch does parallel work."""
+        _apply(self.threads, self.interop_threads, self.cpus)
+
+    def describe(self) -> str:
+        """``role=N`` (and ``@cpus`` when pinned)."""
+        where = "" if self.cpus is None else "@" + ",".join(str(c) for c in self.cpus)
+        return f"{self.role}={self.threads}{where}"
+
+
+@dataclass(frozen=True)
+class ThreadPlan:
+    """Threads of every process of one run, decided once from the usable CPUs."""
+
+    cpus: tuple[int, ...]
+    trainer: ProcessThreads
+    servers: tuple[ProcessThreads, ...] = ()
+    workers: ProcessThreads = field(default_factory=lambda: ProcessThreads("workers", 1))
+    """Tool and reward worker processes (each gets this share)."""
+
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. ``2 cpus: trainer=1 server0=1 server1=1``."""
+        parts = [self.trainer.describe(), *(s.describe() for s in self.servers)]
+        parts.append(self.workers.describe())
+        return f"{len(self.cpus)} cpus: " + " ".join(parts)
+
+
+def _share(total: int, parts: int) -> list[int]:
+    """``total`` split into ``parts`` near-equal positive integers (the first get the extra)."""
+    base, extra = divmod(total, parts)
+    return [max(1, base + (1 if i < extra else 0)) for i in range(parts)]
+
+
+def make_plan(
+    num_servers: int,
+    *,
+    cpus: Sequence[int] | int | None = None,
+    trainer_threads: int | None = None,
+    server_threads: int | None = None,
+    pin: bool = False,
+    external_servers: bool = False,
+) -> ThreadPlan:
+    """Split the usable CPUs between the trainer and ``num_servers`` local servers.
+
+    Args:
+        num_servers: inference servers that run on this machine and share its CPUs.
+        cpus: the CPUs the run may use: a list of CPU ids, a count (the first N of the
+            affinity set), or None for every CPU of the affinity set.
+        trainer_threads / server_threads: explicit shares (override the split).
+        pin: pin each process to its own disjoint CPUs (needs at least one CPU per process;
+            otherwise the plan is made without pinning and says so in the log).
+        external_servers: the servers are not ours to size (vLLM sizes itself, or they run
+            elsewhere): the trainer gets the CPUs the local servers leave.
+    """
+    usable = available_cpus()
+    if isinstance(cpus, int):
+        if cpus < 1:
+            raise ValueError(f"distributed.cpus={cpus}: give a positive count or a list of CPUs")
+        chosen = usable[:cpus] if cpus <= len(usable) else tuple(range(cpus))
+    elif cpus is not None:
+        chosen = tuple(sorted(set(int(c) for c in cpus)))
+        if not chosen:
+            raise ValueError("distributed.cpus=[]: list at least one CPU, or null for all")
+    else:
+        chosen = usable
+    n = len(chosen)
+    local_servers = 0 if external_servers else num_servers
+    processes = 1 + local_servers
+    shares = _share(n, processes)
+    t_trainer = trainer_threads or shares[0]
+    t_servers = [server_threads or s for s in shares[1:]]
+    cpu_sets: list[tuple[int, ...] | None] = [None] * processes
+    if pin:
+        want = [t_trainer, *t_servers]
+        if sum(want) <= n:
+            start = 0
+            for i, k in enumerate(want):
+                cpu_sets[i] = chosen[start : start + k]
+                start += k
+        else:
+            logger.warning(
+                "distributed.pin_cpus: %d processes want %d threads but only %d cpus are usable; "
+                "not pinning",
+                processes,
+                sum(want),
+                n,
+            )
+    trainer = ProcessThreads("trainer", t_trainer, 1, cpu_sets[0])
+    servers = tuple(
+        ProcessThreads(f"server{i}", t, 1, cpu_sets[1 + i]) for i, t in enumerate(t_servers)
+    )
+    return ThreadPlan(cpus=chosen, trainer=trainer, servers=servers)
+
+
+_applied: tuple[int, int, tuple[int, ...] | None] | None = None
+
+
+def _apply(threads: int, interop: int, cpus: tuple[int, ...] | None) -> None:
+    global _applied
+    for name in THREAD_ENV_VARS:
+        os.environ[name] = str(threads)
+    if cpus is not None:
+        try:
+            os.sched_setaffinity(0, cpus)
+        except (AttributeError, OSError) as exc:
+            logger.warning("cannot pin to cpus %s: %s", cpus, exc)
+    import torch
+
+    torch.set_num_threads(threads)
+    if _applied is None or _applied[1] != interop:
+        try:
+            torch.set_num_interop_threads(interop)
+        except RuntimeError:
+            # Only settable before the first inter-op parallel work; keep what is there.
+            logger.debug(
+                "torch inter-op threads already fixed at %d", torch.get_num_interop_threads()
+            )
+    _applied = (threads, interop, cpus)
+
+
+def apply_env_threads(default: int | None = None) -> int | None:
+    """In a child process: apply the share its parent's plan put in the environment.
+
+    Reads ``AGENTRL_THREADS`` (and ``AGENTRL_CPUS``); falls back to ``default``; returns the
+    thread count applied, or None when neither is set (torch keeps its own default).
+    """
+    raw = os.environ.get(ENV_THREADS)
+    threads = int(raw) if raw else default
+    if threads is None:
+        return None
+    cpus_raw = os.environ.get(ENV_CPUS)
+    cpus = tuple(int(c) for c in cpus_raw.split(",")) if cpus_raw else None
+    _apply(max(1, threads), 1, cpus)
+    return threads

@@ -1,0 +1,71 @@
+"""The thread plan: no process without a thread, no oversubscription by default, env for children."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from agentrl import threads
+from agentrl.threads import make_plan
+
+
+def test_two_cores_three_processes_get_one_thread_each() -> None:
+    plan = make_plan(2, cpus=[0, 1])
+    assert plan.trainer.threads == 1
+    assert [s.threads for s in plan.servers] == [1, 1]
+    assert plan.describe().startswith("2 cpus: trainer=1 server0=1 server1=1")
+
+
+def test_cores_are_split_without_oversubscription() -> None:
+    plan = make_plan(2, cpus=8)
+    total = plan.trainer.threads + sum(s.threads for s in plan.servers)
+    assert total == 8
+    assert plan.trainer.threads == 3
+
+
+def test_external_servers_leave_every_cpu_to_the_trainer() -> None:
+    plan = make_plan(2, cpus=4, external_servers=True)
+    assert plan.trainer.threads == 4
+    assert plan.servers == ()
+
+
+def test_explicit_shares_win() -> None:
+    plan = make_plan(1, cpus=4, trainer_threads=3, server_threads=2)
+    assert (plan.trainer.threads, plan.servers[0].threads) == (3, 2)
+
+
+def test_pinning_gives_disjoint_cpus_or_none() -> None:
+    plan = make_plan(1, cpus=[4, 5, 6, 7], pin=True)
+    assert plan.trainer.cpus == (4, 5)
+    assert plan.servers[0].cpus == (6, 7)
+    assert make_plan(3, cpus=[0, 1], pin=True).trainer.cpus is None
+
+
+def test_bad_cpu_settings_name_the_key() -> None:
+    with pytest.raises(ValueError, match=r"distributed\.cpus"):
+        make_plan(1, cpus=0)
+    with pytest.raises(ValueError, match=r"distributed\.cpus"):
+        make_plan(1, cpus=[])
+
+
+def test_child_env_sets_the_pools_before_torch_starts() -> None:
+    env = make_plan(1, cpus=[0, 1, 2, 3]).servers[0].env()
+    assert env["OMP_NUM_THREADS"] == env["AGENTRL_THREADS"] == "2"
+    code = (
+        "from agentrl.threads import apply_env_threads; import torch; "
+        "apply_env_threads(); print(torch.get_num_threads())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**env}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "2"
+
+
+def test_plan_pickles() -> None:
+    import pickle
+
+    plan = make_plan(2)
+    assert pickle.loads(pickle.dumps(plan)) == plan
+    assert threads.available_cpus()
