@@ -524,6 +524,14 @@ class DistributedConfig(Section):
     """GPUs per inference server (Ray placement)."""
     num_trainer_gpus: float = Field(default=0.0, ge=0.0)
     """GPUs for the trainer (Ray placement)."""
+    cpus: list[int] | int | None = None
+    """CPUs this run may use: a list of CPU ids, a count, or null for the process's affinity set."""
+    trainer_threads: int | None = Field(default=None, ge=1)
+    """Torch threads of the trainer process; null = its share of `cpus` (see docs/training.md)."""
+    server_threads: int | None = Field(default=None, ge=1)
+    """Torch threads of each embedded server; null = its share of `cpus`."""
+    pin_cpus: bool = False
+    """Pin the trainer and each embedded server to disjoint CPUs (when there are enough)."""
 
 
 class ExperimentConfig(Section):

@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -672,6 +672,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--request-log", default=None, help="append one JSON line per request here")
     parser.add_argument("--log-level", default="warning", help="uvicorn log level")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads (default: $AGENTRL_THREADS from the run's thread plan, "
+        "else every usable cpu)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -682,7 +689,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    print(f"agentrl serve-model: loading {args.model_dir} ...", flush=True)
+    from agentrl.threads import ENV_THREADS, apply_env_threads, available_cpus
+
+    if args.threads:
+        os.environ[ENV_THREADS] = str(args.threads)
+    threads = apply_env_threads(len(available_cpus()))
+    print(f"agentrl serve-model: loading {args.model_dir} ({threads} threads) ...", flush=True)
     import torch
     import uvicorn
 
@@ -720,11 +732,13 @@ def launch_embedded_server(
     request_log: str | Path | None = None,
     extra_args: Sequence[str] = (),
     startup_timeout_s: float = 120.0,
+    env: Mapping[str, str] | None = None,
 ) -> ServerHandle:
     """Start ``python -m agentrl serve-model`` as a subprocess and wait for ``/health``.
 
     ``port=None`` picks a free port; ``log_path=None`` writes the server's output to a temp
-    file. Raises :class:`~agentrl.inference.handle.ServerStartError` (with the log tail) if the
+    file; ``env`` is added to the child's environment (e.g. its share of the run's thread plan,
+    :meth:`agentrl.threads.ProcessThreads.env`). Raises :class:`~agentrl.inference.handle.ServerStartError` (with the log tail) if the
     server exits or is not healthy within ``startup_timeout_s``.
     """
     port = port or free_port(host)
@@ -746,7 +760,7 @@ def launch_embedded_server(
     if request_log is not None:
         cmd += ["--request-log", str(request_log)]
     cmd += list(extra_args)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
     with open(log_path, "ab") as logf:
         proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
     handle = ServerHandle(proc, f"http://{host}:{port}", log_path)

@@ -52,6 +52,7 @@ from agentrl.inference.handle import ServerHandle
 from agentrl.inference.pool import ServerPool
 from agentrl.rollout.manager import AgentLoopManager, StalenessAdmission, WorkerConfig
 from agentrl.rollout.rewards import RewardManager
+from agentrl.threads import ThreadPlan, make_plan
 from agentrl.tracking import Tracker, make_tracker, plot_metric_history
 from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
 from agentrl.training.buffer import TrajectoryBuffer
@@ -127,6 +128,19 @@ def build_tasks(
     # Held-out tasks come from another seed: val never overlaps train by construction.
     seed = int(kwargs.pop("seed", cfg.data.seed)) + (0 if split == "train" else 10_000)
     return generate_calculator_tasks(n, seed=seed, **kwargs)
+
+
+def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
+    """The run's CPU-thread plan: the trainer and each local embedded server get a share."""
+    d, inf = cfg.distributed, cfg.inference
+    return make_plan(
+        inf.num_servers,
+        cpus=d.cpus,
+        trainer_threads=d.trainer_threads,
+        server_threads=d.server_threads,
+        pin=d.pin_cpus,
+        external_servers=inf.backend != "embedded" or d.backend == "ray",
+    )
 
 
 def _seed_everything(seed: int) -> None:
@@ -236,6 +250,7 @@ class Trainer:
                 handle = launch_embedded_server(
                     model_dir,
                     log_path=logs / f"server-{i}.log",
+                    env=thread_plan(self.cfg).servers[i].env(),
                     extra_args=[
                         "--max-batch-size",
                         str(cfg.max_batch_size),
@@ -427,7 +442,9 @@ class Trainer:
         cfg = self.cfg
         t_start = time.perf_counter()
         _seed_everything(cfg.trainer.seed)
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        self.thread_plan = thread_plan(cfg)
+        self.thread_plan.trainer.apply()
+        logger.info("thread plan: %s", self.thread_plan.describe())
         model_dir = self._model_dir()
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         if tokenizer.pad_token_id is None:
