@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from correction import CorrectionConfig
 
 __all__ = [
+    "AdvantageSection",
     "AgentConfig",
     "AlgorithmConfig",
     "CheckpointConfig",
@@ -65,6 +66,7 @@ __all__ = [
     "ExperimentConfig",
     "InferenceConfig",
     "KLControlConfig",
+    "LossSection",
     "ModelConfig",
     "PythonToolConfig",
     "RejectionRuleConfig",
@@ -77,6 +79,7 @@ __all__ = [
     "ToolsConfig",
     "TrackingConfig",
     "TrainerConfig",
+    "VariantSection",
     "apply_overrides",
     "config_markdown",
     "load_any_config",
@@ -360,27 +363,54 @@ class CorrectionSection(Section):
             raise ConfigError(f"algorithm.correction: {exc}") from exc
 
 
+class VariantSection(BaseModel):
+    """A choice among registered variants: ``name`` plus that variant's own knobs.
+
+    Written ``{name: grpo, norm_adv_by_std_in_grpo: false}`` or just ``grpo``. The knobs are
+    the keyword options of the registered function (its signature is their schema and holds
+    their defaults); they are validated, with the key path in every error, by the run's
+    resolution pass before any server starts (``agentrl.training.algorithm``), since knowing
+    them needs the registry (torch). A ``module:function`` name is a custom variant.
+    """
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    name: str
+    """Registered name, or `module:function` / `path/file.py:function` for your own."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+    def knobs(self) -> dict[str, Any]:
+        """The variant's own options (everything but ``name``)."""
+        return dict(self.model_extra or {})
+
+
+class AdvantageSection(VariantSection):
+    """Advantage estimator and its knobs, e.g. `{name: gae, gamma: 1.0, lam: 0.95}`."""
+
+    name: str = "grpo"
+    """Estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg (+ the knobs of the one chosen, see docs/algorithms.md), or `module:function`."""
+
+
+class LossSection(VariantSection):
+    """Policy loss and its knobs, e.g. `{name: vanilla, clip_ratio_low: 0.2, clip_ratio_high: 0.28}`."""
+
+    name: str = "vanilla"
+    """Loss: vanilla (PPO clip + dual clip; alias ppo_clip), gspo, cispo, reinforce (+ its knobs, see docs/algorithms.md), or `module:function`."""
+
+
 class AlgorithmConfig(Section):
     """Advantage estimator, policy loss, KL and off-policy correction."""
 
-    adv_estimator: str = "grpo"
-    """Advantage estimator (gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg, or a registered name)."""
-    norm_adv_by_std_in_grpo: bool = True
-    """GRPO: divide by the group std (False = Dr.GRPO)."""
-    gamma: float = Field(default=1.0, ge=0.0, le=1.0)
-    """Discount factor (GAE, REINFORCE++)."""
-    lam: float = Field(default=1.0, ge=0.0, le=1.0)
-    """GAE λ."""
+    advantage: AdvantageSection = Field(default_factory=AdvantageSection)
+    """Advantage estimator (a name, or `{name: ..., <knob>: ...}`)."""
+    loss: LossSection = Field(default_factory=LossSection)
+    """Policy loss (a name, or `{name: ..., <knob>: ...}`)."""
     cliprange_value: float = Field(default=0.5, gt=0.0)
     """GAE critic: value-loss clip, V_clip = V_old + clip(V - V_old, ±cliprange_value)."""
-    policy_loss: str = "vanilla"
-    """Policy loss (vanilla, gspo, cispo, bypass, reinforce, or a registered name)."""
-    clip_ratio_low: float = Field(default=0.2, ge=0.0)
-    """PPO clip: lower bound is 1 - clip_ratio_low."""
-    clip_ratio_high: float = Field(default=0.28, ge=0.0)
-    """PPO clip: upper bound is 1 + clip_ratio_high (clip-higher, DAPO)."""
-    clip_ratio_c: float = Field(default=3.0, gt=1.0)
-    """Dual-clip bound for negative advantages."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -539,6 +569,10 @@ class ExperimentConfig(Section):
 
     kind: Literal["rl"] = "rl"
     """Schema of this file: `rl` (this one) or `sft`."""
+    imports: list[str] = Field(default_factory=list)
+    """Your code, imported before anything is built (driver, Ray actors, subprocesses): module names, or `.py` files / package folders relative to this file."""
+    base_dir: str | None = None
+    """Folder that relative paths in this config resolve against; null = the config file's folder (set when the file is loaded)."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """The policy model."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -788,6 +822,8 @@ def apply_overrides(
                 ann = _strip_optional(model.model_fields[part].annotation)
             model = ann if _is_model(ann) else None
             child = node.get(part)
+            if isinstance(child, str) and isinstance(ann, type) and issubclass(ann, VariantSection):
+                child = node[part] = {"name": child}  # `loss: vanilla` shorthand, then a knob
             if child is None:
                 child = node[part] = default
             elif not isinstance(child, dict):
@@ -899,11 +935,37 @@ def _error_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     return lines
 
 
+MOVED_KEYS: dict[str, str] = {
+    "algorithm.adv_estimator": "algorithm.advantage: {name: <estimator>}",
+    "algorithm.norm_adv_by_std_in_grpo": "algorithm.advantage: {name: grpo, norm_adv_by_std_in_grpo: <bool>}",
+    "algorithm.gamma": "algorithm.advantage: {name: <gae|reinforce_plus_plus>, gamma: <float>}",
+    "algorithm.lam": "algorithm.advantage: {name: gae, lam: <float>}",
+    "algorithm.policy_loss": "algorithm.loss: {name: <loss>}",
+    "algorithm.clip_ratio_low": "algorithm.loss: {name: vanilla, clip_ratio_low: <float>}",
+    "algorithm.clip_ratio_high": "algorithm.loss: {name: vanilla, clip_ratio_high: <float>}",
+    "algorithm.clip_ratio_c": "algorithm.loss: {name: vanilla, clip_ratio_c: <float>}",
+}
+"""Keys of earlier versions -> where they live now (a clear migration error, not a silent drop)."""
+
+
+def _moved_key_errors(data: dict[str, Any]) -> list[str]:
+    lines = []
+    for old, new in MOVED_KEYS.items():
+        section, _, key = old.partition(".")
+        node = data.get(section)
+        if isinstance(node, dict) and key in node:
+            lines.append(f"'{old}' moved: write `{new}` (see docs/configuration.md)")
+    return lines
+
+
 def validate_config(data: dict[str, Any], schema: type[ConfigT], source: str = "") -> ConfigT:
     """Validate a raw mapping against ``schema``; raise :class:`ConfigError` with dotted paths."""
     where = f" in {source}" if source else ""
     if not isinstance(data, dict):
         raise ConfigError(f"config{where} must be a mapping of sections, got {type(data).__name__}")
+    moved = _moved_key_errors(data) if schema is ExperimentConfig else []
+    if moved:
+        raise ConfigError(f"invalid {schema.__name__}{where}:\n  " + "\n  ".join(moved))
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -938,13 +1000,18 @@ def load_any_config(
     """Load a YAML file (or defaults when ``path`` is None), apply overrides, dispatch on ``kind``."""
     data, source = _read_yaml(path)
     overrides = list(overrides)
-    kind = apply_overrides(data, overrides).get("kind", "rl")
+    kind = apply_overrides(
+        {"kind": data.get("kind", "rl")}, [o for o in overrides if o.strip().startswith("kind=")]
+    )["kind"]
     schema = KINDS.get(kind) if isinstance(kind, str) else None
     if schema is None:
         guess = _closest(str(kind), KINDS)
         hint = f"; did you mean {guess!r}?" if guess else ""
         raise ConfigError(f"'kind' in {source} is {kind!r}; valid kinds: {', '.join(KINDS)}{hint}")
-    return validate_config(apply_overrides(data, overrides, schema), schema, source)
+    cfg = validate_config(apply_overrides(data, overrides, schema), schema, source)
+    if isinstance(cfg, ExperimentConfig) and cfg.base_dir is None and path is not None:
+        cfg.base_dir = str(Path(path).resolve().parent)
+    return cfg
 
 
 def load_config(path: str | Path | None, overrides: typing.Iterable[str] = ()) -> ExperimentConfig:

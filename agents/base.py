@@ -11,7 +11,7 @@ Read this module first when writing an agent. The vocabulary:
   :meth:`AgentContext.call_tools`, :meth:`AgentContext.finish`);
 - agents are registered by name (:func:`register_agent`); a task's ``agent`` column picks one.
 
-Guarantees the helpers give an agent (see ``agentrl.rollout.episode``): each request's prompt is
+Guarantees the helpers give an agent (see ``agentrl.episode``): each request's prompt is
 the previous prompt plus exactly the generated tokens plus the tokenized delta of the new
 messages; budgets (``max_response_tokens``, ``max_context_tokens``) are enforced by truncation;
 the manager can always build a partial trajectory from ``ctx.recorder`` when an agent raises or
@@ -60,12 +60,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
-from agentrl.rollout.episode import EpisodeRecorder, get_delta_renderer
+from agentrl.episode import EpisodeRecorder, get_delta_renderer
+from agentrl.registry import Registry
 from agentrl.types import Generation, Message, Policy, SamplingParams, StopReason, Task, Trajectory
 from agents.parsers import ParseResult, ToolCallParser, get_parser
 from tools import Tool, ToolEpisode, ToolResult, ToolSet
 
 __all__ = [
+    "AGENTS",
     "INVALID_TOOL",
     "AgentContext",
     "AgentLimits",
@@ -348,7 +350,19 @@ class AgentLoop(ABC):
     async def run(self, task: Task, ctx: AgentContext) -> Trajectory: ...
 
 
-_AGENTS: dict[str, type[AgentLoop]] = {}
+def _check_agent(obj: Any) -> None:
+    if not (isinstance(obj, type) and issubclass(obj, AgentLoop)):
+        raise TypeError(f"an agent must be an AgentLoop subclass, got {obj!r}")
+
+
+AGENTS: Registry[type[AgentLoop]] = Registry(
+    "agent",
+    config_key="agent.default",
+    check=_check_agent,
+    how_to_register="decorate an AgentLoop subclass with @register_agent('name') in a module "
+    "listed under `imports:`, or give 'module:Class' / 'path/file.py:Class'",
+)
+"""Every agent by name; a task's ``agent`` column or ``agent.default`` picks one."""
 
 A = TypeVar("A", bound=type[AgentLoop])
 
@@ -357,28 +371,25 @@ def register_agent(name: str | None = None) -> Callable[[A], A]:
     """Class decorator: ``@register_agent("my_agent")`` makes tasks with ``agent="my_agent"`` use it."""
 
     def wrap(cls: A) -> A:
-        if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):
-            raise TypeError(f"@register_agent needs an AgentLoop subclass, got {cls!r}")
+        _check_agent(cls)
         key = name or cls.name or cls.__name__
-        cls.name = key
-        _AGENTS[key] = cls
+        AGENTS.add(key, cls)
+        if not cls.name:
+            cls.name = key
         return cls
 
     return wrap
 
 
 def list_agents() -> list[str]:
-    return sorted(_AGENTS)
+    """Names of the registered agents."""
+    return AGENTS.names()
 
 
-def get_agent_class(name: str) -> type[AgentLoop]:
-    try:
-        return _AGENTS[name]
-    except KeyError:
-        raise ValueError(
-            f"unknown agent {name!r} (the task's 'agent' column); registered agents: "
-            f"{', '.join(list_agents()) or '(none)'}; register one with @register_agent({name!r})"
-        ) from None
+def get_agent_class(name: str, *, key: str = "agent", base_dir: str | None = None) -> type[AgentLoop]:
+    """The agent class for a registered name or a ``module:Class`` spec (``key`` names the
+    config key or column in errors)."""
+    return AGENTS.get(name, key=key, base_dir=base_dir)
 
 
 def create_agent(name: str, **kwargs: Any) -> AgentLoop:

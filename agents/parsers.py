@@ -29,7 +29,10 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.registry import Registry
+
 __all__ = [
+    "PARSERS",
     "HermesParser",
     "JsonParser",
     "MistralParser",
@@ -224,32 +227,36 @@ class MistralParser(ToolCallParser):
         return ParseResult(content=content, calls=calls, errors=errors)
 
 
-_PARSERS: dict[str, type[ToolCallParser]] = {
-    "hermes": HermesParser,
-    "json": JsonParser,
-    "llama3_json": JsonParser,
-    "mistral": MistralParser,
-}
+def _check_parser(obj: Any) -> None:
+    if not (isinstance(obj, type) and issubclass(obj, ToolCallParser)):
+        raise TypeError(f"a tool-call parser must be a ToolCallParser subclass, got {obj!r}")
+
+
+PARSERS: Registry[type[ToolCallParser]] = Registry(
+    "tool-call format",
+    config_key="agent.tool_call_format",
+    check=_check_parser,
+    how_to_register="register a ToolCallParser subclass with register_parser('name', cls), or "
+    "give 'module:Class'",
+)
+"""Tool-call parsers by format name."""
+PARSERS.add("hermes", HermesParser)
+PARSERS.add("json", JsonParser, "llama3_json")
+PARSERS.add("mistral", MistralParser)
 
 
 def register_parser(name: str, parser_cls: type[ToolCallParser]) -> type[ToolCallParser]:
     """Make ``parser_cls`` available as ``get_parser(name)``."""
-    _PARSERS[name] = parser_cls
-    return parser_cls
+    return PARSERS.add(name, parser_cls)
 
 
 def list_parsers() -> list[str]:
-    return sorted(_PARSERS)
+    """Names of the registered tool-call formats."""
+    return PARSERS.names()
 
 
 def get_parser(name: str | ToolCallParser) -> ToolCallParser:
-    """A parser by format name (``hermes``, ``json``/``llama3_json``, ``mistral``)."""
+    """A parser by format name (``hermes``, ``json``/``llama3_json``, ``mistral``) or spec."""
     if isinstance(name, ToolCallParser):
         return name
-    try:
-        return _PARSERS[name]()
-    except KeyError:
-        raise ValueError(
-            f"unknown tool-call format {name!r} (agent.tool_call_format); "
-            f"available: {', '.join(list_parsers())}"
-        ) from None
+    return PARSERS.get(name)()

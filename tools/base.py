@@ -58,6 +58,7 @@ from typing import Any, ClassVar, Literal, overload
 
 from pydantic import BaseModel, Field, ValidationError
 
+from agentrl.registry import Registry
 from tools.schema import arguments_model, clean_schema, format_validation_error, parse_docstring
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "ToolArgumentError",
     "ToolEpisode",
     "ToolResult",
+    "TOOLS",
     "ToolSet",
     "TruncateSide",
     "get_tool",
@@ -456,6 +458,7 @@ class ToolSet:
         *,
         options: dict[str, dict[str, Any]] | None = None,
         extra: Sequence[Tool] = (),
+        base_dir: Any = None,
         **limits: Any,
     ) -> ToolSet:
         """A ToolSet of tools looked up by name (:func:`get_tool`), e.g. from a config.
@@ -478,7 +481,7 @@ class ToolSet:
         built: list[Tool] = []
         for name in names:
             try:
-                built.append(get_tool(name, **options.get(name, {})))
+                built.append(get_tool(name, base_dir=base_dir, **options.get(name, {})))
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"cannot build tool {name!r}: {exc}") from exc
         return cls([*built, *extra], **limits)
@@ -783,49 +786,60 @@ def _fmt_s(seconds: float | None) -> str:
 
 # ---- registry of built-in and user tools ----------------------------------------------------
 
-_REGISTRY: dict[str, Tool] = {}
-_BUILTINS = {
-    "calculator": ("tools.calculator", "Calculator"),
-    "python": ("tools.python_sandbox", "PythonTool"),
-    "search": ("tools.search", "SearchTool"),
-}
+
+def _check_tool(obj: Any) -> None:
+    if isinstance(obj, Tool) or (isinstance(obj, type) and issubclass(obj, Tool)):
+        return
+    raise TypeError(
+        f"a tool must be a Tool instance (e.g. made by @tool) or a Tool subclass, got {obj!r}"
+    )
 
 
-def register_tool(t: Tool) -> Tool:
-    """Register ``t`` under ``t.name`` so :func:`get_tool` (and configs) can find it.
+TOOLS: Registry[Tool | type[Tool]] = Registry(
+    "tool",
+    config_key="tools.enabled",
+    check=_check_tool,
+    how_to_register="decorate it with @register_tool (above @tool) in a module listed under "
+    "`imports:`, or give 'module:attr' / 'path/file.py:attr'",
+)
+"""Tools by name: instances (``@tool`` functions) or Tool subclasses built with options."""
+TOOLS.add_lazy("calculator", "tools.calculator:Calculator")
+TOOLS.add_lazy("python", "tools.python_sandbox:PythonTool")
+TOOLS.add_lazy("search", "tools.search:SearchTool")
 
-    Returns ``t`` unchanged, so it also works as a decorator above ``@tool``. Registering a
-    second tool under a taken name raises ``ValueError``.
+
+def register_tool(t: Any) -> Any:
+    """Register a tool (a ``Tool`` instance or a ``Tool`` subclass) under its ``name``.
+
+    Returns ``t`` unchanged, so it also works as a decorator above ``@tool`` or a class.
+    Registering a different tool under a taken name raises ``ValueError``.
     """
-    if not isinstance(t, Tool):
-        raise TypeError(f"register_tool takes a Tool, got {type(t).__name__}")
-    if t.name in _REGISTRY or t.name in _BUILTINS:
-        raise ValueError(f"a tool named {t.name!r} is already registered; pick another name")
-    _REGISTRY[t.name] = t
+    _check_tool(t)
+    name = getattr(t, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"tool {t!r} has no name; set its `name`")
+    TOOLS.add(name, t)
     return t
 
 
-def get_tool(name: str, **kwargs: Any) -> Tool:
-    """A tool by name: a built-in (``calculator``, ``python``, ``search``) or a registered one.
+def get_tool(name: str, *, key: str = "tools.enabled", base_dir: Any = None, **kwargs: Any) -> Tool:
+    """A tool by name: a built-in (``calculator``, ``python``, ``search``), a registered one, or
+    a ``module:attr`` / ``path/file.py:attr`` spec.
 
-    ``kwargs`` go to the built-in's constructor (e.g.
-    ``get_tool("python", wall_time_s=2)``, ``get_tool("search", corpus_path="docs.jsonl")``).
+    ``kwargs`` go to a Tool subclass's constructor (e.g. ``get_tool("python", wall_time_s=2)``,
+    ``get_tool("search", corpus_path="docs.jsonl")``).
     """
-    if name in _BUILTINS:
-        module_name, attr = _BUILTINS[name]
-        factory = getattr(importlib.import_module(module_name), attr)
-        return factory(**kwargs)
-    if name in _REGISTRY:
-        if kwargs:
-            raise TypeError(
-                f"tool {name!r} was registered as an instance and takes no options; "
-                f"got {sorted(kwargs)}"
-            )
-        return _REGISTRY[name]
-    known = ", ".join(sorted([*_BUILTINS, *_REGISTRY]))
-    raise KeyError(f"no tool named {name!r}; known tools: {known}")
+    obj = TOOLS.get(name, key=key, base_dir=base_dir)
+    if isinstance(obj, type):
+        return obj(**kwargs)
+    if kwargs:
+        raise TypeError(
+            f"{key}: tool {name!r} is a ready-made tool instance and takes no options; "
+            f"got {sorted(kwargs)}"
+        )
+    return obj
 
 
 def registered_tools() -> list[str]:
     """Names :func:`get_tool` accepts."""
-    return sorted([*_BUILTINS, *_REGISTRY])
+    return TOOLS.names()

@@ -29,23 +29,42 @@ from typing import Any
 
 import torch
 
-from agentrl.algos.registry import Registry, check_kwargs
+from agentrl.algos.registry import Registry, check_kwargs, describe
 from agentrl.algos.utils import group_ids, group_stats, masked_whiten
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_RESERVED",
     "AdvantageFn",
     "compute_advantage",
     "register_advantage",
 ]
 
 AdvantageFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry(
+    "advantage estimator",
+    config_key="algorithm.advantage.name",
+    how_to_register="decorate a function with @register_advantage('name') in a module listed "
+    "under `imports:`, or give 'module:function'",
+)
+ADVANTAGE_RESERVED = ("index", "values", "reward_baselines")
+"""Keyword arguments the run passes itself; every other keyword with a default is a knob."""
 GroupIndex = Sequence[Any] | torch.Tensor
 
 
-def register_advantage(name: str, *aliases: str) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage(
+    name: str,
+    *aliases: str,
+    needs_critic: bool = False,
+    needs_index: bool = False,
+    needs_greedy_baseline: bool = False,
+) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator registering a user estimator under ``name``.
+
+    The flags tell the run what the estimator needs: ``needs_critic`` (``values`` from a value
+    model), ``needs_index`` (group ids), ``needs_greedy_baseline`` (``reward_baselines``: the
+    reward of one greedy response per prompt). Its other keyword parameters with defaults are
+    its knobs (``algorithm.advantage: {name: ..., knob: value}``).
 
     The function takes ``(token_level_rewards, response_mask, **options)`` plus ``index`` and/or
     ``values`` keywords if it uses them (they are passed only when the caller gives them), and
@@ -58,7 +77,16 @@ def register_advantage(name: str, *aliases: str) -> Callable[[AdvantageFn], Adva
             adv = torch.sign(token_level_rewards.sum(-1, keepdim=True)) * response_mask
             return adv, adv
     """
-    return ADVANTAGE_ESTIMATORS.register(name, *aliases)
+    def decorator(fn: AdvantageFn) -> AdvantageFn:
+        describe(
+            fn,
+            needs_critic=needs_critic,
+            needs_index=needs_index,
+            needs_greedy_baseline=needs_greedy_baseline,
+        )
+        return ADVANTAGE_ESTIMATORS.register(name, *aliases)(fn)
+
+    return decorator
 
 
 def compute_advantage(
@@ -119,7 +147,7 @@ def _outcome(
     return adv, adv
 
 
-@register_advantage("gae")
+@register_advantage("gae", needs_critic=True)
 @torch.no_grad()
 def gae_advantage(
     token_level_rewards: torch.Tensor,
@@ -177,7 +205,7 @@ def _grpo(
     return _outcome(adv, response_mask)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", needs_index=True)
 @torch.no_grad()
 def grpo_advantage(
     token_level_rewards: torch.Tensor,
@@ -202,7 +230,7 @@ def grpo_advantage(
     )
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", needs_index=True)
 @torch.no_grad()
 def rloo_advantage(
     token_level_rewards: torch.Tensor,
@@ -255,7 +283,7 @@ def reinforce_plus_plus_advantage(
     return masked_whiten(returns, mask), returns
 
 
-@register_advantage("reinforce_plus_plus_baseline")
+@register_advantage("reinforce_plus_plus_baseline", needs_index=True)
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantage(
     token_level_rewards: torch.Tensor,
@@ -278,7 +306,7 @@ def reinforce_plus_plus_baseline_advantage(
     return adv, adv
 
 
-@register_advantage("remax")
+@register_advantage("remax", needs_greedy_baseline=True)
 @torch.no_grad()
 def remax_advantage(
     token_level_rewards: torch.Tensor,
@@ -308,7 +336,7 @@ def remax_advantage(
     return returns - baseline.unsqueeze(-1) * mask, returns
 
 
-@register_advantage("opo")
+@register_advantage("opo", needs_index=True)
 @torch.no_grad()
 def opo_advantage(
     token_level_rewards: torch.Tensor,
@@ -335,7 +363,7 @@ def opo_advantage(
     return _outcome(adv, response_mask)
 
 
-@register_advantage("gpg")
+@register_advantage("gpg", needs_index=True)
 @torch.no_grad()
 def gpg_advantage(
     token_level_rewards: torch.Tensor,

@@ -40,7 +40,7 @@ __all__ = [
 ]
 
 KLFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator")
+KL_ESTIMATORS: Registry[KLFn] = Registry("KL estimator", config_key="algorithm.kl_loss_type")
 
 
 @KL_ESTIMATORS.register("k1", "kl")

@@ -33,10 +33,23 @@ from agentrl.algos.aggregation import agg_loss
 from agentrl.algos.registry import Registry, check_kwargs
 from agentrl.algos.utils import masked_mean
 
-__all__ = ["POLICY_LOSSES", "PolicyLossFn", "policy_loss", "register_policy_loss", "value_loss"]
+__all__ = ["LOSS_RESERVED", "POLICY_LOSSES", "PolicyLossFn", "policy_loss", "register_policy_loss", "value_loss"]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
-POLICY_LOSSES: Registry[PolicyLossFn] = Registry("policy loss")
+POLICY_LOSSES: Registry[PolicyLossFn] = Registry(
+    "policy loss",
+    config_key="algorithm.loss.name",
+    how_to_register="decorate a function with @register_policy_loss('name') in a module listed "
+    "under `imports:`, or give 'module:function'",
+)
+LOSS_RESERVED = (
+    "loss_agg_mode",
+    "rollout_is_weights",
+    "global_tokens",
+    "global_seqs",
+    "loss_scale_factor",
+)
+"""Keyword arguments the actor passes itself; every other keyword with a default is a knob."""
 
 _LOG_RATIO_CLAMP = 20.0
 

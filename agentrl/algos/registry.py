@@ -1,70 +1,55 @@
-"""A tiny name -> function registry shared by estimators, losses and KL estimators.
+"""Registries of the RL math (estimators, losses, KL estimators) and their variant metadata.
 
-It exists so that every lookup by name fails the same helpful way: an unknown name raises
-``ValueError`` that lists every valid name, and registering a second, different function
-under a taken name is refused instead of silently replacing the first.
+The registry class is :class:`agentrl.registry.Registry` (one duplicate-name policy and one
+unknown-name message for every family a config can name). This module adds what the math needs
+on top:
+
+- :func:`describe` / :func:`flags`: what a registered function requires of the run
+  (``needs_critic``, ``needs_index``, ``needs_greedy_baseline``), set by the ``register_*``
+  decorators and read by the run's algorithm plan, so the trainer never branches on a name;
+- :func:`option_signature`: the function's own knobs (keyword parameters with defaults, minus
+  the ones the framework passes), from which the typed config variant is built;
+- :func:`check_kwargs`: a clear error for an option the function does not take.
+
+Imports the standard library and ``agentrl.registry`` only.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from collections.abc import Callable
+from typing import Any
 
-F = TypeVar("F", bound=Callable[..., object])
+from agentrl.registry import Registry
+
+__all__ = ["Registry", "check_kwargs", "describe", "flags", "option_signature"]
+
+_FLAGS = "__agentrl_flags__"
 
 
-class Registry(Generic[F]):
-    """Functions registered by name; ``kind`` names the family in error messages.
+def describe(fn: Any, **new_flags: bool) -> Any:
+    """Attach requirement flags to a registered function (returns it unchanged)."""
+    current = dict(getattr(fn, _FLAGS, {}))
+    current.update(new_flags)
+    setattr(fn, _FLAGS, current)
+    return fn
 
-    Example::
 
-        LOSSES: Registry[Callable[..., float]] = Registry("policy loss")
+def flags(fn: Any) -> dict[str, bool]:
+    """The requirement flags of ``fn`` (empty when none were attached)."""
+    return dict(getattr(fn, _FLAGS, {}))
 
-        @LOSSES.register("mine")
-        def my_loss(...): ...
 
-        LOSSES.get("mine")  # -> my_loss; LOSSES.get("typo") raises, listing "mine"
-    """
-
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
-        self._fns: dict[str, F] = {}
-
-    def register(self, name: str, *aliases: str) -> Callable[[F], F]:
-        """Decorator: register the function under ``name`` (and any ``aliases``)."""
-
-        def decorator(fn: F) -> F:
-            for key in (name, *aliases):
-                taken = self._fns.get(key)
-                if taken is not None and taken is not fn:
-                    raise ValueError(
-                        f"{self.kind} {key!r} is already registered to "
-                        f"{getattr(taken, '__qualname__', taken)!s}; pick another name"
-                    )
-                self._fns[key] = fn
-            return fn
-
-        return decorator
-
-    def get(self, name: str) -> F:
-        """The function registered as ``name``; unknown names raise ``ValueError`` listing valid ones."""
-        fn = self._fns.get(name)
-        if fn is None:
-            raise ValueError(
-                f"unknown {self.kind} {name!r}; valid names: {', '.join(self.names())}"
-            )
-        return fn
-
-    def names(self) -> list[str]:
-        """Every registered name (aliases included), sorted."""
-        return sorted(self._fns)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._fns
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.names())
+def option_signature(fn: Callable[..., Any], reserved: tuple[str, ...]) -> dict[str, inspect.Parameter]:
+    """The knobs of ``fn``: keyword parameters with a default, except the ``reserved`` ones."""
+    params = inspect.signature(fn).parameters
+    return {
+        name: p
+        for name, p in params.items()
+        if p.default is not p.empty
+        and name not in reserved
+        and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+    }
 
 
 def check_kwargs(

@@ -55,7 +55,7 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from agentrl.rollout.episode import EpisodeRecorder
+from agentrl.episode import EpisodeRecorder
 from agentrl.types import Policy, SamplingParams, StopReason, Task, Trajectory
 from agents import AgentContext, AgentLimits, create_agent, get_parser
 from tools import ToolSet

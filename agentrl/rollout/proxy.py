@@ -4,7 +4,7 @@ Why it exists: many agents are already written as ``AsyncOpenAI(base_url=...)`` 
 at this proxy (``base_url=f"{proxy.base_url}/sessions/{session_id}/v1"``) such an agent runs
 unmodified, while the proxy talks to the policy in token ids and records, per session, exactly
 the tokens the model saw and sampled — the same :class:`~agentrl.types.Trajectory` a native
-agent produces (the bookkeeping is :class:`agentrl.rollout.episode.EpisodeRecorder`, shared with
+agent produces (the bookkeeping is :class:`agentrl.episode.EpisodeRecorder`, shared with
 the native agents).
 
 How each ``POST /sessions/{sid}/v1/chat/completions`` is recorded:
@@ -50,7 +50,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.rollout.episode import EpisodeRecorder, get_delta_renderer, render_prompt_ids
+from agentrl.episode import EpisodeRecorder, get_delta_renderer, render_prompt_ids
 from agentrl.types import Message, Policy, SamplingParams, StopReason, Trajectory
 
 __all__ = [

@@ -44,10 +44,12 @@ from collections.abc import Awaitable, Callable, Mapping
 from fractions import Fraction
 from typing import Any, Literal, TypeAlias, cast
 
+from agentrl.registry import Registry, RegistryError
 from agentrl.types import Task, Trajectory
 
 __all__ = [
     "BUILTIN_REWARDS",
+    "REWARDS",
     "RewardConfigError",
     "RewardFn",
     "RewardManager",
@@ -335,59 +337,48 @@ def _count_text_tool_calls(traj: Trajectory) -> dict[str, int]:
     return counts
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {
-    "exact_match": exact_match,
-    "numeric_match": numeric_match,
-    "calculator": calculator_reward,
-    "tool_format": tool_format,
-}
-"""Built-in reward functions by name (extend with :func:`register_reward`)."""
+def _check_reward(obj: Any) -> None:
+    if not callable(obj):
+        raise TypeError(f"a reward function must be callable, got {type(obj).__name__}")
+
+
+REWARDS: Registry[RewardFn] = Registry(
+    "reward function",
+    config_key="reward.sources",
+    check=_check_reward,
+    how_to_register="decorate a function `(traj, task) -> float | dict` with "
+    "@register_reward('name') in a module listed under `imports:`, or give "
+    "'module:function' / 'path/file.py:function'",
+)
+"""Reward functions by name (built-ins below; add yours with :func:`register_reward`)."""
+REWARDS.add("exact_match", exact_match)
+REWARDS.add("numeric_match", numeric_match)
+REWARDS.add("calculator", calculator_reward)
+REWARDS.add("tool_format", tool_format)
+BUILTIN_REWARDS = ("exact_match", "numeric_match", "calculator", "tool_format")
+"""Names of the built-in reward functions."""
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
     """Decorator: make ``fn`` available by ``name`` in reward configs."""
-
-    def deco(fn: RewardFn) -> RewardFn:
-        BUILTIN_REWARDS[name] = fn
-        return fn
-
-    return deco
+    return REWARDS.register(name)
 
 
-def resolve_reward_fn(spec: str | RewardFn) -> RewardFn:
-    """A registered name, a ``module:function`` path, or a callable -> the reward function."""
-    if not isinstance(spec, str) and callable(spec):
-        return spec
-    if not isinstance(spec, str) or not spec:
+def resolve_reward_fn(
+    spec: str | RewardFn, *, key: str = "reward.sources", base_dir: Any = None
+) -> RewardFn:
+    """A registered name, a ``module:function`` / ``path/file.py:function`` spec, or a callable."""
+    if not isinstance(spec, str) and not callable(spec):
         raise RewardConfigError(
-            f"reward function {spec!r}: give a built-in name, a 'module:function' path or a callable"
+            f"{key}: reward function {spec!r}: give a built-in name, a 'module:function' path or "
+            "a callable"
         )
-    if spec in BUILTIN_REWARDS:
-        return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise RewardConfigError(
-            f"unknown reward function {spec!r}; built-ins: {', '.join(sorted(BUILTIN_REWARDS))}; "
-            "or give an importable 'module:function' path (e.g. 'my_pkg.rewards:score')"
-        )
-    module_name, _, attr = spec.partition(":")
+    if isinstance(spec, str) and not spec:
+        raise RewardConfigError(f"{key}: empty reward function name")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise RewardConfigError(
-            f"reward function {spec!r}: cannot import module {module_name!r} ({exc}); "
-            "is it installed or on PYTHONPATH?"
-        ) from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardConfigError(
-                f"reward function {spec!r}: module {module_name!r} has no attribute {attr!r}"
-            )
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardConfigError(f"reward function {spec!r} is not callable ({type(obj).__name__})")
-    # A user-supplied callable: its return value is validated when it is called.
-    return cast(RewardFn, obj)
+        return REWARDS.get(spec, key=key, base_dir=base_dir)
+    except RegistryError as exc:
+        raise RewardConfigError(str(exc)) from None
 
 
 # ---- running a reward function -------------------------------------------------------------
@@ -467,6 +458,7 @@ class RewardManager:
         max_workers: int = 4,
         timeout_s: float | None = None,
         format_weight: float = 0.0,
+        base_dir: Any = None,
     ) -> None:
         if executor not in ("async", "thread", "process"):
             raise RewardConfigError(
@@ -480,9 +472,14 @@ class RewardManager:
         self.format_weight = format_weight
         self._specs = dict(sources or {})
         self._fns: dict[str, RewardFn] = {
-            source: resolve_reward_fn(spec) for source, spec in self._specs.items()
+            source: resolve_reward_fn(spec, key=f"reward.sources.{source}", base_dir=base_dir)
+            for source, spec in self._specs.items()
         }
-        self._default = resolve_reward_fn(default) if default is not None else None
+        self._default = (
+            resolve_reward_fn(default, key="reward.default", base_dir=base_dir)
+            if default is not None
+            else None
+        )
         if executor == "process":
             for name, fn in [*self._fns.items(), ("<default>", self._default)]:
                 if fn is not None:
@@ -495,10 +492,12 @@ class RewardManager:
         self._in_flight = 0
 
     @classmethod
-    def from_config(cls, cfg: Any) -> RewardManager:
+    def from_config(cls, cfg: Any, *, base_dir: Any = None) -> RewardManager:
         """Build from the ``reward`` config section (``sources``, ``default``, ``executor``,
-        ``max_workers``, ``format_weight``; any object with those attributes)."""
+        ``max_workers``, ``format_weight``; any object with those attributes); path specs
+        resolve against ``base_dir`` (the config file's folder)."""
         return cls(
+            base_dir=base_dir,
             sources=dict(cfg.sources),
             default=cfg.default,
             executor=cfg.executor,
@@ -531,8 +530,8 @@ class RewardManager:
             return self._fns[data_source]
         if self._default is not None:
             return self._default
-        if data_source in BUILTIN_REWARDS:
-            fn = BUILTIN_REWARDS[data_source]
+        if data_source in REWARDS:
+            fn = REWARDS.get(data_source)
             if self.executor == "process":
                 self._check_picklable(data_source, fn)
             self._fns[data_source] = fn
@@ -540,7 +539,7 @@ class RewardManager:
         raise RewardConfigError(
             f"no reward function for data_source {data_source!r}; configured: "
             f"{sorted(self._fns) or 'none'}; add it to reward sources or set a default "
-            f"(built-ins: {', '.join(sorted(BUILTIN_REWARDS))})"
+            f"(registered: {', '.join(REWARDS.names())})"
         )
 
     def _get_pool(self) -> concurrent.futures.Executor:

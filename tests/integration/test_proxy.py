@@ -11,7 +11,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from agentrl.rollout.episode import EpisodeRecorder, render_prompt_ids
+from agentrl.episode import EpisodeRecorder, render_prompt_ids
 from agentrl.rollout.proxy import RecordingProxy, create_proxy_app
 from agentrl.types import Generation, SamplingParams, StopReason
 

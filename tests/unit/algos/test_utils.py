@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-from agentrl.algos import Registry, masked_mean, masked_sum, masked_var, masked_whiten
+from agentrl.algos import masked_mean, masked_sum, masked_var, masked_whiten
 from agentrl.algos.utils import group_ids, group_stats
 
 X = torch.tensor([[1.0, 2.0, 100.0], [3.0, 100.0, 100.0]])
@@ -51,18 +51,3 @@ def test_group_ids_and_stats() -> None:
     assert std[1].item() == 0.0
     with pytest.raises(ValueError, match="uid"):
         group_ids(["a"], 2)
-
-
-def test_registry_aliases_names_and_errors() -> None:
-    reg: Registry = Registry("widget")
-
-    @reg.register("one", "uno")
-    def one() -> int:
-        return 1
-
-    assert reg.get("uno") is one and "one" in reg and reg.names() == ["one", "uno"]
-    with pytest.raises(ValueError, match="unknown widget 'two'; valid names: one, uno"):
-        reg.get("two")
-    reg.register("one")(one)  # re-registering the same function is harmless
-    with pytest.raises(ValueError, match="already registered"):
-        reg.register("one")(lambda: 2)

@@ -9,7 +9,7 @@ import pytest
 
 from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.rollout.calculator_task import calculator_tool_schemas
-from agentrl.rollout.episode import (
+from agentrl.episode import (
     ChatTemplateError,
     EpisodeRecorder,
     get_delta_renderer,
