@@ -125,13 +125,19 @@ class DataConfig(Section):
     """Where tasks come from and how many are sampled per step."""
 
     train_files: list[str] = Field(default_factory=list)
-    """Training task files (JSONL or Parquet); empty = use `generator`."""
+    """Training task files (JSONL or Parquet, relative to the config file); empty = use `generator`."""
     val_files: list[str] = Field(default_factory=list)
-    """Validation task files (JSONL or Parquet); empty = no validation set."""
+    """Held-out task files; empty = `generator_val_size` generated tasks (0 or no generator = no validation)."""
     generator: str | None = "calculator"
     """Built-in task generator used when `train_files` is empty (e.g. `calculator`); None = off."""
     generator_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments for the task generator (e.g. `{n: 512, max_digits: 4}`)."""
+    """Keyword arguments for the task generator (e.g. `{max_digits: 4}`)."""
+    generator_train_size: int = Field(default=512, ge=1)
+    """Training tasks the generator makes (seeded by `seed`)."""
+    generator_val_size: int = Field(default=64, ge=0)
+    """Held-out tasks the generator makes when `val_files` is empty; 0 = no validation set."""
+    generator_val_seed: int = 10000
+    """Seed of the held-out generated tasks (another stream than the training tasks)."""
     batch_size: int = Field(default=8, ge=1)
     """Tasks per training step (each sampled `n_samples` times)."""
     n_samples: int = Field(default=4, ge=1)
@@ -141,7 +147,9 @@ class DataConfig(Section):
     seed: int = 0
     """Seed of the task order."""
     max_prompt_tokens: int = Field(default=512, ge=1)
-    """Longest prompt in tokens; longer tasks are rejected with an error naming the task."""
+    """Longest rendered prompt (chat template and tools included) in tokens."""
+    overlong_prompts: Literal["drop", "error"] = "drop"
+    """A task whose prompt is longer than `max_prompt_tokens`: `drop` it (counted, logged) or stop with an `error` naming it."""
 
 
 class AgentConfig(Section):
@@ -469,10 +477,6 @@ class OptimizerFields(Section):
     """Seed of model init, dropout and sampling on the trainer side."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Trainer device; auto = cuda when available, else cpu."""
-    val_every: int = Field(default=0, ge=0)
-    """Validate every N steps (0 = never)."""
-    save_every: int = Field(default=0, ge=0)
-    """Save a checkpoint every N steps (0 = only at the end)."""
     output_dir: str = "outputs/run"
     """Directory for checkpoints, the resolved config and local artifacts."""
 
@@ -480,6 +484,14 @@ class OptimizerFields(Section):
 class TrainerConfig(OptimizerFields):
     """The RL trainer loop."""
 
+    val_every: int = Field(default=0, ge=0)
+    """Also validate every N steps during training (0 = only before and after training)."""
+    val_before_train: bool = True
+    """Validate once before the first step (the baseline of the run)."""
+    val_at_end: bool = True
+    """Validate once after the last step."""
+    save_every: int = Field(default=0, ge=0)
+    """Save a checkpoint every N steps (0 = only at the end)."""
     max_staleness: int = Field(default=1, ge=0)
     """η: rollouts may run this many versions ahead of the trainer (0 = synchronous on-policy)."""
     ppo_epochs: int = Field(default=1, ge=1)

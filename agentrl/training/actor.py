@@ -21,58 +21,94 @@ Guarantees:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 
-from agentrl.algos import (
-    agg_loss,
-    entropy_from_logits,
-    kl_penalty,
-    logprobs_from_logits,
-    policy_loss,
-)
+from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
 from agentrl.batch import merge_micro_batches, split_by_token_budget
 
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
 
-__all__ = ["Actor", "ActorConfig", "FrozenPolicy", "OptimizerSettings", "lr_factor"]
+__all__ = [
+    "Actor",
+    "ActorConfig",
+    "FrozenPolicy",
+    "OptimizerSettings",
+    "lr_factor",
+    "optimizer_settings",
+]
 
 
 @dataclass
 class OptimizerSettings:
     """What the actor and the critic are both trained with: AdamW, the LR schedule
     (:func:`lr_factor`), token-budget micro-batches, PPO epochs and mini-batches, and the loss
-    aggregation mode. Filled in one place from ``ExperimentConfig`` (the trainer)."""
+    aggregation mode. No defaults here: :func:`optimizer_settings` fills them from the config
+    (``agentrl.config`` is the only home of defaults)."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    total_steps: int = 1000
-    lr_schedule: str = "constant"
-    micro_batch_max_tokens: int = 4096
-    ppo_epochs: int = 1
-    mini_batch_size: int | None = None
-    loss_agg_mode: str = "token-mean"
+    lr: float
+    weight_decay: float
+    betas: tuple[float, float]
+    grad_clip: float
+    warmup_steps: int
+    total_steps: int
+    lr_schedule: str
+    micro_batch_max_tokens: int
+    ppo_epochs: int
+    mini_batch_size: int | None
+    """Rows per optimizer step (None = the whole batch)."""
+    loss_agg_mode: str
+
+
+def optimizer_settings(cfg: Any, *, lr: float, micro_batch_max_tokens: int) -> dict[str, Any]:
+    """The :class:`OptimizerSettings` fields of an ``ExperimentConfig`` (rows = tasks x samples)."""
+    t = cfg.trainer
+    return {
+        "lr": lr,
+        "weight_decay": t.weight_decay,
+        "betas": (float(t.betas[0]), float(t.betas[1])),
+        "grad_clip": t.grad_clip,
+        "warmup_steps": t.warmup_steps,
+        "total_steps": t.total_steps,
+        "lr_schedule": t.lr_schedule,
+        "micro_batch_max_tokens": micro_batch_max_tokens,
+        "ppo_epochs": t.ppo_epochs,
+        "mini_batch_size": t.mini_batch_size * cfg.data.n_samples,
+        "loss_agg_mode": cfg.algorithm.loss_agg_mode,
+    }
 
 
 @dataclass
 class ActorConfig(OptimizerSettings):
-    """The optimizer and loss settings the actor needs (filled from ``ExperimentConfig``)."""
+    """The optimizer and loss settings the actor needs (:meth:`from_config`)."""
 
-    temperature: float = 1.0
-    policy_loss: str = "vanilla"
-    loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    temperature: float
+    loss: Callable[..., tuple[torch.Tensor, dict[str, float]]]
+    """The policy loss (an ``agentrl.training.algorithm.LossVariant``, or any callable with
+    :func:`agentrl.algos.policy_loss`'s signature minus the name)."""
+    entropy_coeff: float
+    kl_loss_coef: float | None
+    """β of the KL(π_θ || π_ref) loss term; None = no KL loss."""
+    kl_loss_type: str
+
+    @classmethod
+    def from_config(cls, cfg: Any, plan: Any) -> ActorConfig:
+        """From an ``ExperimentConfig`` and its ``AlgorithmPlan``."""
+        t = cfg.trainer
+        return cls(
+            **optimizer_settings(cfg, lr=t.lr, micro_batch_max_tokens=t.micro_batch_max_tokens),
+            temperature=cfg.inference.temperature or 1.0,
+            loss=plan.loss,
+            entropy_coeff=plan.entropy_coeff,
+            kl_loss_coef=plan.kl_loss_coef,
+            kl_loss_type=plan.kl_loss_type,
+        )
 
 
 def lr_factor(step: int, c: Any) -> float:
@@ -128,11 +164,11 @@ class FrozenPolicy:
         self,
         model_dir: str | Path,
         *,
-        temperature: float = 1.0,
-        micro_batch_max_tokens: int = 4096,
-        device: str = "auto",
-        dtype: str = "auto",
-        trust_remote_code: bool = False,
+        temperature: float,
+        micro_batch_max_tokens: int,
+        device: str,
+        dtype: str,
+        trust_remote_code: bool,
     ) -> None:
         self.temperature = temperature
         self.micro_batch_max_tokens = micro_batch_max_tokens
@@ -186,6 +222,22 @@ class FrozenPolicy:
         return out * batch["response_mask"].float()
 
 
+class _Stats:
+    """Running sums and counts of per-micro-batch metrics."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+
+    def add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value)
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+_FirstPass = tuple[list[torch.Tensor], list[list[int]]]
+"""The epoch-0 log-probs of each micro-batch and the batch rows they belong to."""
+
+
 class Actor(FrozenPolicy):
     """A Hugging Face causal LM with AdamW, warmup + constant/cosine LR, and the policy update.
 
@@ -201,9 +253,9 @@ class Actor(FrozenPolicy):
         model_dir: str | Path,
         config: ActorConfig,
         *,
-        device: str = "auto",
-        dtype: str = "auto",
-        trust_remote_code: bool = False,
+        device: str,
+        dtype: str,
+        trust_remote_code: bool,
         dist: DistContext | None = None,
     ) -> None:
         self.dist = dist
@@ -254,124 +306,116 @@ class Actor(FrozenPolicy):
         diagnostics use without an extra forward pass.
         """
         c = self.config
-        first_pass: list[torch.Tensor] = []
-        first_index: list[list[int]] = []
         n = batch.batch_size[0]
         mini = c.mini_batch_size or n
-        resp_width = batch["responses"].shape[1]
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-
-        def acc(key: str, value: float) -> None:
-            sums[key] = sums.get(key, 0.0) + float(value)
-            counts[key] = counts.get(key, 0) + 1
-
+        stats = _Stats()
+        first: _FirstPass = ([], [])
         for epoch in range(c.ppo_epochs):
             for start in range(0, n, mini):
-                mb_full = batch[start : start + mini]
-                if self.dist is None:
-                    mask = mb_full["response_mask"].float()
-                    global_tokens = mask.sum().item()
-                    global_seqs = (mask.sum(dim=1) > 0).sum().item()
-                    self.optimizer.zero_grad(set_to_none=True)
-                    micro, indices = self._micro_batches(mb_full)
-                    loss_scale = 1.0
-                else:
-                    # this rank's rows; global normalizers; loss x world size (FSDP averages)
-                    plan = self.dist.plan_mini_batch(mb_full, max(1, self.micro_batch_max_tokens))
-                    global_tokens, global_seqs = plan.global_tokens, plan.global_seqs
-                    self.optimizer.zero_grad(set_to_none=True)
-                    micro, indices, loss_scale = plan.micro, plan.rows, plan.loss_scale
-                for mb, rows in zip(micro, indices, strict=True):
-                    # a padding micro-batch (data-parallel only) keeps the ranks' collectives in
-                    # step: its loss counts 0 and it records nothing
-                    padding = not rows
-                    logp, entropy = self._forward(mb, with_entropy=True)
-                    if epoch == 0 and not padding:
-                        first_pass.append(logp.detach().cpu())
-                        first_index.append([start + r for r in rows])
-                    m = mb["response_mask"].to(self.device).float()
-                    kwargs = dict(c.loss_kwargs)
-                    # Micro-batches are trimmed to their own width: seq-mean-token-sum-norm
-                    # needs one constant divisor for all of them (the batch's response width).
-                    kwargs.setdefault("loss_scale_factor", float(resp_width))
-                    if "rollout_is_weights" in mb and c.policy_loss != "bypass":
-                        kwargs["rollout_is_weights"] = mb["rollout_is_weights"].to(self.device)
-                    pg_loss, pg_metrics = policy_loss(
-                        c.policy_loss,
-                        mb["old_log_probs"].to(self.device),
-                        logp,
-                        mb["advantages"].to(self.device),
-                        m,
-                        loss_agg_mode=c.loss_agg_mode,
-                        global_tokens=global_tokens,
-                        global_seqs=global_seqs,
-                        **kwargs,
-                    )
-                    loss = pg_loss
-                    assert entropy is not None
-                    ent = agg_loss(
-                        entropy,
-                        m,
-                        c.loss_agg_mode,
-                        global_tokens=global_tokens,
-                        global_seqs=global_seqs,
-                        loss_scale_factor=float(resp_width),
-                    )
-                    if c.entropy_coeff:
-                        loss = loss - c.entropy_coeff * ent
-                    if c.use_kl_loss and "ref_log_prob" in mb:
-                        kl_mat = kl_penalty(
-                            logp, mb["ref_log_prob"].to(self.device), c.kl_loss_type
-                        )
-                        kl = agg_loss(
-                            kl_mat,
-                            m,
-                            c.loss_agg_mode,
-                            global_tokens=global_tokens,
-                            global_seqs=global_seqs,
-                            loss_scale_factor=float(resp_width),
-                        )
-                        loss = loss + c.kl_loss_coef * kl
-                        if not padding:
-                            acc("actor/kl_loss", kl.item())
-                    if self.dist is not None:
-                        loss = loss * (0.0 if padding else loss_scale)
-                    loss.backward()
-                    if padding:
-                        continue
-                    acc("actor/pg_loss", pg_loss.item())
-                    acc("actor/entropy", ent.item())
-                    for k, v in pg_metrics.items():
-                        acc(f"actor/{k}", v)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.grad_clip)
-                if self.dist is not None:
-                    from agentrl.training.fsdp import full_tensor
-
-                    grad_norm = full_tensor(grad_norm)  # a replicated DTensor under FSDP2
-                if not torch.isfinite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    acc("actor/skipped_nonfinite_grad", 1.0)
-                else:
-                    self.optimizer.step()
-                acc("actor/grad_norm", float(grad_norm))
+                self._mini_batch_step(batch[start : start + mini], start, epoch, stats, first)
         self.scheduler.step()
         self.global_step += 1
+        sums, counts = stats.sums, stats.counts
         if self.dist is not None:
             sums, counts = self.dist.reduce_metric_sums(sums, counts)
         metrics = {k: sums[k] / counts[k] for k in sums}
         # pg_loss and entropy were accumulated per micro-batch with global normalizers: their
         # per-mini-batch value is the *sum* over micro-batches, so report sums per mini-batch.
+        n_mini = c.ppo_epochs * math.ceil(n / mini)
         for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
             if key in sums:
-                n_mini = c.ppo_epochs * math.ceil(n / mini)
                 metrics[key] = sums[key] / max(1, n_mini)
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        width = batch["responses"].shape[1]
         if self.dist is not None:
-            first = self.dist.merge_rows(first_pass, first_index, n_rows=n, width=resp_width)
+            merged = self.dist.merge_rows(first[0], first[1], n_rows=n, width=width)
         else:
-            first = merge_micro_batches(first_pass, first_index, width=resp_width)
-        return metrics, first * batch["response_mask"].float()
+            merged = merge_micro_batches(first[0], first[1], width=width)
+        return metrics, merged * batch["response_mask"].float()
+
+    def _mini_batch_step(
+        self, mb_full: TensorDict, start: int, epoch: int, stats: _Stats, first: _FirstPass
+    ) -> None:
+        """Accumulate the gradient of one mini-batch over its micro-batches, then step."""
+        width = float(mb_full["responses"].shape[1])
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.dist is None:
+            mask = mb_full["response_mask"].float()
+            norm = (mask.sum().item(), (mask.sum(dim=1) > 0).sum().item())
+            micro, indices = self._micro_batches(mb_full)
+            loss_scale = 1.0
+        else:
+            # this rank's rows; global normalizers; loss x world size (FSDP averages)
+            plan = self.dist.plan_mini_batch(mb_full, max(1, self.micro_batch_max_tokens))
+            norm = (plan.global_tokens, plan.global_seqs)
+            micro, indices, loss_scale = plan.micro, plan.rows, plan.loss_scale
+        for mb, rows in zip(micro, indices, strict=True):
+            # a padding micro-batch (data-parallel only) keeps the ranks' collectives in step:
+            # its loss counts 0 and it records nothing
+            padding = not rows
+            logp, entropy = self._forward(mb, with_entropy=True)
+            if epoch == 0 and not padding:
+                first[0].append(logp.detach().cpu())
+                first[1].append([start + r for r in rows])
+            assert entropy is not None
+            loss, terms = self._micro_loss(mb, logp, entropy, norm, width)
+            if self.dist is not None:
+                loss = loss * (0.0 if padding else loss_scale)
+            loss.backward()
+            if not padding:
+                for k, v in terms.items():
+                    stats.add(k, v)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        if self.dist is not None:
+            from agentrl.training.fsdp import full_tensor
+
+            grad_norm = full_tensor(grad_norm)  # a replicated DTensor under FSDP2
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.add("actor/skipped_nonfinite_grad", 1.0)
+        else:
+            self.optimizer.step()
+        stats.add("actor/grad_norm", float(grad_norm))
+
+    def _micro_loss(
+        self,
+        mb: TensorDict,
+        logp: torch.Tensor,
+        entropy: torch.Tensor,
+        norm: tuple[Any, Any],
+        width: float,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Policy loss − entropy bonus + KL loss of one micro-batch, and its metric terms.
+
+        Micro-batches are trimmed to their own width: the aggregation gets the mini-batch's
+        token/sequence counts (``norm``) and one constant divisor for all of them (``width``,
+        the batch's response width, for ``seq-mean-token-sum-norm``).
+        """
+        c = self.config
+        m = mb["response_mask"].to(self.device).float()
+        agg = {"global_tokens": norm[0], "global_seqs": norm[1], "loss_scale_factor": width}
+        extra = {}
+        if "rollout_is_weights" in mb:
+            extra["rollout_is_weights"] = mb["rollout_is_weights"].to(self.device)
+        pg_loss, pg_metrics = c.loss(
+            mb["old_log_probs"].to(self.device),
+            logp,
+            mb["advantages"].to(self.device),
+            m,
+            loss_agg_mode=c.loss_agg_mode,
+            **agg,
+            **extra,
+        )
+        ent = agg_loss(entropy, m, c.loss_agg_mode, **agg)
+        loss = pg_loss - c.entropy_coeff * ent if c.entropy_coeff else pg_loss
+        terms = {"actor/pg_loss": pg_loss.item(), "actor/entropy": ent.item()}
+        terms.update({f"actor/{k}": v for k, v in pg_metrics.items()})
+        if c.kl_loss_coef is not None and "ref_log_prob" in mb:
+            kl_mat = kl_penalty(logp, mb["ref_log_prob"].to(self.device), c.kl_loss_type)
+            kl = agg_loss(kl_mat, m, c.loss_agg_mode, **agg)
+            loss = loss + c.kl_loss_coef * kl
+            terms["actor/kl_loss"] = kl.item()
+        return loss, terms
 
     @torch.no_grad()
     def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:

@@ -205,8 +205,8 @@ class AlgorithmPlan:
 
     @property
     def needs_old_log_probs(self) -> bool:
-        """π_old is recomputed before the update (decoupled mode, or a KL reward needs it)."""
-        return self.correction.needs_old_log_probs or self.kl_in_reward is not None
+        """π_old is recomputed before the update (decoupled mode; bypass anchors on π_rollout)."""
+        return self.correction.needs_old_log_probs
 
     @property
     def needs_train_log_probs(self) -> bool:

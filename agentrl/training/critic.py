@@ -35,16 +35,32 @@ from torch import nn
 
 from agentrl.algos import masked_mean, masked_var, value_loss
 from agentrl.batch import merge_micro_batches, split_by_token_budget
-from agentrl.training.actor import OptimizerSettings, lr_factor, resolve_device, resolve_dtype
+from agentrl.training.actor import (
+    OptimizerSettings,
+    lr_factor,
+    optimizer_settings,
+    resolve_device,
+    resolve_dtype,
+)
 
 __all__ = ["Critic", "CriticConfig", "load_backbone", "value_metrics"]
 
 
 @dataclass
 class CriticConfig(OptimizerSettings):
-    """The optimizer and loss settings of the critic (filled from ``ExperimentConfig``)."""
+    """The optimizer and loss settings of the critic (:meth:`from_config`)."""
 
-    cliprange_value: float = 0.5
+    cliprange_value: float
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> CriticConfig:
+        """From an ``ExperimentConfig`` (its own LR and micro-batch budget, the actor's rest)."""
+        t = cfg.trainer
+        micro = t.critic_micro_batch_max_tokens or t.micro_batch_max_tokens
+        return cls(
+            **optimizer_settings(cfg, lr=t.critic_lr, micro_batch_max_tokens=micro),
+            cliprange_value=cfg.algorithm.cliprange_value,
+        )
 
 
 def load_backbone(
@@ -123,9 +139,9 @@ class Critic:
         model_dir: str | Path,
         config: CriticConfig,
         *,
-        device: str = "auto",
-        dtype: str = "auto",
-        trust_remote_code: bool = False,
+        device: str,
+        dtype: str,
+        trust_remote_code: bool,
     ) -> None:
         self.config = config
         self.device = resolve_device(device)

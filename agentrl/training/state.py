@@ -1,0 +1,200 @@
+"""RunState: what a run saves and resumes, and the checkpoint format.
+
+Why it exists: resume bugs are the staleness bugs users hit most (AReaL #1388 lost the
+accounting after a restart). Everything that must survive a restart lives in one object, is
+written in one place and read in one place.
+
+What is saved, together and after the weight push of a step (``<output_dir>/checkpoint``,
+written to ``checkpoint.tmp`` and renamed, so a crash mid-save keeps the previous one):
+
+- ``trainer_state.json``: step, version, the dataset position, the **pending tasks**
+  (dispatched, not yet trained on or dropped; a resumed run re-dispatches them first, so no
+  admitted task is lost and none is trained twice), the buffer counters, the admission counters
+  (diagnostics), the KL controller's coefficient and the MLflow run id;
+- ``actor.pt`` (model, optimizer, scheduler), ``critic.pt`` when there is a critic;
+- ``rng.pt``: Python, NumPy and torch RNG states.
+
+Task accounting (asserted by tests): every dispatched task id is, at any time, pending or
+trained or dropped (``dispatched == trained + dropped + pending`` as multisets).
+
+Example::
+
+    state = RunState.fresh()                      # or RunState.load(out / "checkpoint")
+    for task in state.task_stream(dataset): ...   # replays pending tasks first
+    state.save(out / "checkpoint", dataset=..., buffer=..., actor=..., ...)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from agentrl.types import Task
+
+__all__ = ["STATE_FILE", "RunState", "seed_everything"]
+
+STATE_FILE = "trainer_state.json"
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch."""
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+@dataclass
+class RunState:
+    """Step, version and task accounting of one run (see the module docstring)."""
+
+    step: int = 0
+    version: int = 0
+    dataset: dict[str, Any] = field(default_factory=dict)
+    buffer: dict[str, Any] = field(default_factory=dict)
+    consumed_trajectories: int = 0
+    kl_coef: float | None = None
+    mlflow_run_id: str | None = None
+    replay: list[Task] = field(default_factory=list)
+    """Tasks to dispatch before the dataset continues (the pending tasks of a resumed run)."""
+    pending: Counter[str] = field(default_factory=Counter)
+    tasks_by_id: dict[str, Task] = field(default_factory=dict)
+    dispatched_task_ids: list[str] = field(default_factory=list)
+    trained_task_ids: list[str] = field(default_factory=list)
+    dropped_task_ids: list[str] = field(default_factory=list)
+    resumed: bool = False
+
+    @classmethod
+    def fresh(cls) -> RunState:
+        """A run at step 0."""
+        return cls()
+
+    # ---- task accounting ------------------------------------------------------------------
+    def task_stream(self, dataset: Iterable[Task]) -> Iterator[Task]:
+        """The pending tasks of a resumed run, then the dataset; each one marked dispatched."""
+        while self.replay:
+            task = self.replay.pop(0)
+            self._dispatched(task)
+            yield task
+        for task in dataset:
+            self._dispatched(task)
+            yield task
+
+    def _dispatched(self, task: Task) -> None:
+        self.dispatched_task_ids.append(task.id)
+        self.pending[task.id] += 1
+        self.tasks_by_id[task.id] = task
+
+    def _settle(self, task_id: str) -> None:
+        self.pending[task_id] -= 1
+        if self.pending[task_id] <= 0:
+            del self.pending[task_id]
+
+    def trained(self, task_id: str) -> None:
+        """A group of ``task_id`` was trained on."""
+        self.trained_task_ids.append(task_id)
+        self._settle(task_id)
+
+    def dropped(self, task_id: str) -> None:
+        """A group of ``task_id`` was dropped (stale, uniform reward, incomplete)."""
+        self.dropped_task_ids.append(task_id)
+        self._settle(task_id)
+
+    def pending_tasks(self) -> list[Task]:
+        """Dispatched, not yet settled (one entry per pending dispatch)."""
+        return [self.tasks_by_id[tid] for tid, n in self.pending.items() for _ in range(n)]
+
+    # ---- persistence ----------------------------------------------------------------------
+    def save(
+        self,
+        ckpt: Path,
+        *,
+        dataset: Any,
+        buffer: Any,
+        actor: Any,
+        critic: Any | None,
+        admission: Any,
+        kl_coef: float | None,
+        mlflow_run_id: str | None,
+    ) -> None:
+        """Write the checkpoint atomically (``<ckpt>.tmp`` then rename)."""
+        tmp = ckpt.with_name(ckpt.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        torch.save(actor.state_dict(), tmp / "actor.pt")
+        if critic is not None:
+            torch.save(critic.state_dict(), tmp / "critic.pt")
+        torch.save(
+            {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            tmp / "rng.pt",
+        )
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "dataset": dataset.state_dict(),
+            "pending_tasks": [t.model_dump(mode="json") for t in self.pending_tasks()],
+            "consumed_trajectories": buffer.consumed,
+            "buffer": buffer.state_dict(),
+            # Diagnostics only: on resume, accepted = consumed (buffered and running episodes
+            # were lost with the process; their tasks are in pending_tasks and re-dispatched).
+            "admission": {
+                "version": admission.version,
+                "accepted": admission.accepted,
+                "running": admission.running,
+            },
+            "kl_coef": kl_coef,
+            "mlflow_run_id": mlflow_run_id,
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        if ckpt.exists():
+            shutil.rmtree(ckpt)
+        tmp.rename(ckpt)
+
+    @classmethod
+    def load(cls, ckpt: Path) -> RunState | None:
+        """The saved state (None when ``ckpt`` holds no checkpoint); RNG states are restored."""
+        path = ckpt / STATE_FILE
+        if not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        rng_path = ckpt / "rng.pt"
+        if rng_path.exists():
+            rng = torch.load(rng_path, weights_only=False)
+            random.setstate(rng["python"])
+            np.random.set_state(rng["numpy"])
+            torch.set_rng_state(rng["torch"])
+        return cls(
+            step=int(saved["step"]),
+            version=int(saved["version"]),
+            dataset=saved["dataset"],
+            buffer=saved["buffer"],
+            consumed_trajectories=int(saved.get("consumed_trajectories", 0)),
+            kl_coef=saved.get("kl_coef"),
+            mlflow_run_id=saved.get("mlflow_run_id"),
+            replay=[Task.model_validate(t) for t in saved["pending_tasks"]],
+            resumed=True,
+        )
+
+    @staticmethod
+    def load_weights(ckpt: Path, actor: Any, critic: Any | None) -> None:
+        """Restore the actor (and the critic, when the checkpoint has one)."""
+        actor.load_state_dict(torch.load(ckpt / "actor.pt", weights_only=False))
+        critic_path = ckpt / "critic.pt"
+        if critic is not None and critic_path.exists():
+            critic.load_state_dict(torch.load(critic_path, weights_only=False))
+        elif critic is not None:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "%s has no critic.pt (saved by a run without a critic): the critic starts fresh",
+                ckpt,
+            )

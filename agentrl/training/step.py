@@ -1,0 +1,240 @@
+"""One training step as plain functions: π_old -> correction -> reference -> rewards -> values ->
+advantages -> update.
+
+Why it exists: the step is where the RL math meets the models, and it must be readable and
+testable without servers. Each stage is a small function of a TensorDict batch; :func:`train_step`
+chains them in a dozen lines. The models are anything with the :class:`Policies` methods, so
+unit tests drive every path (decoupled and bypass correction, KL loss and KL reward, critic,
+ReMax baselines) with a scripted fake policy in seconds (``tests/unit/training/test_step.py``).
+
+Batch keys (DESIGN section 3): ``old_log_probs`` is π_old (decoupled) or π_rollout (bypass);
+``rollout_is_weights`` and the RS-masked ``response_mask`` come from the correction;
+``token_level_rewards`` = ``token_level_scores`` − β·KL when KL is in the reward.
+
+Example::
+
+    out = await train_step(trajs, Policies(actor, ref, critic), plan, pad_token_id=0)
+    out.metrics["actor/pg_loss"], out.batch["advantages"]
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from tensordict import TensorDict
+
+import correction
+from agentrl.batch import non_tensor_list, trajectories_to_batch
+from agentrl.training.algorithm import AlgorithmPlan
+from agentrl.types import StopReason, Trajectory
+
+__all__ = [
+    "Policies",
+    "PolicyModel",
+    "StepOutput",
+    "anchor_log_probs",
+    "compute_advantages",
+    "compute_rewards",
+    "run_correction",
+    "train_step",
+    "trajectory_metrics",
+]
+
+
+class PolicyModel(Protocol):
+    """What the step needs of the actor (and, with ``compute_log_probs`` only, the reference)."""
+
+    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor: ...
+
+    def update_with_log_probs(self, batch: TensorDict) -> tuple[dict[str, float], torch.Tensor]: ...
+
+
+@dataclass
+class Policies:
+    """The models of a run: the actor, and the reference and critic when the plan needs them."""
+
+    actor: Any
+    reference: Any | None = None
+    critic: Any | None = None
+
+
+@dataclass
+class StepOutput:
+    """The batch as trained on (every intermediate key filled in) and the step's metrics."""
+
+    batch: TensorDict
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run model work in a thread, so the event loop keeps serving rollouts meanwhile."""
+    return await asyncio.to_thread(fn, *args)
+
+
+async def anchor_log_probs(
+    batch: TensorDict, actor: Any, plan: AlgorithmPlan, m: dict[str, float]
+) -> torch.Tensor | None:
+    """Fill ``old_log_probs`` (π_old, or π_rollout in bypass mode) and return π_train when the
+    plan computes it before the update (decoupled mode, or bypass with IS/RS rules)."""
+    t0 = time.perf_counter()
+    train_lp: torch.Tensor | None = None
+    if plan.needs_old_log_probs or plan.needs_train_log_probs:
+        train_lp = await _off_loop(actor.compute_log_probs, batch)
+    batch["old_log_probs"] = (
+        train_lp if plan.needs_old_log_probs else batch["rollout_log_probs"].clone()
+    )
+    m["timing_s/old_log_prob"] = time.perf_counter() - t0
+    return train_lp
+
+
+def run_correction(
+    batch: TensorDict, train_lp: torch.Tensor, plan: AlgorithmPlan, m: dict[str, float]
+) -> None:
+    """IS weights, RS mask and the off-policy diagnostics (``rollout_corr/``) of the batch."""
+    out = correction.apply_correction(
+        plan.correction,
+        None,
+        batch["response_mask"].float(),
+        rollout_log_probs=batch["rollout_log_probs"],
+        train_log_probs=train_lp,
+    )
+    if out.weights is not None:
+        batch["rollout_is_weights"] = out.weights
+    batch["response_mask"] = out.response_mask.to(batch["response_mask"].dtype)
+    m.update({f"rollout_corr/{k}": v for k, v in out.metrics.items()})
+
+
+def compute_rewards(batch: TensorDict, plan: AlgorithmPlan, m: dict[str, float]) -> None:
+    """``token_level_rewards``: the scores, minus β·KL(π_old || π_ref) when KL is in the reward."""
+    scores = batch["token_level_scores"]
+    if plan.kl_in_reward is None:
+        batch["token_level_rewards"] = scores
+        return
+    rewards, kl_metrics = plan.kl_in_reward.apply(
+        scores, batch["old_log_probs"], batch["ref_log_prob"], batch["response_mask"]
+    )
+    batch["token_level_rewards"] = rewards
+    m.update(kl_metrics)
+
+
+def compute_advantages(
+    batch: TensorDict, plan: AlgorithmPlan, reward_baselines: torch.Tensor | None = None
+) -> None:
+    """``advantages`` and ``returns`` by the plan's estimator (values, group ids, baselines as needed)."""
+    adv, returns = plan.advantage(
+        batch["token_level_rewards"],
+        batch["response_mask"].float(),
+        index=non_tensor_list(batch, "uid") if plan.advantage.needs_index else None,
+        values=batch.get("values") if plan.advantage.needs_critic else None,
+        reward_baselines=reward_baselines if plan.advantage.needs_greedy_baseline else None,
+    )
+    batch["advantages"] = adv
+    batch["returns"] = returns
+
+
+async def _update_models(
+    batch: TensorDict, policies: Policies, train_actor: bool, m: dict[str, float]
+) -> torch.Tensor | None:
+    """Critic update (when there is one), then the actor's; returns the actor's first-pass π_θ."""
+    if policies.critic is not None:
+        from agentrl.training.critic import value_metrics
+
+        m.update(value_metrics(batch["values"], batch["returns"], batch["response_mask"]))
+        t0 = time.perf_counter()
+        m.update(await _off_loop(policies.critic.update, batch))
+        m["timing_s/update_critic"] = time.perf_counter() - t0
+        m["actor/frozen"] = float(not train_actor)
+    if not train_actor:
+        return None
+    t0 = time.perf_counter()
+    actor_metrics, first_lp = await _off_loop(policies.actor.update_with_log_probs, batch)
+    m["timing_s/update_actor"] = time.perf_counter() - t0
+    m.update(actor_metrics)
+    return first_lp
+
+
+async def train_step(
+    trajs: Sequence[Trajectory],
+    policies: Policies,
+    plan: AlgorithmPlan,
+    *,
+    pad_token_id: int,
+    train_actor: bool = True,
+    reward_baselines: torch.Tensor | None = None,
+) -> StepOutput:
+    """One optimizer step on ``trajs`` (see the module docstring for the stages)."""
+    m: dict[str, float] = {}
+    batch = trajectories_to_batch(list(trajs), pad_token_id=pad_token_id)
+    train_lp = await anchor_log_probs(batch, policies.actor, plan, m)
+    if train_lp is not None:
+        run_correction(batch, train_lp, plan, m)
+    if policies.reference is not None:
+        batch["ref_log_prob"] = await _off_loop(policies.reference.compute_log_probs, batch)
+    compute_rewards(batch, plan, m)
+    if policies.critic is not None:
+        t0 = time.perf_counter()
+        batch["values"] = await _off_loop(policies.critic.compute_values, batch)
+        m["timing_s/values"] = time.perf_counter() - t0
+    compute_advantages(batch, plan, reward_baselines)
+    first_lp = await _update_models(batch, policies, train_actor, m)
+    if train_lp is None:
+        # Bypass without IS/RS: the diagnostics come from the update's first pass (π_θ before
+        # the step), or, while the actor is frozen, from one forward pass of the policy.
+        theta = first_lp
+        if theta is None:
+            theta = await _off_loop(policies.actor.compute_log_probs, batch)
+        diag = correction.offpolicy_metrics(
+            theta, batch["rollout_log_probs"], batch["response_mask"].float()
+        )
+        m.update({f"rollout_corr/{k}": v for k, v in diag.items()})
+    return StepOutput(batch, m)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def is_correct(t: Trajectory) -> bool:
+    """``reward_info["correct"]`` when the reward says so, else reward > 0.5."""
+    correct = t.reward_info.get("correct")
+    return bool(correct) if correct is not None else t.reward > 0.5
+
+
+def trajectory_metrics(
+    trajs: Sequence[Trajectory], version: int, batch: TensorDict | None = None
+) -> dict[str, float]:
+    """``reward/``, ``async/`` staleness and ``rollout/`` metrics of the trained trajectories."""
+    rewards = [t.reward for t in trajs]
+    staleness = [t.staleness(version) for t in trajs]
+    m = {
+        "reward/mean": _mean(rewards),
+        "reward/max": max(rewards),
+        "reward/min": min(rewards),
+        "reward/accuracy": _mean([float(is_correct(t)) for t in trajs]),
+        "async/staleness_mean": _mean([float(s) for s in staleness]),
+        "async/staleness_max": float(max(staleness)),
+        "rollout/response_length_mean": _mean([float(len(t.response_ids)) for t in trajs]),
+        "rollout/num_turns_mean": _mean([float(t.num_turns) for t in trajs]),
+        "rollout/tool_calls_mean": _mean([float(sum(t.tool_calls.values())) for t in trajs]),
+    }
+    episode_counts: Counter[str] = Counter()
+    for t in trajs:
+        for key, value in t.metrics.items():
+            episode_counts[key] += value  # e.g. tool_calls_malformed, abort_resumes
+    for key, value in episode_counts.items():
+        m[f"rollout/{key}"] = float(value)
+    for reason, n in Counter(t.stop_reason.value for t in trajs).items():
+        m[f"rollout/stop_reason/{reason}"] = float(n) / len(trajs)
+    m["rollout/error_episodes"] = float(sum(t.stop_reason is StopReason.ERROR for t in trajs))
+    if batch is not None:
+        mask = batch["response_mask"].float()
+        adv = batch["advantages"]
+        m["critic/advantages_mean"] = float((adv * mask).sum() / mask.sum().clamp(min=1))
+        m["critic/advantages_abs_max"] = float(adv.abs().max())
+    return m
