@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 from collections import defaultdict
 from typing import Any
 
 import pytest
 
-from agentrl.evaluation import EvalReport, answer_of, evaluate, is_correct, log_report, pass_at_k
+from agentrl.evaluation import (
+    EvalReport,
+    ValSample,
+    answer_of,
+    evaluate,
+    is_correct,
+    log_report,
+    pass_at_k,
+)
 from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.rollout.manager import AgentLoopManager, WorkerConfig
 from agentrl.rollout.rewards import RewardManager
@@ -264,3 +273,10 @@ def test_evaluate_refuses_a_manager_with_another_temperature(tok):
     tasks = [Task(id="q", prompt="q", agent="single_turn")]
     with pytest.raises(ValueError, match=r"samples at temperature 1\.0"):
         asyncio.run(evaluate(manager, tasks, n=2, temperature=0.0))
+
+
+def test_report_and_samples_pickle():
+    report = run_scripted()
+    assert pickle.loads(pickle.dumps(report)) == report
+    sample = ValSample("s", "g", {"reward": 1.0}, answer="42", correct=True)
+    assert pickle.loads(pickle.dumps(sample)) == sample
