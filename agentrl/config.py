@@ -167,6 +167,8 @@ class AgentConfig(Section):
     """Tool-call parser: hermes (`<tool_call>{...}</tool_call>`), json, mistral, or a registered name."""
     system_prompt: str | None = None
     """System prompt prepended to every task that has none; None = the agent's own default."""
+    kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
+    """Agent name -> keyword arguments of its constructor (e.g. `{my_agent: {hint: true}}`)."""
     episode_timeout_s: float = Field(default=300.0, gt=0)
     """Wall-clock limit of one episode; past it the episode stops as `aborted`."""
 
@@ -381,7 +383,9 @@ class VariantSection(BaseModel):
     them needs the registry (torch). A ``module:function`` name is a custom variant.
     """
 
-    model_config = ConfigDict(extra="allow", validate_assignment=True)
+    model_config = ConfigDict(
+        extra="allow", validate_assignment=True, use_attribute_docstrings=True
+    )
 
     name: str
     """Registered name, or `module:function` / `path/file.py:function` for your own."""
@@ -826,14 +830,14 @@ def apply_overrides(
     out = copy.deepcopy(data) if data else {}
     for text in overrides:
         parts, value = parse_override(text)
-        node = out
+        node: dict[str, Any] = out
         model: Any = schema
         for i, part in enumerate(parts[:-1]):
             ann, default = _default_mapping(model, part)
             if _is_model(model) and part in model.model_fields and ann is None:
                 ann = _strip_optional(model.model_fields[part].annotation)
             model = ann if _is_model(ann) else None
-            child = node.get(part)
+            child: Any = node.get(part)
             if isinstance(child, str) and isinstance(ann, type) and issubclass(ann, VariantSection):
                 child = node[part] = {"name": child}  # `loss: vanilla` shorthand, then a knob
             if child is None:

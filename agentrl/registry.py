@@ -209,7 +209,9 @@ class Registry(Generic[T]):
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
 
-    def get(self, spec: str | T, *, key: str | None = None, base_dir: str | Path | None = None) -> T:
+    def get(
+        self, spec: str | T, *, key: str | None = None, base_dir: str | Path | None = None
+    ) -> T:
         """The object for a registered name or an import spec (see the module docstring).
 
         A non-string ``spec`` (already an object) is checked and returned. ``key`` names the
@@ -248,8 +250,8 @@ class Registry(Generic[T]):
         if guess:
             parts.append(f"did you mean {guess!r}?")
         tail = self.how_to_register or (
-            f"register one, list the module that registers it under `imports:`, or give "
-            f"'module:attr' / 'path/file.py:attr'"
+            "register one, list the module that registers it under `imports:`, or give "
+            "'module:attr' / 'path/file.py:attr'"
         )
         return "; ".join(parts) + f" ({tail})"
 

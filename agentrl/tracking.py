@@ -23,7 +23,18 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MlflowTracker", "NullTracker", "Tracker", "make_tracker", "sanitize_key"]
+__all__ = [
+    "MetricsReporter",
+    "MlflowTracker",
+    "NullTracker",
+    "ProgressReporter",
+    "Reporter",
+    "SampleReporter",
+    "Tracker",
+    "log_run_plots",
+    "make_tracker",
+    "sanitize_key",
+]
 
 _BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
 
@@ -208,3 +219,133 @@ def plot_metric_history(
     fig.savefig(out, dpi=90)
     plt.close(fig)
     return out
+
+
+# ---- reporters: what the training loop tells the outside world each step ---------------------
+
+
+class Reporter:
+    """A training-loop callback (no-op defaults): ``on_step``, ``on_validation``, ``close``."""
+
+    def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
+        """After each step (its metrics and the trajectories it trained on)."""
+
+    def on_validation(self, step: int, metrics: dict[str, float]) -> None:
+        """After each validation."""
+
+    def close(self) -> None:
+        """At the end of the run (also on failure)."""
+
+
+class MetricsReporter(Reporter):
+    """Step metrics to the tracker every ``log_every`` steps; validation metrics always."""
+
+    def __init__(self, tracker: Tracker, log_every: int) -> None:
+        self.tracker = tracker
+        self.log_every = log_every
+
+    def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
+        if step % self.log_every == 0:
+            self.tracker.log_metrics(metrics, step=step)
+
+    def on_validation(self, step: int, metrics: dict[str, float]) -> None:
+        self.tracker.log_metrics(metrics, step=step)
+
+
+class SampleReporter(Reporter):
+    """A table of ``n`` sample trajectories at step 1 and every ``total_steps // 5`` steps."""
+
+    def __init__(self, tracker: Tracker, n: int, total_steps: int) -> None:
+        self.tracker = tracker
+        self.n = n
+        self.every = max(1, total_steps // 5)
+
+    def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
+        if not self.n or (step % self.every and step != 1):
+            return
+        rows = [
+            {
+                "uid": t.uid,
+                "reward": t.reward,
+                "stop_reason": t.stop_reason.value,
+                "num_turns": t.num_turns,
+                "tool_calls": t.tool_calls,
+                "messages": t.messages,
+            }
+            for t in trajs[: self.n]
+        ]
+        self.tracker.log_dict(rows, f"trajectories/step_{step:05d}.json")
+
+
+class ProgressReporter(Reporter):
+    """One live line per run: step, reward, staleness, tokens/s (rich on a terminal, else a
+    plain line per step when asked for with ``enabled=True``)."""
+
+    def __init__(self, total_steps: int, enabled: bool | None) -> None:
+        import sys
+
+        self.total = total_steps
+        self.tty = sys.stderr.isatty()
+        self.enabled = self.tty if enabled is None else enabled
+        self._progress: Any = None
+        self._task: Any = None
+
+    def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
+        if not self.enabled:
+            return
+        info = (
+            f"v{version} reward {metrics.get('reward/mean', 0.0):.3f} "
+            f"staleness {metrics.get('async/staleness_mean', 0.0):.2f}"
+            f"/{int(metrics.get('async/staleness_max', 0))} "
+            f"{metrics.get('perf/tokens_per_s', 0.0):.0f} tok/s"
+        )
+        if not self.tty:
+            import sys
+
+            print(f"[train] step {step}/{self.total} {info}", file=sys.stderr, flush=True)
+            return
+        if self._progress is None:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=Console(stderr=True),
+            )
+            self._task = self._progress.add_task(
+                "train", total=self.total, completed=step - 1, info=""
+            )
+            self._progress.start()
+        self._progress.update(self._task, completed=step, info=info)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+RUN_PLOTS: dict[str, list[str]] = {
+    "reward": ["reward/mean", "reward/accuracy", "val/accuracy"],
+    "staleness": ["async/staleness_mean", "async/staleness_max"],
+    "is_weights": ["rollout_corr/is_weight_mean", "rollout_corr/is_weight_max"],
+    "kl": ["rollout_corr/kl", "rollout_corr/k3_kl", "actor/ppo_kl"],
+    "validation": ["val/accuracy", "val/reward_mean"],
+}
+"""The plots every run logs as artifacts (name -> metric keys)."""
+
+
+def log_run_plots(tracker: Tracker, out_dir: str | Path) -> list[Path]:
+    """Plot the run's metric history (:data:`RUN_PLOTS`) and log each PNG under ``plots/``."""
+    history = getattr(tracker, "history", {})
+    plots = Path(out_dir) / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, keys in RUN_PLOTS.items():
+        png = plot_metric_history(history, keys, plots / f"{name}.png")
+        if png is not None:
+            tracker.log_artifact(png, "plots")
+            written.append(png)
+    return written

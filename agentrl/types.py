@@ -47,6 +47,7 @@ from typing import Any, Literal, Protocol, runtime_checkable
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 __all__ = [
+    "EpisodeDropped",
     "Generation",
     "Message",
     "Policy",
@@ -60,6 +61,28 @@ __all__ = [
 
 class TrajectoryError(ValueError):
     """A trajectory broke one of its invariants; the message names the field and position."""
+
+
+class EpisodeDropped(Exception):
+    """An episode that ends as a counted drop instead of a trajectory (never trained on).
+
+    ``reason`` is a short key (``reward_error``, ``prompt_too_long``, ...) counted under
+    ``rollout/dropped/<reason>``; the message says what happened.
+    """
+
+    def __init__(self, reason: str, message: str, *, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.fatal = fatal
+        """True when the run must stop with this message (a setting says so, e.g.
+        ``data.overlong_prompts: error``)."""
+
+    def __reduce__(self) -> Any:
+        return (_rebuild_drop, (self.reason, str(self), self.fatal))
+
+
+def _rebuild_drop(reason: str, message: str, fatal: bool) -> EpisodeDropped:
+    return EpisodeDropped(reason, message, fatal=fatal)
 
 
 class StopReason(StrEnum):
@@ -97,8 +120,8 @@ class Task(BaseModel):
     """A single user message. Mutually exclusive with ``messages``."""
     messages: list[Message] | None = None
     """A full chat history to start from. Mutually exclusive with ``prompt``."""
-    agent: str = "tool_agent"
-    """Name of the registered agent that runs this task."""
+    agent: str | None = None
+    """Registered agent (or `module:Class`) that runs this task; None = the run's `agent.default`."""
     data_source: str = "default"
     """Picks the reward function (``reward.sources`` maps data sources to functions)."""
     reward_spec: dict[str, Any] = Field(default_factory=dict)

@@ -171,7 +171,5 @@ def import_user_modules(
                 if top in OUR_PACKAGES
                 else "; install it, or give a path relative to the config file"
             )
-            raise RegistryError(
-                f"{where}: cannot import module {spec!r} ({exc}){hint}"
-            ) from exc
+            raise RegistryError(f"{where}: cannot import module {spec!r} ({exc}){hint}") from exc
     return modules

@@ -6,10 +6,12 @@ Parsers for tool-call formats live in :mod:`agents.parsers`.
 """
 
 from agents.base import (
+    AGENTS,
     INVALID_TOOL,
     AgentContext,
     AgentLimits,
     AgentLoop,
+    Turn,
     create_agent,
     get_agent_class,
     list_agents,
@@ -20,6 +22,7 @@ from agents.single_turn import SingleTurnAgent
 from agents.tool_agent import ToolAgent
 
 __all__ = [
+    "AGENTS",
     "INVALID_TOOL",
     "AgentContext",
     "AgentLimits",
@@ -29,6 +32,7 @@ __all__ = [
     "ToolAgent",
     "ToolCall",
     "ToolCallParser",
+    "Turn",
     "create_agent",
     "get_agent_class",
     "get_parser",

@@ -37,16 +37,15 @@ A complete agent with a custom tool::
         async def run(self, task, ctx):
             ctx.start_episode(task.initial_messages(ctx.system_prompt), tools=[lookup.schema()])
             async with ctx.tool_episode([lookup]) as tools:
-                for _ in range(ctx.limits.max_turns):
-                    gen = await ctx.generate()
-                    parsed = ctx.parse(gen)
-                    if not parsed.calls or gen.finish_reason != "stop":
-                        return ctx.finish(ctx.stop_reason_for(gen))
-                    messages, stop = await ctx.call_tools(tools, parsed)
-                    ctx.add_messages(messages)
-                    if stop or ctx.recorder.truncated:
-                        return ctx.finish(StopReason.TOOL_STOP if stop else StopReason.LENGTH)
-            return ctx.finish(StopReason.MAX_TURNS)
+                while True:
+                    turn = await ctx.turn(tools)  # generate, parse, answer every call
+                    if turn.stop is not None:     # the framework's stop policy decided
+                        return ctx.finish(turn.stop)
+
+An agent that needs its own per-turn logic calls :meth:`AgentContext.turn` in the same loop
+and acts on ``turn.generation`` / ``turn.parsed`` / ``turn.messages`` between turns; the stop
+policy (budgets, abort, ``max_turns``, ``tool_stop``, malformed calls answered and counted in
+every turn) stays the framework's.
 """
 
 from __future__ import annotations
@@ -60,9 +59,19 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from agentrl.config import AgentConfig, DataConfig
 from agentrl.episode import EpisodeRecorder, get_delta_renderer
 from agentrl.registry import Registry
-from agentrl.types import Generation, Message, Policy, SamplingParams, StopReason, Task, Trajectory
+from agentrl.types import (
+    EpisodeDropped,
+    Generation,
+    Message,
+    Policy,
+    SamplingParams,
+    StopReason,
+    Task,
+    Trajectory,
+)
 from agents.parsers import ParseResult, ToolCallParser, get_parser
 from tools import Tool, ToolEpisode, ToolResult, ToolSet
 
@@ -72,6 +81,7 @@ __all__ = [
     "AgentContext",
     "AgentLimits",
     "AgentLoop",
+    "Turn",
     "create_agent",
     "get_agent_class",
     "list_agents",
@@ -84,27 +94,51 @@ INVALID_TOOL = "<invalid>"
 """Key of ``Trajectory.tool_calls`` that counts malformed calls and calls to unknown tools."""
 
 
+_DEFAULTS = AgentConfig()
+_DATA_DEFAULTS = DataConfig()
+
+
 @dataclass
 class AgentLimits:
-    """Limits of one episode (the ``agent`` config section)."""
+    """Limits of one episode (the ``agent`` config section; defaults are the config's)."""
 
-    max_turns: int = 8
+    max_turns: int = _DEFAULTS.max_turns
     """Most model turns (generate calls)."""
-    max_response_tokens: int = 2048
+    max_response_tokens: int = _DEFAULTS.max_response_tokens
     """Budget for all tokens after the prompt, model and tool turns together."""
     max_context_tokens: int | None = None
     """Budget for prompt + response (the model's context length); None = unlimited."""
-    max_parallel_calls: int = 4
+    max_parallel_calls: int = _DEFAULTS.max_parallel_calls
     """Most tool calls of one turn that run at the same time."""
+    max_prompt_tokens: int | None = None
+    """Longest rendered prompt; a longer one drops the episode (or stops the run); None = any."""
+    overlong_prompts: str = _DATA_DEFAULTS.overlong_prompts
+    """``drop`` (counted) or ``error`` (the run stops, naming the task)."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_response_tokens", "max_parallel_calls"):
             if getattr(self, name) < 1:
                 raise ValueError(f"agent.{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_context_tokens is not None and self.max_context_tokens < 1:
+        for name in ("max_context_tokens", "max_prompt_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1 or null, got {value}")
+        if self.overlong_prompts not in ("drop", "error"):
             raise ValueError(
-                f"agent.max_context_tokens must be >= 1 or null, got {self.max_context_tokens}"
+                f"data.overlong_prompts={self.overlong_prompts!r}; use 'drop' or 'error'"
             )
+
+
+@dataclass
+class Turn:
+    """One model turn under the framework's stop policy (:meth:`AgentContext.turn`)."""
+
+    generation: Generation
+    parsed: ParseResult
+    messages: list[Message]
+    """The tool (and error) messages appended after the turn."""
+    stop: StopReason | None
+    """Why the episode ends after this turn; None = it continues."""
 
 
 @dataclass
@@ -157,6 +191,16 @@ class AgentContext:
             max_response_tokens=self.limits.max_response_tokens,
             max_context_tokens=self.limits.max_context_tokens,
         )
+        limit = self.limits.max_prompt_tokens
+        if limit is not None and len(self.recorder.prompt_ids) > limit:
+            fatal = self.limits.overlong_prompts == "error"
+            raise EpisodeDropped(
+                "prompt_too_long",
+                f"episode {self.uid}/{self.index}: the rendered prompt has "
+                f"{len(self.recorder.prompt_ids)} tokens > data.max_prompt_tokens={limit}"
+                + (" (set data.overlong_prompts: drop to skip such tasks)" if fatal else ""),
+                fatal=fatal,
+            )
         return self.recorder
 
     def _require_recorder(self) -> EpisodeRecorder:
@@ -301,6 +345,71 @@ class AgentContext:
     def _count(self, key: str, n: float = 1.0) -> None:
         self.metrics[key] = self.metrics.get(key, 0.0) + n
 
+    # ---- the episode stop policy ---------------------------------------------------------
+    def stop_after(self, gen: Generation, parsed: ParseResult) -> StopReason | None:
+        """The framework's stop policy after a model turn, first match wins:
+
+        ``aborted`` (the server aborted the turn) > ``length`` (a budget cut the response) >
+        ``eos``/``length`` (the turn made no tool call, well-formed or not) > ``max_turns``
+        (the last allowed turn) > None (run the calls, continue).
+        """
+        rec = self._require_recorder()
+        if gen.finish_reason == "abort":
+            return StopReason.ABORTED
+        if rec.truncated:
+            return StopReason.LENGTH
+        if not parsed.calls and not parsed.errors:
+            return self.stop_reason_for(gen)
+        if rec.num_turns >= self.limits.max_turns:
+            return StopReason.MAX_TURNS
+        return None
+
+    async def turn(self, tools: ToolEpisode | None = None) -> Turn:
+        """One model turn under the framework's stop policy (:meth:`stop_after`).
+
+        Generates, parses, and, when the episode continues, runs the calls and appends every
+        answer (malformed calls and unknown tools are answered with an error message and
+        counted). When the episode ends on this turn, its calls are not run (no turn would
+        read their results) but are counted (``tool_calls_unrun``), and malformed ones are
+        still counted and answered on ``max_turns`` (mask-0 tokens, never trained on).
+        """
+        rec = self._require_recorder()
+        if rec.remaining_budget <= 0:
+            rec.truncated = True
+            empty = Generation(token_ids=[], logprobs=[], finish_reason="length", weight_version=0)
+            return Turn(empty, ParseResult(content="", calls=[], errors=[]), [], StopReason.LENGTH)
+        gen = await self.generate()
+        parsed = self.parse(gen)
+        stop = self.stop_after(gen, parsed)
+        messages: list[Message] = []
+        if stop is None:
+            messages, tool_stop = await self._answer_calls(tools, parsed)
+            self.add_messages(messages)
+            if rec.truncated:
+                stop = StopReason.LENGTH
+            elif tool_stop:
+                stop = StopReason.TOOL_STOP
+            return Turn(gen, parsed, messages, stop)
+        if parsed.calls:
+            self._count("tool_calls_unrun", len(parsed.calls))
+        if parsed.errors:
+            self.tool_counts[INVALID_TOOL] = self.tool_counts.get(INVALID_TOOL, 0) + len(
+                parsed.errors
+            )
+            self._count("tool_calls_malformed", len(parsed.errors))
+            if stop is StopReason.MAX_TURNS:
+                messages = [{"role": "tool", "content": f"error: {e}"} for e in parsed.errors]
+                self.add_messages(messages)
+        return Turn(gen, parsed, messages, stop)
+
+    async def _answer_calls(
+        self, tools: ToolEpisode | None, parsed: ParseResult
+    ) -> tuple[list[Message], bool]:
+        if tools is not None:
+            return await self.call_tools(tools, parsed)
+        async with ToolSet().episode() as none:  # no tools: every call is answered as unknown
+            return await self.call_tools(none, parsed)
+
     # ---- ending --------------------------------------------------------------------------
     @staticmethod
     def stop_reason_for(gen: Generation) -> StopReason:
@@ -386,7 +495,9 @@ def list_agents() -> list[str]:
     return AGENTS.names()
 
 
-def get_agent_class(name: str, *, key: str = "agent", base_dir: str | None = None) -> type[AgentLoop]:
+def get_agent_class(
+    name: str, *, key: str = "agent", base_dir: str | None = None
+) -> type[AgentLoop]:
     """The agent class for a registered name or a ``module:Class`` spec (``key`` names the
     config key or column in errors)."""
     return AGENTS.get(name, key=key, base_dir=base_dir)

@@ -255,3 +255,48 @@ def synthetic_trajectory(rng: Any, i: int, prompt_len: int, loss_mask: list[int]
         reward=float(i % 2),
         stop_reason=StopReason.EOS,
     )
+
+
+# ---- model settings from the config (agentrl.config is the only home of defaults) ------------
+
+
+def experiment(*overrides: str) -> Any:
+    """An ``ExperimentConfig`` of the defaults plus dotted ``overrides``."""
+    from agentrl.config import load_config
+
+    return load_config(None, list(overrides))
+
+
+def actor_config(*overrides: str, **fields: Any) -> Any:
+    """``ActorConfig.from_config`` of the default config (+ overrides), then ``fields`` replaced.
+
+    ``mini_batch_size`` in ``fields`` is in rows; ``loss="name"`` picks a registered loss.
+    """
+    import dataclasses
+
+    from agentrl.training.actor import ActorConfig
+    from agentrl.training.algorithm import build_algorithm
+
+    cfg = experiment(*overrides)
+    out = ActorConfig.from_config(cfg, build_algorithm(cfg.algorithm))
+    if isinstance(fields.get("loss"), str):
+        fields["loss"] = build_algorithm(
+            experiment(*overrides, f"algorithm.loss={fields['loss']}").algorithm
+        ).loss
+    fields.setdefault("mini_batch_size", None)  # the whole batch, unless a test says otherwise
+    return dataclasses.replace(out, **fields)
+
+
+def critic_config(*overrides: str, **fields: Any) -> Any:
+    """``CriticConfig.from_config`` of the default config (+ overrides), then ``fields`` replaced."""
+    import dataclasses
+
+    from agentrl.training.critic import CriticConfig
+
+    out = CriticConfig.from_config(experiment(*overrides))
+    fields.setdefault("mini_batch_size", None)
+    return dataclasses.replace(out, **fields)
+
+
+MODEL_ARGS = {"device": "cpu", "dtype": "auto", "trust_remote_code": False}
+"""The keyword arguments every Actor / Critic / FrozenPolicy in a CPU test takes."""

@@ -62,12 +62,12 @@ from agentrl.registry import Registry
 from tools.schema import arguments_model, clean_schema, format_validation_error, parse_docstring
 
 __all__ = [
+    "TOOLS",
     "FunctionTool",
     "Tool",
     "ToolArgumentError",
     "ToolEpisode",
     "ToolResult",
-    "TOOLS",
     "ToolSet",
     "TruncateSide",
     "get_tool",

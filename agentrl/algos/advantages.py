@@ -77,6 +77,7 @@ def register_advantage(
             adv = torch.sign(token_level_rewards.sum(-1, keepdim=True)) * response_mask
             return adv, adv
     """
+
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         describe(
             fn,

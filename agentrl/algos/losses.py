@@ -33,7 +33,14 @@ from agentrl.algos.aggregation import agg_loss
 from agentrl.algos.registry import Registry, check_kwargs
 from agentrl.algos.utils import masked_mean
 
-__all__ = ["LOSS_RESERVED", "POLICY_LOSSES", "PolicyLossFn", "policy_loss", "register_policy_loss", "value_loss"]
+__all__ = [
+    "LOSS_RESERVED",
+    "POLICY_LOSSES",
+    "PolicyLossFn",
+    "policy_loss",
+    "register_policy_loss",
+    "value_loss",
+]
 
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, float]]]
 POLICY_LOSSES: Registry[PolicyLossFn] = Registry(

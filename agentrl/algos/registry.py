@@ -40,7 +40,9 @@ def flags(fn: Any) -> dict[str, bool]:
     return dict(getattr(fn, _FLAGS, {}))
 
 
-def option_signature(fn: Callable[..., Any], reserved: tuple[str, ...]) -> dict[str, inspect.Parameter]:
+def option_signature(
+    fn: Callable[..., Any], reserved: tuple[str, ...]
+) -> dict[str, inspect.Parameter]:
     """The knobs of ``fn``: keyword parameters with a default, except the ``reserved`` ones."""
     params = inspect.signature(fn).parameters
     return {

@@ -119,6 +119,7 @@ class InferenceServerActor:
         log_dir: str | None = None,
         vllm_python: str | None = None,
         vllm_extra_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         if backend not in ("embedded", "vllm"):
             raise ValueError(
@@ -133,6 +134,8 @@ class InferenceServerActor:
         self.log_dir = log_dir
         self.vllm_python = vllm_python
         self.vllm_extra_args = list(vllm_extra_args or [])
+        self.env = dict(env or {})
+        """Added to the server's environment (its share of the run's thread plan)."""
         self._handle: ServerHandle | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
         self._url = ""
@@ -159,6 +162,7 @@ class InferenceServerActor:
                 host=self.bind_host,
                 log_path=log,
                 extra_args=["--max-batch-size", str(self.max_batch_size), "--seed", str(self.seed)],
+                env=self.env,
             )
         else:
             from agentrl.inference.vllm_backend import launch_vllm_server
@@ -169,7 +173,7 @@ class InferenceServerActor:
                 python=self.vllm_python,
                 log_path=log,
                 seed=self.seed,
-                extra_args=self.vllm_extra_args,
+                extra_args=["--max-num-seqs", str(self.max_batch_size), *self.vllm_extra_args],
             )
         self._handle = handle
         self._reaper = subprocess.Popen(
@@ -225,10 +229,11 @@ class InferenceServerActor:
 
 
 class RewardWorkerActor:
-    """Scores trajectories with a ``RewardManager`` built from the ``reward`` config section."""
+    """Scores trajectories with a ``RewardManager`` built from the config's ``reward`` section
+    (after importing the config's ``imports:``, so user reward functions resolve here too)."""
 
-    def __init__(self, reward_cfg: Any) -> None:
-        self.reward_cfg = reward_cfg
+    def __init__(self, cfg: ExperimentConfig) -> None:
+        self.cfg = cfg
         self._manager: Any = None
         self.scored = 0
 
@@ -240,8 +245,10 @@ class RewardWorkerActor:
     def _rewards(self) -> Any:
         if self._manager is None:
             from agentrl.rollout.rewards import RewardManager
+            from agentrl.user_code import import_user_modules
 
-            self._manager = RewardManager.from_config(self.reward_cfg)
+            import_user_modules(self.cfg.imports, self.cfg.base_dir)
+            self._manager = RewardManager.from_config(self.cfg.reward, base_dir=self.cfg.base_dir)
         return self._manager
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
@@ -301,23 +308,23 @@ class AgentLoopWorkerActor:
 
         from agentrl.inference.pool import ServerPool
         from agentrl.rollout.rewards import RewardManager
-        from agentrl.training.trainer import build_toolset
+        from agentrl.training.resolve import build_toolset
+        from agentrl.user_code import import_user_modules
 
-        inf = self.cfg.inference
-        self._pool = ServerPool(
-            self.server_urls,
-            health_check_interval_s=inf.health_check_interval_s,
-            timeout_s=inf.request_timeout_s,
-        )
+        # The user's agents, tools and rewards register themselves when imported: here too.
+        import_user_modules(self.cfg.imports, self.cfg.base_dir)
+        self._pool = ServerPool.from_config(self.server_urls, self.cfg.inference)
         self._pool.start()
         scorer: Any = (
             RemoteScorer(self.reward)
             if self.reward is not None
-            else RewardManager.from_config(self.cfg.reward)
+            else RewardManager.from_config(self.cfg.reward, base_dir=self.cfg.base_dir)
         )
         self._worker = AgentLoopWorker(
             self._pool,
-            AutoTokenizer.from_pretrained(self.model_dir),
+            AutoTokenizer.from_pretrained(
+                self.model_dir, trust_remote_code=self.cfg.model.trust_remote_code
+            ),
             tools=functools.partial(build_toolset, self.cfg),
             reward=scorer,
             config=self.worker_config,
@@ -427,6 +434,7 @@ def _connect(address: str | None) -> bool:
 def _absolute(cfg: ExperimentConfig) -> ExperimentConfig:
     """Paths every actor must resolve the same way (their working directories differ)."""
     cfg = cfg.model_copy(deep=True)
+    cfg.base_dir = str(Path(cfg.base_dir or ".").resolve())
     cfg.trainer.output_dir = str(Path(cfg.trainer.output_dir).resolve())
     if cfg.model.path:
         cfg.model.path = str(Path(cfg.model.path).resolve())
@@ -453,9 +461,13 @@ def run_with_ray(
     """
     import ray
 
-    from agentrl.training.trainer import Trainer
+    from agentrl.threads import make_plan
+    from agentrl.training.build import worker_config
+    from agentrl.training.resolve import model_dir, resolve_experiment
 
     cfg = _absolute(cfg)
+    # Every name and file resolves in the driver first: a mistake fails before any actor starts.
+    plan = resolve_experiment(cfg).plan
     inf, dist = cfg.inference, cfg.distributed
     bind_host = server_bind_host or os.environ.get(BIND_HOST_ENV, "127.0.0.1")
     started = _connect(dist.ray_address)
@@ -463,9 +475,10 @@ def run_with_ray(
     actors: list[Any] = []
     servers: list[Any] = []
     try:
-        local = Trainer(cfg)  # builds the tiny model (if any) and the worker config; starts nothing
-        model_dir = str(local._model_dir())
-        worker_config = local._worker_config()
+        model_path = str(model_dir(cfg))  # builds the tiny model (if any); starts nothing
+        workers_cfg = worker_config(cfg, greedy_baseline=plan.advantage.needs_greedy_baseline)
+        # The servers share this machine's cpus with the trainer (one plan; vLLM sizes itself).
+        threads = make_plan(inf.num_servers, cpus=dist.cpus, server_threads=dist.server_threads)
         urls: list[str]
         if inf.backend == "external":
             urls = list(inf.urls)
@@ -475,7 +488,7 @@ def run_with_ray(
             )
             for i in range(inf.num_servers):
                 a = server_cls.remote(
-                    model_dir,
+                    model_path,
                     backend=inf.backend,
                     index=i,
                     seed=cfg.trainer.seed + i,
@@ -484,15 +497,16 @@ def run_with_ray(
                     log_dir=str(Path(cfg.trainer.output_dir) / "logs"),
                     vllm_python=inf.vllm_python,
                     vllm_extra_args=list(inf.vllm_extra_args),
+                    env=threads.servers[i].env() if inf.backend == "embedded" else None,
                 )
                 servers.append(a)
                 actors.append(a)
             urls = ray.get([a.start.remote() for a in servers], timeout=600)
-        reward = ray.remote(RewardWorkerActor).options(num_cpus=0).remote(cfg.reward)
+        reward = ray.remote(RewardWorkerActor).options(num_cpus=0).remote(cfg)
         actors.append(reward)
         worker_cls = ray.remote(AgentLoopWorkerActor).options(num_cpus=0)
         workers = [
-            worker_cls.remote(cfg, urls, model_dir, worker_config, reward=reward, worker_id=i)
+            worker_cls.remote(cfg, urls, model_path, workers_cfg, reward=reward, worker_id=i)
             for i in range(cfg.rollout.num_workers)
         ]
         actors.extend(workers)

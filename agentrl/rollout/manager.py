@@ -55,9 +55,10 @@ from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from agentrl.config import AgentConfig, RolloutConfig
 from agentrl.episode import EpisodeRecorder
-from agentrl.types import Policy, SamplingParams, StopReason, Task, Trajectory
-from agents import AgentContext, AgentLimits, create_agent, get_parser
+from agentrl.types import EpisodeDropped, Policy, SamplingParams, StopReason, Task, Trajectory
+from agents import AgentContext, AgentLimits, get_agent_class, get_parser
 from tools import ToolSet
 
 __all__ = [
@@ -73,6 +74,10 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_AGENT_DEFAULTS = AgentConfig()
+_ROLLOUT_DEFAULTS = RolloutConfig()
+"""The config's defaults (``agentrl.config`` is their only home)."""
 
 
 @dataclass(frozen=True)
@@ -190,11 +195,12 @@ class StalenessAdmission:
 
 @dataclass
 class WorkerConfig:
-    """What every episode of a worker shares (plain data; pickles)."""
+    """What every episode of a worker shares (plain data; pickles). Build it with
+    :meth:`from_config`; the defaults here are the config's (``agentrl.config``)."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     limits: AgentLimits = field(default_factory=AgentLimits)
-    tool_call_format: str = "hermes"
+    tool_call_format: str = _AGENT_DEFAULTS.tool_call_format
     system_prompt: str | None = None
     episode_timeout_s: float | None = None
     """Wall-clock limit of one episode; past it the episode ends with ``stop_reason=aborted``."""
@@ -202,6 +208,12 @@ class WorkerConfig:
     """Agent name -> keyword arguments of its constructor."""
     max_abort_resumes: int = 3
     """How often a turn aborted by the server (weight push in abort mode) is resumed."""
+    default_agent: str = _AGENT_DEFAULTS.default
+    """The agent of tasks that name none (``agent.default``)."""
+    greedy_sample_index: int | None = None
+    """The sample index that runs greedily (temperature 0): ReMax's baseline sample."""
+    base_dir: str | None = None
+    """Folder that ``module:attr`` / path specs (agents) resolve against."""
 
     @classmethod
     def from_config(
@@ -211,10 +223,14 @@ class WorkerConfig:
         *,
         max_context_tokens: int | None = None,
         agent_kwargs: dict[str, dict[str, Any]] | None = None,
+        max_prompt_tokens: int | None = None,
+        overlong_prompts: str = "drop",
+        greedy_sample_index: int | None = None,
+        base_dir: str | None = None,
     ) -> WorkerConfig:
         """From the ``agent`` config section (``agentrl.config.AgentConfig``, or any object
-        with its fields: ``max_turns``, ``max_response_tokens``, ``max_parallel_calls``,
-        ``tool_call_format``, ``system_prompt``, ``episode_timeout_s``)."""
+        with its fields: ``default``, ``max_turns``, ``max_response_tokens``,
+        ``max_parallel_calls``, ``tool_call_format``, ``system_prompt``, ``episode_timeout_s``)."""
         return cls(
             sampling=sampling or SamplingParams(),
             limits=AgentLimits(
@@ -222,11 +238,16 @@ class WorkerConfig:
                 max_response_tokens=agent.max_response_tokens,
                 max_context_tokens=max_context_tokens,
                 max_parallel_calls=agent.max_parallel_calls,
+                max_prompt_tokens=max_prompt_tokens,
+                overlong_prompts=overlong_prompts,
             ),
             tool_call_format=agent.tool_call_format,
             system_prompt=agent.system_prompt,
             episode_timeout_s=agent.episode_timeout_s,
             agent_kwargs=dict(agent_kwargs or {}),
+            default_agent=agent.default,
+            greedy_sample_index=greedy_sample_index,
+            base_dir=base_dir,
         )
 
 
@@ -235,8 +256,10 @@ class AgentLoopWorker:
 
     A plain class whose state pickles (policy, tokenizer, tools, reward, config, counters), so it
     can live in another process or a Ray actor; pass ``tools`` as a factory (a module-level
-    function returning a ToolSet) for that, since a ToolSet itself holds a lock. ``run_episode`` never raises except on
-    cancellation; it returns ``None`` only when not even the prompt could be rendered.
+    function returning a ToolSet) for that, since a ToolSet itself holds a lock.
+    ``run_episode`` never raises except on cancellation and :class:`EpisodeDropped` (a reward
+    that failed, a prompt over ``max_prompt_tokens``): a counted drop, never trained on. It
+    returns ``None`` only when not even the prompt could be rendered.
     """
 
     def __init__(
@@ -278,48 +301,38 @@ class AgentLoopWorker:
     def _count(self, key: str) -> None:
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+    def _context(self, task: Task, agent_name: str, uid: str, index: int) -> AgentContext:
         cfg = self.config
-        ctx = AgentContext(
+        sampling = cfg.sampling
+        if cfg.greedy_sample_index is not None and index == cfg.greedy_sample_index:
+            sampling = sampling.model_copy(update={"temperature": 0.0})
+        return AgentContext(
             policy=self.policy,
             tokenizer=self.tokenizer,
             tools=self.tools,
-            sampling=cfg.sampling,
+            sampling=sampling,
             limits=cfg.limits,
             parser=get_parser(cfg.tool_call_format),
             session_id=f"{uid}/{index}",
             uid=uid,
             index=index,
-            agent_name=task.agent,
+            agent_name=agent_name,
             system_prompt=cfg.system_prompt,
             max_abort_resumes=cfg.max_abort_resumes,
             logger=logging.LoggerAdapter(logger, {"uid": uid, "index": index}),
         )
+
+    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        """Run one episode of ``task`` (sample ``index`` of group ``uid``), scored."""
+        cfg = self.config
+        agent_name = task.agent or cfg.default_agent
+        ctx = self._context(task, agent_name, uid, index)
         start = time.perf_counter()
-        timeout = cfg.episode_timeout_s
-        traj: Trajectory | None
         try:
-            agent = create_agent(task.agent, **cfg.agent_kwargs.get(task.agent, {}))
-            traj = await asyncio.wait_for(agent.run(task, ctx), timeout)
-            if not isinstance(traj, Trajectory):
-                raise TypeError(
-                    f"agent {task.agent!r} returned {type(traj).__name__}; run() must return a "
-                    "Trajectory (use ctx.finish(stop_reason))"
-                )
-        except asyncio.CancelledError:
+            traj = await self._run_agent(task, agent_name, ctx)
+        except EpisodeDropped as drop:
+            self._count(f"dropped_{drop.reason}")
             raise
-        except Exception as exc:
-            elapsed = time.perf_counter() - start
-            if isinstance(exc, TimeoutError) and timeout is not None and elapsed >= timeout * 0.99:
-                self._count("timeouts")
-                logger.warning("episode %s/%d timed out after %.1f s", uid, index, elapsed)
-                traj = self._partial(
-                    task, ctx, StopReason.ABORTED, f"episode timed out after {timeout:g} s"
-                )
-            else:
-                self._count("errors")
-                logger.exception("agent %r raised in episode %s/%d", task.agent, uid, index)
-                traj = self._partial(task, ctx, StopReason.ERROR, f"{type(exc).__name__}: {exc}")
         if traj is None:
             return None
         timings = dict(traj.timings)
@@ -329,7 +342,7 @@ class AgentLoopWorker:
                 "uid": uid,
                 "index": index,
                 "task_id": task.id,
-                "agent": task.agent,
+                "agent": agent_name,
                 "data_source": task.data_source,
                 "timings": timings,
             }
@@ -337,6 +350,36 @@ class AgentLoopWorker:
         if self.reward is not None:
             traj = await self._score(traj, task)
         return traj
+
+    async def _run_agent(self, task: Task, agent_name: str, ctx: AgentContext) -> Trajectory | None:
+        """The agent's trajectory; a raising or timed-out agent gives its partial trajectory."""
+        cfg = self.config
+        timeout = cfg.episode_timeout_s
+        start = time.perf_counter()
+        try:
+            agent = get_agent_class(agent_name, key="agent", base_dir=cfg.base_dir)(
+                **cfg.agent_kwargs.get(agent_name, {})
+            )
+            traj = await asyncio.wait_for(agent.run(task, ctx), timeout)
+            if not isinstance(traj, Trajectory):
+                raise TypeError(
+                    f"agent {agent_name!r} returned {type(traj).__name__}; run() must return a "
+                    "Trajectory (use ctx.finish(stop_reason))"
+                )
+            return traj
+        except (asyncio.CancelledError, EpisodeDropped):
+            raise
+        except Exception as exc:
+            elapsed = time.perf_counter() - start
+            if isinstance(exc, TimeoutError) and timeout is not None and elapsed >= timeout * 0.99:
+                self._count("timeouts")
+                logger.warning("episode %s/%d timed out after %.1f s", ctx.uid, ctx.index, elapsed)
+                return self._partial(
+                    task, ctx, StopReason.ABORTED, f"episode timed out after {timeout:g} s"
+                )
+            self._count("errors")
+            logger.exception("agent %r raised in episode %s/%d", agent_name, ctx.uid, ctx.index)
+            return self._partial(task, ctx, StopReason.ERROR, f"{type(exc).__name__}: {exc}")
 
     def _partial(
         self, task: Task, ctx: AgentContext, reason: StopReason, error: str
@@ -357,16 +400,24 @@ class AgentLoopWorker:
             return None
 
     async def _score(self, traj: Trajectory, task: Task) -> Trajectory:
+        """The scored trajectory; a reward that fails or times out drops the episode (counted)."""
         assert self.reward is not None
         try:
-            return await self.reward.score(traj, task)
+            scored = await self.reward.score(traj, task)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            self._count("reward_errors")
-            logger.exception("scoring episode %s/%d failed", traj.uid, traj.index)
-            info = {**traj.reward_info, "error": f"{type(exc).__name__}: {exc}"}
-            return traj.model_copy(update={"reward": 0.0, "reward_info": info})
+            error = f"{type(exc).__name__}: {exc}"
+        else:
+            error = scored.reward_info.get("error")
+            if error is None:
+                return scored
+        self._count("reward_errors")
+        raise EpisodeDropped(
+            "reward_error",
+            f"reward of episode {traj.uid}/{traj.index} (task {task.id}, data_source "
+            f"{task.data_source!r}) failed: {error}",
+        )
 
 
 # ---- manager ---------------------------------------------------------------------------------
@@ -420,8 +471,8 @@ class AgentLoopManager:
         tools: ToolSet | Callable[[], ToolSet] | None = None,
         reward: Scorer | None = None,
         config: WorkerConfig | None = None,
-        num_workers: int = 1,
-        max_concurrency: int = 64,
+        num_workers: int = _ROLLOUT_DEFAULTS.num_workers,
+        max_concurrency: int = _ROLLOUT_DEFAULTS.max_concurrency,
         admission: AdmissionController | None = None,
         workers: Sequence[AgentLoopWorker] | None = None,
     ) -> None:
@@ -449,6 +500,8 @@ class AgentLoopManager:
         self._running = 0
         self._streaming = False
         self._cancel: asyncio.Event | None = None
+        self.failures: list[tuple[str, str]] = []
+        """The first dropped episodes' (reason, message), for a run that must stop with them."""
 
     # ---- public API ------------------------------------------------------------------------
     def stream(self, tasks: Iterable[Task], n_samples: int = 1) -> TrajectoryStream:
@@ -491,6 +544,10 @@ class AgentLoopManager:
     def _count(self, key: str, n: int = 1) -> None:
         self._counts[key] = self._counts.get(key, 0) + n
 
+    def _note_failure(self, reason: str, message: str) -> None:
+        if len(self.failures) < 16:  # the first ones are what a user needs; all are counted
+            self.failures.append((reason, message))
+
     @staticmethod
     def _group_number(uid: str) -> int:
         return int(uid.rsplit("#", 1)[1])
@@ -522,8 +579,13 @@ class AgentLoopManager:
             traj: Trajectory | None = None
             if ep.cancelled():
                 self._count("cancelled")
-            elif (exc := ep.exception()) is not None:
+            elif isinstance(exc := ep.exception(), EpisodeDropped):
+                self._count(f"dropped/{exc.reason}")
+                self._note_failure(exc.reason, str(exc))
+                logger.warning("episode %s/%d dropped: %s", key.uid, key.index, exc)
+            elif exc is not None:
                 self._count("worker_errors")
+                self._note_failure("worker_error", f"{type(exc).__name__}: {exc}")
                 logger.error(
                     "worker %d failed on episode %s/%d", w, key.uid, key.index, exc_info=exc
                 )

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import importlib
 import inspect
 import logging
 import math
@@ -42,7 +41,7 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from fractions import Fraction
-from typing import Any, Literal, TypeAlias, cast
+from typing import Any, Literal, TypeAlias
 
 from agentrl.registry import Registry, RegistryError
 from agentrl.types import Task, Trajectory

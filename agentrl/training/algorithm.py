@@ -61,18 +61,22 @@ def _validate_knobs(
         lines = []
         for k in unknown:
             guess = closest(k, list(params))
-            hint = f"did you mean {guess!r}?" if guess else f"its knobs: {', '.join(params) or '(none)'}"
+            hint = (
+                f"did you mean {guess!r}?"
+                if guess
+                else f"its knobs: {', '.join(params) or '(none)'}"
+            )
             lines.append(f"{key}.{k}: unknown knob of {what}; {hint}")
         raise RegistryError("\n".join(lines))
     try:
         hints = typing.get_type_hints(fn)
     except Exception:  # a user function with unresolvable annotations: check names only
         hints = {}
-    fields: dict[str, Any] = {
-        name: (hints.get(name, Any), p.default) for name, p in params.items()
-    }
+    fields: dict[str, Any] = {name: (hints.get(name, Any), p.default) for name, p in params.items()}
     model = create_model(  # type: ignore[call-overload]  # dynamic fields
-        f"{what}_knobs", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True), **fields
+        f"{what}_knobs",
+        __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True),
+        **fields,
     )
     try:
         validated = model.model_validate(dict(knobs))
@@ -153,7 +157,9 @@ class LossVariant(_Variant):
     ) -> tuple[torch.Tensor, dict[str, float]]:
         if not self.takes_is_weights:
             framework.pop("rollout_is_weights", None)
-        return self.fn(old_log_prob, log_prob, advantages, response_mask, **framework, **self.options)
+        return self.fn(
+            old_log_prob, log_prob, advantages, response_mask, **framework, **self.options
+        )
 
 
 @dataclass(frozen=True)

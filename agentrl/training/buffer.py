@@ -62,17 +62,49 @@ class TrajectoryBuffer:
         self.consumed = 0
         self.dropped: Counter[str] = Counter()
         self._dropped_task_ids: list[str] = []
+        self._discarded: dict[str, int] = {}
+        """uid of a discarded group -> members still to arrive (dropped on arrival)."""
 
     # ---- producer side ----------------------------------------------------------------------
-    async def put(self, traj: Trajectory) -> None:
+    async def put(self, traj: Trajectory) -> bool:
+        """Add a scored trajectory; False when its group was discarded (it is counted dropped)."""
         async with self._cond:
             self.put_count += 1
+            if traj.uid in self._discarded:
+                self._late_member(traj.uid)
+                self.dropped["incomplete_group"] += 1
+                return False
             group = self._partial.setdefault(traj.uid, [])
             group.append(traj)
             if len(group) >= self.group_size:
                 del self._partial[traj.uid]
                 self._ready[traj.uid] = group
                 self._cond.notify_all()
+            return True
+
+    def discard_group_nowait(self, uid: str, task_id: str) -> int:
+        """One episode of group ``uid`` ended without a trajectory (a counted drop upstream):
+        the group can never complete. Drops what it holds and every member that arrives later
+        (counted ``incomplete_group``); returns how many trajectories were dropped now.
+
+        Synchronous (callable from the manager's ``on_finished`` hook on the event loop): it
+        adds no ready group, so no waiter needs waking.
+        """
+        if uid in self._discarded:
+            self._late_member(uid)  # another member of an already discarded group: no trajectory
+            return 0
+        group = self._partial.pop(uid, [])
+        self._discarded[uid] = self.group_size - len(group) - 1
+        self.dropped["incomplete_group"] += len(group)
+        self._dropped_task_ids.append(task_id)
+        if self._discarded[uid] <= 0:
+            del self._discarded[uid]
+        return len(group)
+
+    def _late_member(self, uid: str) -> None:
+        self._discarded[uid] -= 1
+        if self._discarded[uid] <= 0:
+            del self._discarded[uid]
 
     async def discard_group(self, uid: str, reason: str = "incomplete_group") -> int:
         """Drop a partial group that can never complete; returns how many trajectories it held."""

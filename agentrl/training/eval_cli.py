@@ -5,10 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 
-from agentrl.config import ConfigError, load_config
-from agentrl.training.train_cli import configure_logging
+from agentrl.training.train_cli import configure_logging, load_and_resolve
 
 __all__ = ["add_arguments", "run"]
 
@@ -25,10 +23,8 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.training.trainer import evaluate_checkpoint
 
     configure_logging(True)
-    try:
-        cfg = load_config(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    cfg = load_and_resolve(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
+    if cfg is None:
         return 2
     metrics = asyncio.run(evaluate_checkpoint(cfg))
     print(json.dumps(metrics, indent=2))

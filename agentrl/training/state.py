@@ -134,7 +134,11 @@ class RunState:
         if critic is not None:
             torch.save(critic.state_dict(), tmp / "critic.pt")
         torch.save(
-            {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+            {
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+                "torch": torch.get_rng_state(),
+            },
             tmp / "rng.pt",
         )
         state = {

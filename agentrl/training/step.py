@@ -223,10 +223,11 @@ def trajectory_metrics(
         "rollout/num_turns_mean": _mean([float(t.num_turns) for t in trajs]),
         "rollout/tool_calls_mean": _mean([float(sum(t.tool_calls.values())) for t in trajs]),
     }
-    episode_counts: Counter[str] = Counter()
+    episode_counts: dict[str, float] = {}
     for t in trajs:
         for key, value in t.metrics.items():
-            episode_counts[key] += value  # e.g. tool_calls_malformed, abort_resumes
+            # e.g. tool_calls_malformed, tool_calls_unrun, abort_resumes
+            episode_counts[key] = episode_counts.get(key, 0.0) + value
     for key, value in episode_counts.items():
         m[f"rollout/{key}"] = float(value)
     for reason, n in Counter(t.stop_reason.value for t in trajs).items():

@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import sys
+from typing import Any
 
 from agentrl.config import ConfigError, load_config
 
@@ -32,21 +33,33 @@ def configure_logging(quiet: bool) -> None:
     )
 
 
+def load_and_resolve(path: str, overrides: list[str]) -> Any:
+    """The config, loaded and resolved (every name, file and user import checked) before
+    anything starts; a user error prints ``error: ...`` and returns None (exit status 2)."""
+    from agentrl.training.resolve import ResolutionError, resolve_experiment
+
+    try:
+        cfg = load_config(path, overrides)
+        resolve_experiment(cfg)
+    except (ConfigError, ResolutionError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return None
+    return cfg
+
+
 def run(args: argparse.Namespace) -> int:
+    from agentrl.training.loop import RunFailed
     from agentrl.training.trainer import Trainer
 
     configure_logging(args.quiet)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    cfg = load_and_resolve(args.config, args.overrides)
+    if cfg is None:
         return 2
-    if cfg.distributed.backend == "ray":
-        from agentrl.distributed.ray_backend import run_with_ray
-
-        result = run_with_ray(cfg, resume=args.resume)
-    else:
-        result = Trainer(cfg, resume=args.resume).run_sync()
+    try:
+        result = _train(cfg, args.resume, Trainer)
+    except RunFailed as exc:
+        print(f"error: the run stopped: {exc}", file=sys.stderr)
+        return 1
     summary = {
         "steps": result.steps,
         "version": result.version,
@@ -58,3 +71,11 @@ def run(args: argparse.Namespace) -> int:
     }
     print(json.dumps(summary, indent=2))
     return 0
+
+
+def _train(cfg: Any, resume: bool, trainer_cls: Any) -> Any:
+    if cfg.distributed.backend == "ray":
+        from agentrl.distributed.ray_backend import run_with_ray
+
+        return run_with_ray(cfg, resume=resume)
+    return trainer_cls(cfg, resume=resume).run_sync()

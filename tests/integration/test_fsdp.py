@@ -34,7 +34,7 @@ from tensordict import TensorDict
 
 from agentrl.batch import trajectories_to_batch
 from agentrl.training.actor import Actor, ActorConfig
-from tests.fakes import synthetic_trajectory
+from tests.fakes import MODEL_ARGS, actor_config, synthetic_trajectory
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -49,14 +49,13 @@ WORKER_TIMEOUT_S = 600.0  # wall time on a heavily shared machine; the work is ~
 
 
 def _config(mode: str) -> ActorConfig:
-    return ActorConfig(
+    return actor_config(
         lr=1e-4,
         grad_clip=GRAD_CLIP[mode],
         micro_batch_max_tokens=40,
         mini_batch_size=4,
         loss_agg_mode=mode,
         entropy_coeff=0.01,
-        use_kl_loss=True,
         kl_loss_coef=0.1,
     )
 
@@ -74,7 +73,7 @@ def _batch(model_dir: Path) -> TensorDict:
     gen = torch.Generator().manual_seed(0)
     # π_old: the model's own log-probs (a single-process Actor) plus noise, so that some
     # ratios leave the clip range; the reference policy a little further away for the KL term.
-    logp = Actor(model_dir, _config(MODES[0]), device="cpu").compute_log_probs(batch)
+    logp = Actor(model_dir, _config(MODES[0]), **MODEL_ARGS).compute_log_probs(batch)
     batch["old_log_probs"] = (logp + 0.15 * torch.randn(logp.shape, generator=gen)) * mask
     batch["ref_log_prob"] = (logp + 0.3 * torch.randn(logp.shape, generator=gen)) * mask
     batch["advantages"] = torch.randn(len(trajs), 1, generator=gen) * mask
@@ -109,7 +108,7 @@ def _worker(rank: int, init_file: str, model_dir: str, batch: TensorDict, out_di
         ctx = DistContext.current("cpu")
         result = {}
         for mode in MODES:
-            actor = Actor(model_dir, _config(mode), device="cpu", dist=ctx)
+            actor = Actor(model_dir, _config(mode), **MODEL_ARGS, dist=ctx)
             result[mode] = _run(actor, batch)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
@@ -150,7 +149,7 @@ def test_fsdp2_update_matches_single_process(
     batch = _batch(tiny_model_dir)
     single = {}
     for mode in MODES:
-        single[mode] = _run(Actor(tiny_model_dir, _config(mode), device="cpu"), batch)
+        single[mode] = _run(Actor(tiny_model_dir, _config(mode), **MODEL_ARGS), batch)
     ranks = _spawn(tmp_path, tiny_model_dir, batch)
 
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:

@@ -20,6 +20,7 @@ from agentrl.config import (
     CorrectionSection,
     ExperimentConfig,
     SFTConfig,
+    VariantSection,
     apply_overrides,
     config_markdown,
     load_any_config,
@@ -81,6 +82,8 @@ def test_every_field_has_a_one_line_description(schema: type[BaseModel]) -> None
 def test_all_sections_of_design_exist() -> None:
     assert list(ExperimentConfig.model_fields) == [
         "kind",
+        "imports",
+        "base_dir",
         "model",
         "data",
         "agent",
@@ -97,9 +100,32 @@ def test_all_sections_of_design_exist() -> None:
 
 
 def test_every_section_forbids_extra_keys() -> None:
+    """Except a variant choice (`algorithm.advantage`, `algorithm.loss`), whose extra keys are the
+    chosen variant's knobs, validated against its signature by the resolution pass."""
     for schema in (ExperimentConfig, SFTConfig):
         for path, model in _all_models(schema):
-            assert model.model_config.get("extra") == "forbid", path or schema.__name__
+            expected = "allow" if issubclass(model, VariantSection) else "forbid"
+            assert model.model_config.get("extra") == expected, path or schema.__name__
+
+
+def test_old_flat_algorithm_keys_fail_with_a_migration_message() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["algorithm.adv_estimator=grpo", "algorithm.clip_ratio_high=0.3"])
+    text = str(err.value)
+    assert "'algorithm.adv_estimator' moved: write `algorithm.advantage: {name: <estimator>}`" in text
+    assert "'algorithm.clip_ratio_high' moved" in text
+
+
+def test_variant_shorthand_and_knob_overrides() -> None:
+    cfg = load_config(None, ["algorithm.advantage=gae", "algorithm.advantage.lam=0.9"])
+    assert cfg.algorithm.advantage.name == "gae" and cfg.algorithm.advantage.knobs() == {"lam": 0.9}
+    assert cfg.flatten()["algorithm.advantage.lam"] == "0.9"
+
+
+def test_a_loaded_file_sets_base_dir_to_its_folder(tmp_path: Path) -> None:
+    cfg = load_config(_write(tmp_path, "imports: [my_tools.py]\n"))
+    assert cfg.base_dir == str(tmp_path.resolve()) and cfg.imports == ["my_tools.py"]
+    assert load_config(None).base_dir is None
 
 
 # ---- overrides ----------------------------------------------------------------------------
@@ -254,7 +280,9 @@ def test_bad_files(tmp_path: Path) -> None:
         load_config(_write(tmp_path, "trainer: [1,\n"))
     with pytest.raises(ConfigError, match="must hold a mapping"):
         load_config(_write(tmp_path, "- 1\n- 2\n"))
-    assert load_config(_write(tmp_path, "")) == load_config(None)
+    empty = load_config(_write(tmp_path, ""))
+    assert empty.base_dir == str(tmp_path.resolve())
+    assert empty.model_copy(update={"base_dir": None}) == load_config(None)
 
 
 def test_assignment_is_validated() -> None:
@@ -323,7 +351,7 @@ def test_yaml_round_trip(tmp_path: Path) -> None:
         ],
     )
     again = load_config(_write(tmp_path, cfg.to_yaml()))
-    assert again == cfg
+    assert again.model_copy(update={"base_dir": None}) == cfg
     sft = load_sft_config(None, ["trainer.lr=0.5"])
     assert load_any_config(_write(tmp_path, sft.to_yaml(), "sft.yaml")) == sft
 

@@ -35,7 +35,7 @@ def test_quickstart_is_the_cpu_async_grpo_recipe() -> None:
     cfg = load_any_config(CONFIGS / "quickstart.yaml")
     assert isinstance(cfg, ExperimentConfig)
     assert cfg.inference.backend == "embedded" and cfg.inference.num_servers == 2
-    assert cfg.algorithm.adv_estimator == "grpo"
+    assert cfg.algorithm.advantage.name == "grpo"
     assert cfg.trainer.max_staleness == 2
     assert cfg.algorithm.correction.preset == "decoupled_token_is"
     assert cfg.data.generator == "calculator" and "calculator" in cfg.tools.enabled

@@ -41,7 +41,8 @@ def test_jsonl_loads_all_columns_and_defaults(tmp_path):
     assert tasks[0].agent == "single_turn" and tasks[0].data_source == "gsm8k"
     assert tasks[0].reward_spec == {"ground_truth": "4"} and tasks[0].extra == {"level": 1}
     assert tasks[1].prompt is None and tasks[1].messages[1]["content"] == "u"
-    assert tasks[1].agent == "tool_agent" and tasks[1].data_source == "default"
+    # no agent column: None, i.e. the run's agent.default
+    assert tasks[1].agent is None and tasks[1].data_source == "default"
     assert tasks[2].extra == {"difficulty": "hard"} and tasks[2].reward_spec["ground_truth"] == "9"
 
 

@@ -310,11 +310,18 @@ async def test_trajectories_are_scored_before_they_are_yielded(tok):
         tasks(2)
     )
     assert [t.reward for t in out] == [1.0, 1.0]
+
+
+
+async def test_a_failing_reward_is_a_counted_drop_never_a_zero_that_is_trained_on(tok):
     mgr = manager(tok, ScriptedPolicy(tok, CALC_SCRIPT), reward=BrokenReward())
     out = await mgr.generate(tasks(2))
-    assert [t.reward for t in out] == [0.0, 0.0]
-    assert out[0].reward_info["error"] == "ValueError: bad reward"
-    assert mgr.stats()["rollout/reward_errors"] == 2
+    assert out == []  # nothing to train on: no 0.0 reward stands in for the failure
+    stats = mgr.stats()
+    assert stats["rollout/reward_errors"] == 2 and stats["rollout/dropped/reward_error"] == 2
+    assert stats["rollout/dropped"] == 2 and stats.get("rollout/finished", 0) == 0
+    reason, message = mgr.failures[0]
+    assert reason == "reward_error" and "ValueError: bad reward" in message
 
 
 async def test_two_hundred_concurrent_episodes(tok):

@@ -229,7 +229,7 @@ def test_unknown_name_lists_builtins():
     [
         ("no_such_module_xyz:f", "cannot import module 'no_such_module_xyz'"),
         ("tests.unit.rollout.test_rewards:missing", "has no attribute 'missing'"),
-        ("tests.unit.rollout.test_rewards:BUILTIN_REWARDS", "not callable"),
+        ("tests.unit.rollout.test_rewards:BUILTIN_REWARDS", "must be callable"),
     ],
 )
 def test_bad_paths_say_what_is_wrong(spec, match):

@@ -378,10 +378,24 @@ def test_registry_builtins_and_user_tools(tmp_path):
 
     assert register_tool(unique_echo_tool_for_registry) is unique_echo_tool_for_registry
     assert get_tool("unique_echo_tool_for_registry") is unique_echo_tool_for_registry
+    register_tool(unique_echo_tool_for_registry)  # the same tool again: harmless
+
+    @tool(name="unique_echo_tool_for_registry")
+    def another(text: str) -> str:
+        """Another tool under a taken name."""
+        return text
+
     with pytest.raises(ValueError, match="already registered"):
-        register_tool(unique_echo_tool_for_registry)
-    with pytest.raises(KeyError, match="known tools"):
+        register_tool(another)
+    with pytest.raises(KeyError, match="unknown tool 'no_such_tool'; registered: .*calculator"):
         get_tool("no_such_tool")
+    with pytest.raises(ValueError, match="calculator. is already registered to tools.calculator"):
+
+        @register_tool
+        @tool(name="calculator")
+        def fake_calculator(expression: str) -> str:
+            """Not the built-in."""
+            return expression
 
 
 def test_from_names_builds_configured_tools(tmp_path):

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from agentrl.batch import trajectories_to_batch
-from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
+from agentrl.training.actor import Actor, FrozenPolicy
 from agentrl.types import Trajectory
-from tests.fakes import random_trajectories
+from tests.fakes import MODEL_ARGS, actor_config, random_trajectories
 
 PAD = 256
 
@@ -35,7 +35,7 @@ def test_log_probs_match_unpadded_forward(tiny_model_dir: Path, budget: int) -> 
     trajs = _trajectories(5)
     batch = trajectories_to_batch(trajs, pad_token_id=PAD)
     policy = FrozenPolicy(
-        tiny_model_dir, temperature=0.7, micro_batch_max_tokens=budget, device="cpu"
+        tiny_model_dir, temperature=0.7, micro_batch_max_tokens=budget, **MODEL_ARGS
     )
     logp = policy.compute_log_probs(batch)
     assert logp.shape == batch["responses"].shape
@@ -61,8 +61,8 @@ def test_gradient_accumulation_matches_full_batch(tiny_model_dir: Path, mode: st
     trajs = _trajectories(6, seed=1)
     grads = []
     for budget in (12, 100_000):
-        cfg = ActorConfig(lr=1e-3, micro_batch_max_tokens=budget, loss_agg_mode=mode, grad_clip=1e9)
-        actor = Actor(tiny_model_dir, cfg, device="cpu")
+        cfg = actor_config(lr=1e-3, micro_batch_max_tokens=budget, loss_agg_mode=mode, grad_clip=1e9)
+        actor = Actor(tiny_model_dir, cfg, **MODEL_ARGS)
         batch = _prepared_batch(actor, trajs)
         actor.update(batch)
         grads.append(
@@ -74,7 +74,7 @@ def test_gradient_accumulation_matches_full_batch(tiny_model_dir: Path, mode: st
 
 def test_update_raises_logprob_of_positive_advantage_tokens(tiny_model_dir: Path) -> None:
     trajs = _trajectories(4, seed=2)
-    actor = Actor(tiny_model_dir, ActorConfig(lr=3e-3, ppo_epochs=4), device="cpu")
+    actor = Actor(tiny_model_dir, actor_config(lr=3e-3, ppo_epochs=4), **MODEL_ARGS)
     batch = _prepared_batch(actor, trajs)
     before = batch["old_log_probs"].clone()
     metrics = actor.update(batch)

@@ -10,9 +10,9 @@ import torch
 
 from agentrl.algos import compute_advantage, value_loss
 from agentrl.batch import trajectories_to_batch
-from agentrl.training.critic import Critic, CriticConfig, value_metrics
+from agentrl.training.critic import Critic, value_metrics
 from agentrl.types import Trajectory
-from tests.fakes import random_trajectories
+from tests.fakes import MODEL_ARGS, critic_config, random_trajectories
 
 PAD = 256
 
@@ -21,7 +21,7 @@ _trajectories = random_trajectories
 
 
 def _critic(model_dir: Path, head_seed: int | None = 0, **cfg) -> Critic:
-    critic = Critic(model_dir, CriticConfig(**cfg), device="cpu")
+    critic = Critic(model_dir, critic_config(**cfg), **MODEL_ARGS)
     if head_seed is not None:
         # A non-zero head, so values vary and gradients reach the backbone from the first step.
         gen = torch.Generator().manual_seed(head_seed)
@@ -50,7 +50,7 @@ def _gae_batch(critic: Critic, trajs: list[Trajectory], gamma: float = 1.0, lam:
 
 
 def test_fresh_critic_predicts_zero(tiny_model_dir: Path) -> None:
-    critic = Critic(tiny_model_dir, CriticConfig(), device="cpu")
+    critic = Critic(tiny_model_dir, critic_config(), **MODEL_ARGS)
     batch = trajectories_to_batch(_trajectories(3), pad_token_id=PAD)
     assert torch.all(critic.compute_values(batch) == 0)
 

@@ -1,0 +1,384 @@
+"""Build what a run needs from its config, under one ``AsyncExitStack``: the only factory.
+
+Why it exists: servers, the server pool, the CheckpointEngine, the agent-loop manager and the
+models used to be built by the trainer for everyone (the Ray backend made a throw-away trainer to
+call its private methods). Here each piece has one public builder, and two context managers
+compose them:
+
+- :func:`build_serving` — the inference side: the thread plan, the model directory, the
+  tokenizer, the servers (embedded or vLLM; or the URLs of running ones), the ``ServerPool``, the
+  ``CheckpointEngine``, the reward manager and ``make_manager()``. The trainer, ``agentrl eval``,
+  the Ray backend and the rollout service (``agentrl serve``) all build through it.
+- :func:`build_run` — serving plus the training side: the algorithm plan, the actor (and the
+  reference and critic the plan needs), the task sets and the tracker.
+
+Guarantees:
+
+- everything started is registered with the exit stack the moment it exists, so any failure
+  after the first server starts (a second server failing its health check, a model that does
+  not load) stops every server and closes every client; nothing is orphaned;
+- servers start in parallel with loading the models (start-up is the slower of the two, not
+  their sum; ``timing_s/startup`` reports it);
+- every process gets its share of the run's CPU-thread plan (:mod:`agentrl.threads`).
+
+Example::
+
+    async with build_run(cfg) as run:
+        result = await train(run)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import ExperimentConfig
+from agentrl.threads import ThreadPlan, make_plan
+from agentrl.training.resolve import Resolved, build_toolset, model_dir, resolve_experiment
+
+__all__ = [
+    "Run",
+    "Serving",
+    "build_run",
+    "build_serving",
+    "thread_plan",
+    "worker_config",
+]
+
+logger = logging.getLogger(__name__)
+
+
+def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
+    """The run's CPU-thread plan: the trainer and each local embedded server get a share."""
+    d, inf = cfg.distributed, cfg.inference
+    return make_plan(
+        inf.num_servers,
+        cpus=d.cpus,
+        trainer_threads=d.trainer_threads,
+        server_threads=d.server_threads,
+        pin=d.pin_cpus,
+        # vLLM binds its own threads; external servers are not ours to size.
+        external_servers=inf.backend != "embedded",
+    )
+
+
+def worker_config(
+    cfg: ExperimentConfig, *, temperature: float | None = None, greedy_baseline: bool = False
+) -> Any:
+    """The agent-loop ``WorkerConfig`` of ``cfg`` (sampling, limits, parser, agents)."""
+    from agentrl.rollout.manager import WorkerConfig
+    from agentrl.types import SamplingParams
+
+    inf = cfg.inference
+    sampling = SamplingParams(
+        max_tokens=inf.max_tokens_per_turn,
+        temperature=inf.temperature if temperature is None else temperature,
+        top_p=inf.top_p,
+        top_k=inf.top_k,
+    )
+    return WorkerConfig.from_config(
+        cfg.agent,
+        sampling,
+        agent_kwargs=cfg.agent.kwargs,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        overlong_prompts=cfg.data.overlong_prompts,
+        greedy_sample_index=cfg.data.n_samples if greedy_baseline else None,
+        base_dir=cfg.base_dir,
+    )
+
+
+@dataclass
+class Serving:
+    """The inference side of a run (see :func:`build_serving`)."""
+
+    cfg: ExperimentConfig
+    model_dir: Path
+    tokenizer: Any
+    server_urls: list[str]
+    pool: Any
+    """The started :class:`~agentrl.inference.pool.ServerPool`."""
+    engine: Any
+    """The :class:`~agentrl.training.checkpoint_engine.CheckpointEngine` over every server."""
+    rewards: Any
+    """The :class:`~agentrl.rollout.rewards.RewardManager`."""
+    threads: ThreadPlan
+    workers: list[Any] | None = None
+    """Ready-made agent-loop workers (Ray actor adapters); None = in-process workers."""
+    version: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    loaded: Any = None
+    """What ``load_models`` returned (loaded while the servers started)."""
+
+    def make_manager(
+        self,
+        *,
+        admission: Any = None,
+        temperature: float | None = None,
+        greedy_baseline: bool = False,
+    ) -> Any:
+        """An ``AgentLoopManager`` over the pool with the config's tools, rewards and limits."""
+        import functools
+
+        from agentrl.rollout.manager import AgentLoopManager
+
+        rollout = self.cfg.rollout
+        return AgentLoopManager(
+            self.pool,
+            self.tokenizer,
+            tools=functools.partial(build_toolset, self.cfg),
+            reward=self.rewards,
+            config=worker_config(
+                self.cfg, temperature=temperature, greedy_baseline=greedy_baseline
+            ),
+            num_workers=rollout.num_workers,
+            max_concurrency=rollout.max_concurrency,
+            admission=admission,
+            workers=self.workers if temperature is None else None,
+        )
+
+
+@dataclass
+class Run(Serving):
+    """Serving plus the training side (see :func:`build_run`)."""
+
+    resolved: Resolved | None = None
+    policies: Any = None
+    """:class:`~agentrl.training.step.Policies` (actor, reference, critic)."""
+    tracker: Any = None
+    output_dir: Path = Path(".")
+    pad_token_id: int = 0
+
+
+def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:
+    """The model's tokenizer (``model.trust_remote_code`` honoured); it must have a pad token."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=cfg.model.trust_remote_code)
+    if tok.pad_token_id is None:
+        raise ValueError(f"model.path: the tokenizer of {path} has no pad token; set one")
+    return tok
+
+
+def _launch_one(cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path) -> Any:
+    inf = cfg.inference
+    if inf.backend == "embedded":
+        from agentrl.inference.server import launch_embedded_server
+
+        return launch_embedded_server(
+            path,
+            log_path=logs / f"server-{i}.log",
+            env=plan.servers[i].env() if i < len(plan.servers) else None,
+            extra_args=[
+                "--max-batch-size",
+                str(inf.max_batch_size),
+                "--seed",
+                str(cfg.trainer.seed + i),
+            ],
+        )
+    from agentrl.inference.vllm_backend import launch_vllm_server
+
+    return launch_vllm_server(
+        path,
+        python=inf.vllm_python,
+        log_path=logs / f"vllm-{i}.log",
+        seed=cfg.trainer.seed + i,
+        extra_args=["--max-num-seqs", str(inf.max_batch_size), *inf.vllm_extra_args],
+    )
+
+
+async def start_servers(
+    cfg: ExperimentConfig, path: Path, plan: ThreadPlan, stack: contextlib.AsyncExitStack
+) -> list[str]:
+    """Launch ``inference.num_servers`` servers in parallel; each is stopped by ``stack``.
+
+    If any fails to start, the others (already registered) are stopped on the way out.
+    """
+    inf = cfg.inference
+    if inf.backend == "external":
+        return list(inf.urls)
+    logs = Path(cfg.trainer.output_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    launches = [
+        asyncio.to_thread(_launch_one, cfg, path, i, plan, logs) for i in range(inf.num_servers)
+    ]
+    results = await asyncio.gather(*launches, return_exceptions=True)
+    handles = [r for r in results if not isinstance(r, BaseException)]
+    for h in handles:
+        stack.callback(h.stop)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return [h.base_url for h in handles]
+
+
+def _engine(cfg: ExperimentConfig, urls: list[str], temperature: float, transport: Any) -> Any:
+    from agentrl.inference.client import PolicyClient
+    from agentrl.training.checkpoint_engine import CheckpointEngine, make_transport
+
+    ck = cfg.checkpoint
+    control = [PolicyClient(u, timeout_s=ck.push_timeout_s) for u in urls]
+    transport = transport or make_transport(ck.transport, ck.resolved_shared_dir())
+    # `rollout.partial_rollout` and `checkpoint.pause_mode` name the same choice from the rollout
+    # and the server side; either one set to `abort` aborts in-flight turns (the agent loop
+    # resumes them on the new weights, per-token versions recorded).
+    abort = "abort" in (cfg.rollout.partial_rollout, ck.pause_mode)
+    return CheckpointEngine(
+        control,
+        transport,
+        pause_mode="abort" if abort else "keep",
+        verify=ck.verify,
+        verify_tolerance=ck.verify_tolerance,
+        probe_tokens=ck.probe_tokens,
+        temperature=temperature,
+        push_timeout_s=ck.push_timeout_s,
+    )
+
+
+async def _close_engine(engine: Any, remove_staging: bool) -> None:
+    for c in engine.clients:
+        await c.aclose()
+    if remove_staging and hasattr(engine.transport, "remove"):
+        engine.transport.remove()
+
+
+@contextlib.asynccontextmanager
+async def build_serving(
+    cfg: ExperimentConfig,
+    *,
+    server_urls: Sequence[str] | None = None,
+    transport: Any = None,
+    workers: list[Any] | None = None,
+    stack: contextlib.AsyncExitStack | None = None,
+    load_models: Any = None,
+) -> AsyncIterator[Serving]:
+    """Start (or attach to) the servers of ``cfg`` and yield a :class:`Serving`.
+
+    ``server_urls`` attaches to running servers instead of starting any (tests, Ray placement);
+    ``load_models`` (a function run in a thread while the servers start) lets :func:`build_run`
+    load the actor meanwhile; its result is ``serving.timings["models"]``'s work.
+    """
+    from agentrl.inference.pool import ServerPool
+    from agentrl.rollout.rewards import RewardManager
+
+    async with contextlib.AsyncExitStack() as own:
+        stack = stack or own
+        t0 = time.perf_counter()
+        plan = thread_plan(cfg)
+        plan.trainer.apply()
+        logger.info("thread plan: %s", plan.describe())
+        path = model_dir(cfg)
+        tokenizer = load_tokenizer(cfg, path)
+        models = asyncio.to_thread(load_models) if load_models is not None else None
+        servers = (
+            _given(server_urls)
+            if server_urls is not None
+            else start_servers(cfg, path, plan, stack)
+        )
+        results = await asyncio.gather(
+            servers, *([models] if models else []), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException):
+                raise r
+        urls = list(results[0])  # type: ignore[arg-type]  # checked above
+        pool = ServerPool.from_config(urls, cfg.inference)
+        stack.push_async_callback(pool.aclose)
+        temperature = cfg.inference.temperature or 1.0
+        engine = _engine(cfg, urls, temperature, transport)
+        stack.push_async_callback(_close_engine, engine, cfg.checkpoint.shared_dir is None)
+        rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)
+        stack.callback(rewards.close)
+        pool.start()
+        serving = Serving(
+            cfg=cfg,
+            model_dir=path,
+            tokenizer=tokenizer,
+            server_urls=urls,
+            pool=pool,
+            engine=engine,
+            rewards=rewards,
+            threads=plan,
+            workers=workers,
+            timings={"startup": time.perf_counter() - t0},
+            loaded=results[1] if models else None,
+        )
+        yield serving
+
+
+async def _given(urls: Sequence[str]) -> list[str]:
+    return list(urls)
+
+
+def load_policies(cfg: ExperimentConfig, path: Path, plan: Any) -> Any:
+    """The actor, and the reference and critic the algorithm plan needs."""
+    from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
+    from agentrl.training.critic import Critic, CriticConfig
+    from agentrl.training.step import Policies
+
+    t, m = cfg.trainer, cfg.model
+    common = {"device": t.device, "dtype": m.dtype, "trust_remote_code": m.trust_remote_code}
+    actor = Actor(path, ActorConfig.from_config(cfg, plan), **common)
+    reference = (
+        FrozenPolicy(
+            path,
+            temperature=actor.temperature,
+            micro_batch_max_tokens=t.micro_batch_max_tokens,
+            **common,
+        )
+        if plan.needs_reference
+        else None
+    )
+    critic = Critic(path, CriticConfig.from_config(cfg), **common) if plan.needs_critic else None
+    if critic is None and t.critic_warmup_steps:
+        logger.warning(
+            "trainer.critic_warmup_steps=%d is ignored: algorithm.advantage %r has no critic "
+            "(use gae)",
+            t.critic_warmup_steps,
+            plan.advantage.name,
+        )
+    return Policies(actor=actor, reference=reference, critic=critic)
+
+
+@contextlib.asynccontextmanager
+async def build_run(
+    cfg: ExperimentConfig,
+    *,
+    resolved: Resolved | None = None,
+    server_urls: Sequence[str] | None = None,
+    transport: Any = None,
+    workers: list[Any] | None = None,
+) -> AsyncIterator[Run]:
+    """Serving plus the models, under one exit stack (see the module docstring)."""
+    resolved = resolved or resolve_experiment(cfg)
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    async with contextlib.AsyncExitStack() as stack:
+        path = model_dir(cfg)  # built once here, so both threads below see the same directory
+
+        def load() -> Any:
+            return load_policies(cfg, path, resolved.plan)
+
+        serving = await stack.enter_async_context(
+            build_serving(
+                cfg,
+                server_urls=server_urls,
+                transport=transport,
+                workers=workers,
+                stack=stack,
+                load_models=load,
+            )
+        )
+        run = Run(
+            **{f: getattr(serving, f) for f in Serving.__dataclass_fields__},
+            resolved=resolved,
+            policies=serving.loaded,
+            output_dir=out,
+            pad_token_id=int(serving.tokenizer.pad_token_id),
+        )
+        yield run

@@ -1,0 +1,356 @@
+"""The one training loop: bounded-staleness asynchronous RL for every ``max_staleness``.
+
+Why one loop: synchronous on-policy training (η = 0), one-step-off (η = 1) and fully
+asynchronous training (η = k) differ only in how far rollouts may run ahead of the trainer,
+which is the admission rule, not a different trainer (verl grew three; we keep one).
+
+Data flow (DESIGN section 1)::
+
+    RunState.task_stream -> AgentLoopManager.stream (admission: StalenessAdmission(η))
+        -> scored Trajectory -> TrajectoryBuffer (GRPO groups; stale groups dropped, counted)
+    train_step(batch) -> CheckpointEngine.push(v + 1), verified -> admission.set_version(v + 1)
+        -> metrics to the reporters (tracker, progress, samples, plots)
+
+Invariants:
+
+- No trained trajectory is staler than η at the step that consumes it (the buffer drops and
+  counts the rest, and the admission budget is told, so replacement episodes start).
+- Every dispatched task is trained, dropped (counted) or pending, and pending tasks are saved
+  with the step (:mod:`agentrl.training.state`), so resume loses none and trains none twice.
+- An episode that ends without a trajectory (a reward that failed, a prompt over the limit)
+  drops its whole group (counted ``incomplete_group``), never a 0.0 reward that is trained on.
+  When a batch's worth of episodes in a row end that way or with ``stop_reason=error``, or a
+  drop is fatal by configuration, the run stops with the first error — never a zero-gradient
+  step, never rc 0 on a run that learned nothing.
+- A failed weight push never leaves a server paused (CheckpointEngine's invariant); it is
+  retried ``checkpoint.push_retries`` times, then the run stops with the push report.
+
+Shutdown order: stop admitting (cancel the rollout stream: running episodes end as counted
+drops, their tools released) -> close the buffer -> reporters -> (the builder's exit stack)
+stop the servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentrl.rollout.manager import EpisodeKey, StalenessAdmission
+from agentrl.training.buffer import TrajectoryBuffer
+from agentrl.training.build import Run
+from agentrl.training.checkpoint_engine import PushReport, WeightPushError
+from agentrl.training.state import RunState
+from agentrl.training.step import is_correct, train_step, trajectory_metrics
+from agentrl.types import StopReason, Trajectory
+
+__all__ = ["RunFailed", "TrainResult", "push_weights", "train", "validate"]
+
+logger = logging.getLogger(__name__)
+
+
+class RunFailed(RuntimeError):
+    """The run cannot make progress (nothing could be scored, a fatal drop); says why."""
+
+
+@dataclass
+class TrainResult:
+    """What a finished run reports."""
+
+    steps: int
+    version: int
+    history: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    val_before: dict[str, float] = field(default_factory=dict)
+    val_after: dict[str, float] = field(default_factory=dict)
+    val_history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    run_location: str = ""
+    output_dir: str = ""
+    wall_time_s: float = 0.0
+
+
+class _Admission(StalenessAdmission):
+    """AReaL's admission rule, plus what the loop must hear about each finished episode."""
+
+    def __init__(
+        self, feed: RolloutFeed, batch_size: int, max_staleness: int, version: int
+    ) -> None:
+        super().__init__(batch_size, max_staleness, version=version)
+        self.feed = feed
+
+    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        super().on_finished(key, traj)
+        self.feed.episode_finished(key, traj)
+
+
+class RolloutFeed:
+    """The rollout side of the loop: admission, the manager's stream, the buffer, failures."""
+
+    def __init__(self, run: Run, state: RunState, dataset: Any) -> None:
+        cfg, plan = run.cfg, run.resolved.plan  # type: ignore[union-attr]
+        self.greedy = plan.advantage.needs_greedy_baseline
+        self.group = cfg.data.n_samples + (1 if self.greedy else 0)
+        self.batch_groups = cfg.data.batch_size
+        self.buffer = TrajectoryBuffer(
+            self.group,
+            cfg.trainer.max_staleness,
+            drop_uniform_reward_groups=cfg.rollout.dynamic_sampling,
+        )
+        if state.buffer:
+            self.buffer.load_state_dict(state.buffer)
+        self.admission = _Admission(
+            self, self.batch_groups * self.group, cfg.trainer.max_staleness, state.version
+        )
+        self.admission.accepted = self.buffer.consumed
+        self.manager = run.make_manager(admission=self.admission, greedy_baseline=self.greedy)
+        self.max_uniform_drops = cfg.rollout.max_sampling_rounds * self.batch_groups
+        self._failures_in_a_row = 0
+        self._first_failure: str | None = None
+        self._fatal: str | None = None
+        self._error: BaseException | None = None
+        self.last_trajs: list[Trajectory] = []
+        self._stream = self.manager.stream(state.task_stream(dataset), n_samples=self.group)
+        self._producer = asyncio.create_task(self._produce())
+
+    async def _produce(self) -> None:
+        try:
+            async for traj in self._stream:
+                if not await self.buffer.put(traj):
+                    self.admission.reject(1)  # a member of a dropped group: replace it
+        except Exception as exc:  # surfaced by the consumer: never a silent hang
+            self._error = exc
+            await self.buffer.close()
+
+    def episode_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        """Count failures in a row; drop the whole group of an episode that has no trajectory."""
+        if traj is None:
+            n = self.buffer.discard_group_nowait(key.uid, key.task_id)
+            if n:
+                self.admission.reject(n)
+            failures = self.manager.failures
+            reason, message = failures[-1] if failures else ("dropped", "episode dropped")
+            if reason == "prompt_too_long" and "data.overlong_prompts" in message:
+                self._fatal = message
+            failed = True
+        else:
+            failed = traj.stop_reason is StopReason.ERROR
+            message = f"episode {traj.uid}/{traj.index} ended with an error: {traj.error}"
+        if not failed:
+            self._failures_in_a_row = 0
+            return
+        self._first_failure = self._first_failure or message
+        self._failures_in_a_row += 1
+        if self._fatal is not None or self._failures_in_a_row >= self.admission.batch_size:
+            asyncio.get_running_loop().create_task(self.buffer.close())
+
+    def _raise_if_failed(self) -> None:
+        if self._fatal is not None:
+            raise RunFailed(self._fatal)
+        if self._failures_in_a_row >= self.admission.batch_size:
+            raise RunFailed(
+                f"{self._failures_in_a_row} episodes in a row ended without a usable trajectory "
+                f"(a batch is {self.admission.batch_size}); nothing could be trained on. First "
+                f"error: {self._first_failure}"
+            )
+        if self._error is not None:
+            raise RunFailed(f"the rollout stream failed: {self._error}") from self._error
+
+    async def next_batch(self, version: int) -> tuple[list[list[Trajectory]], float]:
+        """``data.batch_size`` usable groups at ``version`` (and the seconds waited for them)."""
+        t0 = time.perf_counter()
+        uniform_before = self.buffer.dropped["uniform_reward"]
+        dropped_before = sum(self.buffer.dropped.values())
+        try:
+            groups = await self.buffer.get_groups(self.batch_groups, version)
+        except Exception:
+            self._raise_if_failed()
+            raise
+        self._raise_if_failed()
+        dropped = sum(self.buffer.dropped.values()) - dropped_before
+        if dropped:
+            self.admission.reject(dropped)  # their slots go to replacement episodes
+        uniform = (self.buffer.dropped["uniform_reward"] - uniform_before) // self.group
+        if uniform > self.max_uniform_drops:
+            raise RunFailed(
+                f"dynamic sampling dropped {uniform} uniform-reward groups to fill one batch "
+                f"(rollout.max_sampling_rounds={self.max_uniform_drops // self.batch_groups} x "
+                f"{self.batch_groups} groups); the task is too easy or too hard for the policy"
+            )
+        return groups, time.perf_counter() - t0
+
+    def split(self, groups: list[list[Trajectory]]) -> tuple[list[Trajectory], torch.Tensor | None]:
+        """The trajectories to train on, and ReMax's greedy baseline reward per row."""
+        if not self.greedy:
+            return [t for g in groups for t in g], None
+        trajs, baselines = [], []
+        for g in groups:
+            greedy = [t for t in g if t.index == self.group - 1]
+            sampled = [t for t in g if t.index != self.group - 1]
+            trajs.extend(sampled)
+            baselines.extend([greedy[0].reward] * len(sampled))
+        return trajs, torch.tensor(baselines, dtype=torch.float32)
+
+    async def close(self) -> None:
+        """Stop admitting, cancel running episodes (counted drops), close the buffer."""
+        self.manager.cancel()
+        self._producer.cancel()
+        with contextlib.suppress(BaseException):
+            await self._producer
+        with contextlib.suppress(BaseException):
+            await self._stream.aclose()
+        await self.buffer.close()
+
+
+async def push_weights(run: Run, version: int) -> PushReport:
+    """Push the actor's weights as ``version`` to every server, verified; retried
+    ``checkpoint.push_retries`` times, then :class:`WeightPushError` with the report."""
+    actor = run.policies.actor
+    attempts = 1 + run.cfg.checkpoint.push_retries
+    state = actor.state_dict_for_push()
+    report = None
+    for attempt in range(attempts):
+        report = await run.engine.push(state, version, score=actor.score_tokens)
+        if report.ok:
+            return report
+        logger.warning(
+            "weight push attempt %d/%d failed:\n%s", attempt + 1, attempts, report.describe()
+        )
+    assert report is not None
+    raise WeightPushError(report)
+
+
+async def validate(run: Run, step: int, reporters: Sequence[Any]) -> dict[str, float]:
+    """Held-out metrics (one greedy sample per task; never trained on), reported at ``step``."""
+    tasks = run.resolved.val_tasks if run.resolved is not None else []
+    if not tasks:
+        return {}
+    manager = run.make_manager(temperature=0.0)
+    trajs = await manager.generate(tasks, n_samples=1)
+    if not trajs:
+        return {"val/num_tasks": 0.0}
+    metrics = {
+        "val/accuracy": sum(float(is_correct(t)) for t in trajs) / len(trajs),
+        "val/reward_mean": sum(t.reward for t in trajs) / len(trajs),
+        "val/tool_calls_mean": sum(sum(t.tool_calls.values()) for t in trajs) / len(trajs),
+        "val/num_tasks": float(len(trajs)),
+        "val/dropped": float(len(tasks) - len(trajs)),
+    }
+    for r in reporters:
+        r.on_validation(step, metrics)
+    return metrics
+
+
+async def train(
+    run: Run,
+    state: RunState,
+    dataset: Any,
+    *,
+    reporters: Sequence[Any] = (),
+    stop_after_step: int | None = None,
+    push: Callable[[int], Awaitable[PushReport]] | None = None,
+) -> TrainResult:
+    """Train ``run`` from ``state`` until ``trainer.total_steps`` (or ``stop_after_step``).
+
+    ``push(version)`` pushes the actor's weights (default :func:`push_weights`).
+    """
+    t = run.cfg.trainer
+    push = push or functools.partial(push_weights, run)
+    result = TrainResult(steps=state.step, version=state.version, output_dir=str(run.output_dir))
+    # Every run starts by pushing its weights at its version: the servers provably serve the
+    # trainer's weights (fresh: the initial model; resumed: the saved one) before any rollout.
+    await push(state.version)
+    if t.val_before_train and not state.resumed:
+        result.val_before = await validate(run, state.step, reporters)
+    feed = RolloutFeed(run, state, dataset)
+    try:
+        while state.step < t.total_steps:
+            metrics = await _one_step(run, state, feed, push)
+            for r in reporters:
+                r.on_step(state.step, state.version, metrics, feed.last_trajs)
+            if t.val_every and state.step % t.val_every == 0 and state.step < t.total_steps:
+                result.val_history.append((state.step, await validate(run, state.step, reporters)))
+            stopping = stop_after_step is not None and state.step >= stop_after_step
+            last = stopping or state.step >= t.total_steps
+            if (t.save_every and state.step % t.save_every == 0) or (last and t.save_every):
+                _save(run, state, dataset, feed)
+            if stopping:
+                break
+    finally:
+        await feed.close()
+    if t.val_at_end and state.step >= t.total_steps:
+        result.val_after = await validate(run, state.step, reporters)
+    result.steps, result.version = state.step, state.version
+    return result
+
+
+async def _one_step(
+    run: Run, state: RunState, feed: RolloutFeed, push: Callable[[int], Awaitable[PushReport]]
+) -> dict[str, float]:
+    """Wait for a batch, train on it, push the new version; the step's metrics."""
+    cfg = run.cfg
+    t0 = time.perf_counter()
+    groups, waited = await feed.next_batch(state.version)
+    for task_id in feed.buffer.pop_dropped_task_ids():
+        state.dropped(task_id)
+    trajs, baselines = feed.split(groups)
+    plan = run.resolved.plan  # type: ignore[union-attr]
+    frozen = plan.needs_critic and state.step < cfg.trainer.critic_warmup_steps
+    out = await train_step(
+        trajs,
+        run.policies,
+        plan,
+        pad_token_id=run.pad_token_id,
+        train_actor=not frozen,
+        reward_baselines=baselines,
+    )
+    for g in groups:
+        state.trained(g[0].task_id)
+    state.step += 1
+    t1 = time.perf_counter()
+    report = await push(state.version + 1)
+    state.version += 1
+    feed.admission.set_version(state.version)
+    feed.last_trajs = trajs
+    m = out.metrics
+    m.update(trajectory_metrics(trajs, state.version - 1, out.batch))
+    m.update(report.metrics())
+    m.update(feed.buffer.metrics())
+    m.update(feed.manager.stats())
+    m.update(run.rewards.metrics())
+    tokens = sum(len(t.response_ids) + len(t.prompt_ids) for t in trajs)
+    elapsed = time.perf_counter() - t0
+    m.update(
+        {
+            "timing_s/wait_rollout": waited,
+            "timing_s/push": time.perf_counter() - t1,
+            "timing_s/step": elapsed,
+            "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+            "async/admission_capacity": float(feed.admission.capacity),
+            "async/running": float(feed.admission.running),
+            "trainer/version": float(state.version),
+        }
+    )
+    if state.step == 1 and "startup" in run.timings:
+        m["timing_s/startup"] = run.timings["startup"]
+    return m
+
+
+def _save(run: Run, state: RunState, dataset: Any, feed: RolloutFeed) -> None:
+    plan = run.resolved.plan  # type: ignore[union-attr]
+    kl = plan.kl_in_reward.controller.value if plan.kl_in_reward is not None else None
+    state.save(
+        run.output_dir / "checkpoint",
+        dataset=dataset,
+        buffer=feed.buffer,
+        actor=run.policies.actor,
+        critic=run.policies.critic,
+        admission=feed.admission,
+        kl_coef=kl,
+        mlflow_run_id=run.tracker.run_id if run.tracker is not None else None,
+    )

@@ -1,0 +1,269 @@
+"""The config-resolution pass: every name and file a config refers to, checked before any server
+starts.
+
+Why it exists: a misspelled choice (``advantage.name: grp``, ``tool_call_format: hermez``), an
+agent nobody registered or a reward function that does not import used to fail ~25 s into a run,
+after servers had started and validation had run, or worse, never: the run trained on empty or
+zero-reward batches and exited 0. :func:`resolve_experiment` runs first, in the driver (and again
+in every Ray actor that builds user objects), and turns each such mistake into one
+:class:`ResolutionError` whose lines name the key, the bad value, the valid choices and the
+closest match — a user error, never a traceback.
+
+What it resolves, in order: the ``imports:`` (the user's modules, by name or by path relative to
+the config file), the algorithm (estimator, loss and their knobs, correction, KL), the tool-call
+parser, the tools (built with their options), the reward function of every data source, the
+tasks (files exist, every row validates) and every agent they or ``agent.default`` name, the
+weight transport, and the python sandbox when the ``python`` tool is enabled.
+
+Example::
+
+    resolved = resolve_experiment(cfg)        # raises ResolutionError, listing every problem
+    resolved.plan.needs_critic, len(resolved.train_tasks), resolved.val_tasks
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agentrl.config import ExperimentConfig
+from agentrl.registry import RegistryError
+from agentrl.types import Task
+
+__all__ = ["ResolutionError", "Resolved", "build_tasks", "build_toolset", "resolve_experiment"]
+
+logger = logging.getLogger(__name__)
+
+
+class ResolutionError(ValueError):
+    """The config names something that does not resolve; one line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__(
+            "the config does not resolve (nothing was started):\n  " + "\n  ".join(problems)
+        )
+
+
+@dataclass
+class Resolved:
+    """What the resolution pass produced (reused by the builder, so nothing is loaded twice)."""
+
+    plan: Any
+    """The :class:`~agentrl.training.algorithm.AlgorithmPlan`."""
+    train_tasks: list[Task] = field(default_factory=list)
+    val_tasks: list[Task] = field(default_factory=list)
+    agents: list[str] = field(default_factory=list)
+    """Every agent name the run can dispatch to (resolved)."""
+
+
+def base_dir(cfg: ExperimentConfig) -> str | None:
+    """The folder relative paths of ``cfg`` resolve against (its file's folder)."""
+    return cfg.base_dir
+
+
+def build_toolset(cfg: ExperimentConfig) -> Any:
+    """The ``tools`` section as a ToolSet (settings of disabled tools are ignored)."""
+    from tools import ToolSet
+
+    search = cfg.tools.search.model_dump()
+    if search.get("corpus_path"):
+        from agentrl.user_code import resolve_user_path
+
+        search["corpus_path"] = str(
+            resolve_user_path(search["corpus_path"], cfg.base_dir, key="tools.search.corpus_path")
+        )
+    return ToolSet.from_names(
+        cfg.tools.enabled,
+        options={
+            "python": cfg.tools.python.model_dump(),
+            **({"search": search} if search.get("corpus_path") else {}),
+        },
+        base_dir=cfg.base_dir,
+        timeout_s=cfg.tools.timeout_s,
+        max_output_chars=cfg.tools.max_output_chars,
+        truncate_side=cfg.tools.truncate_side,
+    )
+
+
+def build_tasks(cfg: ExperimentConfig, *, split: str) -> list[Task]:
+    """Tasks of ``split`` (``train`` or ``val``) from files, or from the configured generator.
+
+    Files resolve relative to the config file. Tasks without an ``agent`` get ``agent.default``.
+    The generator's held-out tasks come from ``data.generator_val_seed``, another stream than the
+    training tasks (``data.seed``); ``data.generator_val_size: 0`` means no validation set.
+    """
+    from agentrl.rollout.datasets import load_tasks
+    from agentrl.user_code import resolve_user_path
+
+    d = cfg.data
+    files = d.train_files if split == "train" else d.val_files
+    tasks: list[Task] = []
+    if files:
+        for i, f in enumerate(files):
+            key = f"data.{split}_files[{i}]"
+            tasks.extend(load_tasks(resolve_user_path(f, cfg.base_dir, key=key)))
+    elif d.generator is not None:
+        n = d.generator_train_size if split == "train" else d.generator_val_size
+        if n:
+            tasks = _generate(cfg, n, seed=d.seed if split == "train" else d.generator_val_seed)
+    elif split == "train":
+        raise RegistryError("data.train_files is empty and data.generator is null: no tasks")
+    return [t if t.agent else t.model_copy(update={"agent": cfg.agent.default}) for t in tasks]
+
+
+def _generate(cfg: ExperimentConfig, n: int, *, seed: int) -> list[Task]:
+    if cfg.data.generator != "calculator":
+        raise RegistryError(
+            f"data.generator: unknown generator {cfg.data.generator!r}; the built-in is "
+            "'calculator' (or give data.train_files)"
+        )
+    from agentrl.rollout.calculator_task import generate_calculator_tasks
+
+    kwargs = dict(cfg.data.generator_kwargs)
+    try:
+        return generate_calculator_tasks(n, seed=seed, **kwargs)
+    except TypeError as exc:
+        raise RegistryError(
+            f"data.generator_kwargs {kwargs!r} do not fit the calculator generator ({exc})"
+        ) from None
+
+
+def _check(problems: list[str], fn: Callable[[], Any]) -> Any:
+    """Run one resolution step; a user error becomes a line of the report."""
+    from agentrl.rollout.datasets import DatasetError
+    from agentrl.rollout.rewards import RewardConfigError
+
+    try:
+        return fn()
+    except (RegistryError, RewardConfigError, DatasetError, TypeError) as exc:
+        problems.append(str(exc))
+    except ValueError as exc:  # pydantic or a constructor's own check, with its message
+        problems.append(str(exc))
+    return None
+
+
+def resolve_experiment(cfg: ExperimentConfig) -> Resolved:
+    """Resolve every name and file of ``cfg`` (see the module docstring); raise
+    :class:`ResolutionError` listing every problem found."""
+    from agentrl.user_code import import_user_modules
+
+    problems: list[str] = []
+    if (
+        _check(problems, lambda: import_user_modules(cfg.imports, cfg.base_dir)) is None
+        and cfg.imports
+    ):
+        raise ResolutionError(problems)  # nothing else can resolve without the user's code
+    plan = _check(problems, lambda: _algorithm(cfg))
+    _check(problems, lambda: _parser(cfg))
+    _check(problems, lambda: build_toolset(cfg))
+    rewards = _check(problems, lambda: _rewards(cfg))
+    train = _check(problems, lambda: build_tasks(cfg, split="train")) or []
+    val = _check(problems, lambda: build_tasks(cfg, split="val")) or []
+    agents = _agents(cfg, [*train, *val], problems)
+    if rewards is not None:
+        _check_sources(rewards, [*train, *val], problems)
+    _check(problems, lambda: _transport(cfg))
+    _check(problems, lambda: _sandbox(cfg))
+    if problems:
+        raise ResolutionError(problems)
+    if not train:
+        raise ResolutionError(["the training set is empty (data.train_files / data.generator)"])
+    return Resolved(plan=plan, train_tasks=train, val_tasks=val, agents=agents)
+
+
+def _algorithm(cfg: ExperimentConfig) -> Any:
+    from agentrl.config import ConfigError
+    from agentrl.training.algorithm import build_algorithm
+
+    try:
+        return build_algorithm(cfg.algorithm, base_dir=cfg.base_dir)
+    except ConfigError as exc:
+        raise RegistryError(str(exc)) from None
+
+
+def _parser(cfg: ExperimentConfig) -> Any:
+    from agents.parsers import PARSERS
+
+    return PARSERS.get(cfg.agent.tool_call_format, base_dir=cfg.base_dir)
+
+
+def _rewards(cfg: ExperimentConfig) -> Any:
+    from agentrl.rollout.rewards import RewardManager
+
+    return RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)
+
+
+def _check_sources(rewards: Any, tasks: list[Task], problems: list[str]) -> None:
+    from agentrl.rollout.rewards import RewardConfigError
+
+    for source in sorted({t.data_source for t in tasks}):
+        try:
+            rewards.reward_fn_for(source)
+        except RewardConfigError as exc:
+            problems.append(f"reward: {exc}")
+
+
+def _agents(cfg: ExperimentConfig, tasks: list[Task], problems: list[str]) -> list[str]:
+    from agents import AGENTS
+
+    names: dict[str, str] = {cfg.agent.default: "agent.default"}
+    for t in tasks:
+        if t.agent and t.agent not in names:
+            names[t.agent] = f"the 'agent' column of task {t.id!r}"
+    for name, where in names.items():
+        try:
+            cls = AGENTS.get(name, key=where, base_dir=cfg.base_dir)
+        except RegistryError as exc:
+            problems.append(str(exc))
+            continue
+        try:
+            cls(**cfg.agent.kwargs.get(name, {}))  # agents are cheap; a bad kwarg fails here
+        except TypeError as exc:
+            problems.append(f"agent.kwargs.{name}: {exc}")
+    unknown_kwargs = set(cfg.agent.kwargs) - set(names)
+    for name in sorted(unknown_kwargs):
+        problems.append(
+            f"agent.kwargs.{name}: no task runs agent {name!r}; the run's agents: {', '.join(names)}"
+        )
+    return list(names)
+
+
+def _transport(cfg: ExperimentConfig) -> None:
+    if cfg.checkpoint.transport == "nccl":
+        raise RegistryError(
+            "checkpoint.transport: 'nccl' is not available in this build (it needs GPUs and "
+            "vLLM's weight-transfer engine); use 'shared_dir' (same machine or a shared "
+            "filesystem) or 'http'"
+        )
+
+
+def _sandbox(cfg: ExperimentConfig) -> None:
+    if "python" not in cfg.tools.enabled:
+        return
+    from tools import python_sandbox
+
+    check = getattr(python_sandbox, "check_python_sandbox_available", None)
+    if check is not None:
+        check(cfg.tools.python)
+
+
+def model_dir(cfg: ExperimentConfig) -> Path:
+    """``model.path`` (relative to the config file), or the tiny test model built under the
+    output directory when it is null."""
+    if cfg.model.path:
+        from agentrl.user_code import resolve_user_path
+
+        p = Path(cfg.model.path)
+        if p.is_absolute() or (Path(cfg.base_dir or ".") / p).exists() or p.exists():
+            return resolve_user_path(cfg.model.path, cfg.base_dir, key="model.path")
+        return p  # a hub id; loading it says what is wrong
+    from agentrl.inference.tiny_model import build_tiny_model
+
+    target = Path(cfg.trainer.output_dir) / "tiny-model"
+    if not (target / "config.json").exists():
+        build_tiny_model(target, seed=cfg.trainer.seed)
+    return target
