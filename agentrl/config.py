@@ -146,7 +146,7 @@ class DataConfig(Section):
     """Shuffle tasks each epoch (deterministically, from `seed`)."""
     seed: int = 0
     """Seed of the task order."""
-    max_prompt_tokens: int = Field(default=512, ge=1)
+    max_prompt_tokens: int = Field(default=1024, ge=1)
     """Longest rendered prompt (chat template and tools included) in tokens."""
     overlong_prompts: Literal["drop", "error"] = "drop"
     """A task whose prompt is longer than `max_prompt_tokens`: `drop` it (counted, logged) or stop with an `error` naming it."""
@@ -964,8 +964,21 @@ MOVED_KEYS: dict[str, str] = {
 """Keys of earlier versions -> where they live now (a clear migration error, not a silent drop)."""
 
 
+_MOVED_GENERATOR_KWARGS = {
+    "n": "data.generator_train_size",
+    "n_train": "data.generator_train_size",
+    "n_val": "data.generator_val_size",
+    "seed": "data.seed (training tasks) and data.generator_val_seed (held-out tasks)",
+}
+
+
 def _moved_key_errors(data: dict[str, Any]) -> list[str]:
     lines = []
+    gen = (data.get("data") or {}).get("generator_kwargs") if isinstance(data.get("data"), dict) else None
+    if isinstance(gen, dict):
+        for key, new in _MOVED_GENERATOR_KWARGS.items():
+            if key in gen:
+                lines.append(f"'data.generator_kwargs.{key}' moved: set {new}")
     for old, new in MOVED_KEYS.items():
         section, _, key = old.partition(".")
         node = data.get(section)

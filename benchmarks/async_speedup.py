@@ -67,7 +67,7 @@ def run_mode(args: argparse.Namespace, eta: int, model_dir: Path, urls: list[str
             f"data.batch_size={args.batch_size}",
             f"data.n_samples={args.n_samples}",
             f"trainer.mini_batch_size={args.batch_size}",
-            "data.generator_kwargs.n_val=2",
+            "data.generator_val_size=2",
             f"inference.max_tokens_per_turn={args.max_tokens}",
             "agent.max_turns=3",
             f"agent.max_response_tokens={args.max_tokens * 3}",

@@ -70,6 +70,8 @@ class RunState:
     dispatched_task_ids: list[str] = field(default_factory=list)
     trained_task_ids: list[str] = field(default_factory=list)
     dropped_task_ids: list[str] = field(default_factory=list)
+    dispatched_at_save: int = 0
+    """``len(dispatched_task_ids)`` when the last checkpoint was written."""
     resumed: bool = False
 
     @classmethod
@@ -159,6 +161,7 @@ class RunState:
             "mlflow_run_id": mlflow_run_id,
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
+        self.dispatched_at_save = len(self.dispatched_task_ids)
         if ckpt.exists():
             shutil.rmtree(ckpt)
         tmp.rename(ckpt)

@@ -104,6 +104,10 @@ class Trainer:
     def dropped_task_ids(self) -> list[str]:
         return self.state.dropped_task_ids
 
+    @property
+    def dispatched_at_save(self) -> int:
+        return self.state.dispatched_at_save
+
     # ---- running ----------------------------------------------------------------------------
     def run_sync(self) -> TrainResult:
         """:meth:`run` in a fresh event loop."""

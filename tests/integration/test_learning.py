@@ -39,7 +39,7 @@ def _cfg(out: Path, *overrides: str) -> ExperimentConfig:
             f"trainer.output_dir={out}",
             f"trainer.total_steps={STEPS}",
             "trainer.lr=1e-3",
-            "data.generator_kwargs.n_val=32",
+            "data.generator_val_size=32",
             "tracking.enabled=false",
             f"checkpoint.shared_dir={out / 'weights'}",
             *overrides,

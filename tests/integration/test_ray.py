@@ -54,7 +54,7 @@ def _cfg(model_dir: Path, out: Path, *overrides: str):
             "trainer.total_steps=2",
             "data.batch_size=2",
             "data.n_samples=2",
-            "data.generator_kwargs.n_val=2",
+            "data.generator_val_size=2",
             "trainer.mini_batch_size=2",
             "inference.num_servers=1",
             "inference.max_tokens_per_turn=16",

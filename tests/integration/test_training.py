@@ -35,7 +35,7 @@ def _cfg(model_dir: Path, out: Path, *overrides: str) -> ExperimentConfig:
         f"trainer.total_steps={STEPS}",
         "data.batch_size=2",
         "data.n_samples=2",
-        "data.generator_kwargs.n_val=2",
+        "data.generator_val_size=2",
         "trainer.mini_batch_size=2",
         "inference.max_tokens_per_turn=16",
         "agent.max_turns=2",
@@ -307,8 +307,7 @@ def even_token_reward(traj: Any, task: Any) -> float:
 
 
 GAE = (
-    "algorithm.adv_estimator=gae",
-    "algorithm.lam=0.95",
+    "algorithm.advantage={name: gae, lam: 0.95}",
     "trainer.critic_warmup_steps=1",
     "trainer.critic_lr=1e-3",
     "trainer.max_staleness=1",
