@@ -974,7 +974,11 @@ _MOVED_GENERATOR_KWARGS = {
 
 def _moved_key_errors(data: dict[str, Any]) -> list[str]:
     lines = []
-    gen = (data.get("data") or {}).get("generator_kwargs") if isinstance(data.get("data"), dict) else None
+    gen = (
+        (data.get("data") or {}).get("generator_kwargs")
+        if isinstance(data.get("data"), dict)
+        else None
+    )
     if isinstance(gen, dict):
         for key, new in _MOVED_GENERATOR_KWARGS.items():
             if key in gen:

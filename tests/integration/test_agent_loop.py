@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
+from agentrl.episode import render_prompt_ids
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.server import launch_embedded_server
 from agentrl.inference.tiny_model import tiny_tokenizer
-from agentrl.episode import render_prompt_ids
 from agentrl.rollout.manager import AgentLoopManager, WorkerConfig
 from agentrl.types import Generation, SamplingParams, StopReason, Task, Trajectory
 from agents import INVALID_TOOL, AgentLimits, AgentLoop, register_agent

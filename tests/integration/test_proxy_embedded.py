@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from agentrl.rollout.calculator_task import CALCULATOR_SYSTEM_PROMPT, generate_sft_conversations
 from agentrl.episode import render_prompt_ids
+from agentrl.rollout.calculator_task import CALCULATOR_SYSTEM_PROMPT, generate_sft_conversations
 from agentrl.rollout.proxy import RecordingProxy
 from agentrl.rollout.rewards import RewardManager
 from agentrl.types import SamplingParams, StopReason, Task

@@ -234,15 +234,26 @@ def _wait_dead(pid: int, timeout_s: float = 60.0) -> bool:
 def test_failing_trainer_still_stops_everything(
     ray_cluster: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    # A config mistake fails in the driver, before any actor or server starts.
     missing = tmp_path / "no-such-tasks.jsonl"
-    cfg = _cfg(
+    bad = _cfg(
         tiny_model_dir,
-        tmp_path / "run",
+        tmp_path / "bad",
         f"distributed.ray_address={ray_cluster}",
         f"data.train_files=[{missing}]",
     )
     info: dict = {}
     with pytest.raises(Exception, match="no-such-tasks"):
+        run_with_ray(bad, placement_info=info)
+    assert "servers" not in info
+    # A failure inside the trainer actor, after the servers started (no CUDA here).
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path / "run",
+        f"distributed.ray_address={ray_cluster}",
+        "trainer.device=cuda",
+    )
+    with pytest.raises(Exception, match="(?i)cuda"):
         run_with_ray(cfg, placement_info=info)
     (server,) = info["servers"]
     assert _wait_dead(server["server_pid"], 30), "the server outlived a failed run"

@@ -112,7 +112,9 @@ def test_old_flat_algorithm_keys_fail_with_a_migration_message() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["algorithm.adv_estimator=grpo", "algorithm.clip_ratio_high=0.3"])
     text = str(err.value)
-    assert "'algorithm.adv_estimator' moved: write `algorithm.advantage: {name: <estimator>}`" in text
+    assert (
+        "'algorithm.adv_estimator' moved: write `algorithm.advantage: {name: <estimator>}`" in text
+    )
     assert "'algorithm.clip_ratio_high' moved" in text
 
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentrl.episode import DeltaRenderer, EpisodeRecorder, _render, render_prompt_ids
 from agentrl.inference.tiny_model import CHAT_TEMPLATE, build_tiny_tokenizer
 from agentrl.rollout.calculator_task import calculator_tool_schemas
-from agentrl.episode import DeltaRenderer, EpisodeRecorder, _render, render_prompt_ids
 from agentrl.types import Generation
 
 TOOLS = calculator_tool_schemas()

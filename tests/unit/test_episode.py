@@ -7,14 +7,14 @@ import pickle
 
 import pytest
 
-from agentrl.inference.tiny_model import build_tiny_tokenizer
-from agentrl.rollout.calculator_task import calculator_tool_schemas
 from agentrl.episode import (
     ChatTemplateError,
     EpisodeRecorder,
     get_delta_renderer,
     render_prompt_ids,
 )
+from agentrl.inference.tiny_model import build_tiny_tokenizer
+from agentrl.rollout.calculator_task import calculator_tool_schemas
 from agentrl.types import Generation, StopReason
 
 TOOLS = calculator_tool_schemas()

@@ -108,7 +108,7 @@ def test_user_import_errors_say_where_they_looked(tmp_path: Path) -> None:
     with pytest.raises(RegistryError, match="agentrl's own package: give your file's path"):
         import_user_modules(["tools.not_there"], base_dir=tmp_path)
     (tmp_path / "broken.py").write_text("import definitely_not_installed_xyz\n")
-    with pytest.raises(RegistryError, match="importing 'broken.py' failed: ModuleNotFoundError"):
+    with pytest.raises(RegistryError, match=r"importing 'broken.py' failed: ModuleNotFoundError"):
         import_user_modules(["broken.py"], base_dir=tmp_path)
 
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.episode import render_prompt_ids
+from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.types import Generation, SamplingParams, StopReason, Task
 from agents import (
     INVALID_TOOL,

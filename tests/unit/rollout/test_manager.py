@@ -312,7 +312,6 @@ async def test_trajectories_are_scored_before_they_are_yielded(tok):
     assert [t.reward for t in out] == [1.0, 1.0]
 
 
-
 async def test_a_failing_reward_is_a_counted_drop_never_a_zero_that_is_trained_on(tok):
     mgr = manager(tok, ScriptedPolicy(tok, CALC_SCRIPT), reward=BrokenReward())
     out = await mgr.generate(tasks(2))

@@ -387,9 +387,9 @@ def test_registry_builtins_and_user_tools(tmp_path):
 
     with pytest.raises(ValueError, match="already registered"):
         register_tool(another)
-    with pytest.raises(KeyError, match="unknown tool 'no_such_tool'; registered: .*calculator"):
+    with pytest.raises(KeyError, match=r"unknown tool 'no_such_tool'; registered: .*calculator"):
         get_tool("no_such_tool")
-    with pytest.raises(ValueError, match="calculator. is already registered to tools.calculator"):
+    with pytest.raises(ValueError, match=r"calculator. is already registered to tools.calculator"):
 
         @register_tool
         @tool(name="calculator")

@@ -61,7 +61,9 @@ def test_gradient_accumulation_matches_full_batch(tiny_model_dir: Path, mode: st
     trajs = _trajectories(6, seed=1)
     grads = []
     for budget in (12, 100_000):
-        cfg = actor_config(lr=1e-3, micro_batch_max_tokens=budget, loss_agg_mode=mode, grad_clip=1e9)
+        cfg = actor_config(
+            lr=1e-3, micro_batch_max_tokens=budget, loss_agg_mode=mode, grad_clip=1e9
+        )
         actor = Actor(tiny_model_dir, cfg, **MODEL_ARGS)
         batch = _prepared_batch(actor, trajs)
         actor.update(batch)

@@ -37,14 +37,23 @@ def test_the_variant_says_what_the_run_needs() -> None:
 
 
 def test_unknown_names_and_knobs_name_the_key_and_the_closest_match() -> None:
-    with pytest.raises(RegistryError, match=r"algorithm\.advantage\.name: unknown advantage estimator 'grp'.*did you mean 'grpo'"):
+    with pytest.raises(
+        RegistryError,
+        match=r"algorithm\.advantage\.name: unknown advantage estimator 'grp'.*did you mean 'grpo'",
+    ):
         plan_of("algorithm.advantage=grp")
-    with pytest.raises(RegistryError, match=r"algorithm\.loss\.clip_ratio_hgh: unknown knob.*did you mean 'clip_ratio_high'"):
+    with pytest.raises(
+        RegistryError,
+        match=r"algorithm\.loss\.clip_ratio_hgh: unknown knob.*did you mean 'clip_ratio_high'",
+    ):
         plan_of("algorithm.loss={name: vanilla, clip_ratio_hgh: 0.3}")
     with pytest.raises(RegistryError, match=r"algorithm\.advantage\.gamma: .*got 'high'"):
         plan_of("algorithm.advantage={name: gae, gamma: high}")
     # a knob another variant has is not silently accepted by this one
-    with pytest.raises(RegistryError, match=r"algorithm\.advantage\.lam: unknown knob of advantage estimator 'grpo'"):
+    with pytest.raises(
+        RegistryError,
+        match=r"algorithm\.advantage\.lam: unknown knob of advantage estimator 'grpo'",
+    ):
         plan_of("algorithm.advantage={name: grpo, lam: 0.9}")
 
 
@@ -66,7 +75,7 @@ def test_the_advantage_variant_computes_what_the_registry_function_does() -> Non
 def test_bypass_reinforce_is_the_loss_choice_and_conflicts_are_refused() -> None:
     plan = plan_of("algorithm.correction.preset=bypass_pg_is")
     assert plan.loss.name == "reinforce" and plan.loss.takes_is_weights
-    with pytest.raises(RegistryError, match="conflicts with algorithm.correction"):
+    with pytest.raises(RegistryError, match=r"conflicts with algorithm.correction"):
         plan_of("algorithm.correction.preset=bypass_pg_is", "algorithm.loss=gspo")
 
 

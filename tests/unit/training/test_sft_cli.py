@@ -123,7 +123,9 @@ def test_committed_checkpoint_matches_manifest_and_recipe() -> None:
         made = {k: v for k, v in made_by["config"].items() if k != "tracking"}
         # Keys the SFT trainer never read (trainer.val_every / save_every) were removed from
         # the schema after this checkpoint was made; they did not change the weights.
-        made["trainer"] = {k: v for k, v in made["trainer"].items() if k in SFTTrainerConfig.model_fields}
+        made["trainer"] = {
+            k: v for k, v in made["trainer"].items() if k in SFTTrainerConfig.model_fields
+        }
         recipe = load_sft_config(recipe_file).model_dump(mode="json")
         recipe.pop("tracking")
         assert made == recipe, recipe_file.name

@@ -1,0 +1,163 @@
+"""``train_step`` with scripted fake models: every path of the step, in seconds, no servers.
+
+The fake actor's log-probs are the rollout's plus a known per-token shift, so every expected
+tensor (IS weights, KL terms, advantages) is computed by hand from the inputs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from agentrl.algos import compute_advantage, kl_penalty
+from agentrl.training.algorithm import build_algorithm
+from agentrl.training.step import Policies, train_step, trajectory_metrics
+from tests.fakes import experiment, random_trajectories
+
+SHIFT = 0.3  # π_train = π_rollout + SHIFT on sampled tokens: exp(SHIFT) = 1.35 < the IS cap 2
+
+
+class FakeActor:
+    """Log-probs = rollout + SHIFT (sampled tokens); records what the update was given."""
+
+    temperature = 1.0
+
+    def __init__(self, shift: float = SHIFT) -> None:
+        self.shift = shift
+        self.forward_calls = 0
+        self.updated: TensorDict | None = None
+
+    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
+        self.forward_calls += 1
+        mask = batch["response_mask"].float()
+        return (batch["rollout_log_probs"] + self.shift) * mask
+
+    def update_with_log_probs(self, batch: TensorDict) -> tuple[dict[str, float], torch.Tensor]:
+        self.updated = batch.clone()
+        return {"actor/pg_loss": 0.5}, self.compute_log_probs(batch)
+
+
+class FakeReference(FakeActor):
+    def __init__(self) -> None:
+        super().__init__(shift=-0.2)
+
+
+class FakeCritic:
+    def __init__(self) -> None:
+        self.updates = 0
+
+    def compute_values(self, batch: TensorDict) -> torch.Tensor:
+        return torch.full(batch["responses"].shape, 0.25) * batch["response_mask"].float()
+
+    def update(self, batch: TensorDict) -> dict[str, float]:
+        self.updates += 1
+        return {"critic/vf_loss": 0.1}
+
+
+def plan_of(*overrides: str) -> Any:
+    return build_algorithm(experiment(*overrides).algorithm)
+
+
+async def run(plan: Any, policies: Policies, **kwargs: Any) -> Any:
+    return await train_step(random_trajectories(6), policies, plan, pad_token_id=0, **kwargs)
+
+
+async def test_decoupled_token_is_recomputes_pi_old_and_weights_the_loss() -> None:
+    actor = FakeActor()
+    out = await run(plan_of("algorithm.correction.preset=decoupled_token_is"), Policies(actor))
+    assert actor.forward_calls == 2  # π_old before the update, the first pass inside it
+    b = actor.updated
+    mask = b["response_mask"].float()
+    torch.testing.assert_close(b["old_log_probs"], (b["rollout_log_probs"] + SHIFT) * mask)
+    torch.testing.assert_close(
+        b["rollout_is_weights"], torch.full_like(mask, math.exp(SHIFT)) * mask
+    )
+    assert out.metrics["rollout_corr/kl"] == pytest.approx(-SHIFT, abs=1e-6)
+
+
+async def test_bypass_anchors_on_the_rollout_and_adds_no_is_weight() -> None:
+    actor = FakeActor()
+    out = await run(plan_of("algorithm.correction.preset=bypass_ppo_clip"), Policies(actor))
+    assert actor.forward_calls == 1  # only the update's own pass: no π_old forward
+    b = actor.updated
+    torch.testing.assert_close(b["old_log_probs"], b["rollout_log_probs"])
+    assert "rollout_is_weights" not in b
+    # the diagnostics come from the update's first pass (π_θ = rollout + SHIFT)
+    assert out.metrics["rollout_corr/kl"] == pytest.approx(-SHIFT, abs=1e-6)
+
+
+async def test_geometric_rs_masks_only_the_response_mask() -> None:
+    actor = FakeActor()
+    plan = plan_of(
+        "algorithm.correction.preset=decoupled_geo_rs",
+    )
+    out = await run(plan, Policies(actor))
+    # a geometric shift of 0.3 is far outside [0.999, 1.001]: every sequence is rejected
+    assert float(actor.updated["response_mask"].sum()) == 0.0
+    assert out.metrics["rollout_corr/rs_masked_frac_seq"] == pytest.approx(1.0)
+
+
+async def test_kl_loss_brings_the_reference_log_probs() -> None:
+    actor, ref = FakeActor(), FakeReference()
+    await run(plan_of("algorithm.use_kl_loss=true"), Policies(actor, reference=ref))
+    b = actor.updated
+    torch.testing.assert_close(
+        b["ref_log_prob"], (b["rollout_log_probs"] - 0.2) * b["response_mask"]
+    )
+    torch.testing.assert_close(b["token_level_rewards"], b["token_level_scores"])
+
+
+async def test_kl_in_reward_changes_the_rewards_by_exactly_beta_kl() -> None:
+    actor, ref = FakeActor(), FakeReference()
+    plan = plan_of("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.5")
+    out = await run(plan, Policies(actor, reference=ref))
+    b = actor.updated
+    mask = b["response_mask"].float()
+    kl = kl_penalty(b["old_log_probs"], b["ref_log_prob"], "k1") * mask
+    torch.testing.assert_close(b["token_level_rewards"], b["token_level_scores"] - 0.5 * kl)
+    assert out.metrics["actor/reward_kl_penalty_coeff"] == 0.5
+    assert out.metrics["actor/reward_kl_penalty"] == pytest.approx(0.5, abs=1e-6)  # k1 = 0.5
+
+
+async def test_grpo_advantages_by_group() -> None:
+    actor = FakeActor()
+    await run(plan_of("algorithm.advantage=grpo"), Policies(actor))
+    b = actor.updated
+    uids = [f"g{i // 2}" for i in range(6)]
+    want, _ = compute_advantage(
+        "grpo", b["token_level_rewards"], b["response_mask"].float(), index=uids
+    )
+    torch.testing.assert_close(b["advantages"], want)
+
+
+async def test_critic_values_feed_gae_and_a_frozen_actor_is_not_updated() -> None:
+    actor, critic = FakeActor(), FakeCritic()
+    plan = plan_of("algorithm.advantage={name: gae, lam: 0.95}")
+    out = await run(plan, Policies(actor, critic=critic), train_actor=False)
+    assert critic.updates == 1 and actor.updated is None
+    assert out.metrics["actor/frozen"] == 1.0
+    assert float(out.batch["values"].max()) == 0.25
+    assert "rollout_corr/kl" in out.metrics  # diagnostics from one forward of the frozen policy
+
+
+async def test_remax_subtracts_the_greedy_baseline() -> None:
+    actor = FakeActor()
+    baselines = torch.full((6,), 0.5)
+    await run(plan_of("algorithm.advantage=remax"), Policies(actor), reward_baselines=baselines)
+    b = actor.updated
+    want, _ = compute_advantage(
+        "remax", b["token_level_rewards"], b["response_mask"].float(), reward_baselines=baselines
+    )
+    torch.testing.assert_close(b["advantages"], want)
+
+
+def test_trajectory_metrics_count_episode_metrics_and_errors() -> None:
+    trajs = random_trajectories(4)
+    trajs[0] = trajs[0].model_copy(update={"metrics": {"tool_calls_malformed": 2.0}})
+    m = trajectory_metrics(trajs, version=0)
+    assert m["rollout/tool_calls_malformed"] == 2.0
+    assert m["reward/mean"] == 0.5 and m["rollout/error_episodes"] == 0.0
