@@ -401,3 +401,19 @@ def test_isolation_binds_the_interpreter_but_not_the_project():
         for p in [*iso.bind_paths, "/usr"]
     )
     assert not any(repo == p or repo.startswith(p + "/") for p in iso.bind_paths)
+
+
+async def test_an_archive_over_its_cap_is_not_kept_and_the_call_says_so():
+    tool = PythonTool(disk_mb=1, wall_time_s=20)  # archive cap: 2 MiB + 1 MiB
+    state = await tool.create()
+    try:
+        await tool.execute(state, {"code": "open('keep.txt', 'w').write('1')"})
+        # 8,000 empty files: ~4 MiB of tar headers from a tmpfs that holds no data at all
+        r = await tool.execute(
+            state, {"code": "for i in range(8000):\n    open(f'e{i}', 'w').close()"}
+        )
+        after = await tool.execute(state, {"code": "import os\nprint(len(os.listdir('.')))"})
+    finally:
+        await tool.release(state)
+    assert r.content.endswith("note: files not saved for the next call (more than 3 MiB)")
+    assert after.content == "1\n"  # the previous call's files
