@@ -166,7 +166,9 @@ def _supervise(pid):
 
 def _install(root, read_roots, max_forks, pid_ns):
     # Everything the hook needs is bound here. No user code may run inside the hook: types are
-    # compared with ``type(x) is``/``in`` (``isinstance`` would call a user ``__class__``).
+    # compared with ``type(x) is``/``in`` (``isinstance`` would call a user ``__class__``),
+    # names must be plain ``str`` and numbers are read with ``int.__int__`` (a subclass's
+    # ``__eq__``, ``__hash__`` or ``__bool__`` would run user code with the hook's frame live).
     import _posixsubprocess, pathlib, socket
     def _no_spawn(*a, **k):
         raise PermissionError("sandbox: starting programs is disabled")
@@ -199,6 +201,12 @@ def _install(root, read_roots, max_forks, pid_ns):
             "resource.prlimit", "os.setuid", "os.setgid"}
     BLOCKED_IMPORTS = {"ctypes", "_ctypes", "_posixsubprocess"}
     SIMPLE = {int, float, type(None), tuple, bool}
+    as_int = int.__int__
+
+    def name_of(value):
+        if type(value) is not str:
+            raise PermissionError("sandbox: names must be plain str")
+        return value
 
     def as_text(path):
         t = type(path)
@@ -231,8 +239,9 @@ def _install(root, read_roots, max_forks, pid_ns):
             path, mode, flags = args
             if type(path) is int:
                 return
-            write = bool(mode and any(c in mode for c in "wax+")) or bool(
-                (flags or 0) & WRITE_FLAGS)
+            mode = "" if mode is None else name_of(mode)
+            flags = 0 if flags is None else as_int(flags)
+            write = any(c in mode for c in "wax+") or bool(flags & WRITE_FLAGS)
             check(path, write)
         elif event in FS_EVENTS:
             write = event not in READ_EVENTS
@@ -248,20 +257,20 @@ def _install(root, read_roots, max_forks, pid_ns):
                     else "sandbox: fork limit reached (children may not fork)")
             state["forks"] -= 1
         elif event in ("os.kill", "os.killpg") and not pid_ns:
-            if args and args[0] not in (0, os.getpid()):
+            if args and as_int(args[0]) not in (0, os.getpid()):
                 raise PermissionError("sandbox: signalling other processes is disabled")
         elif event == "socket.__new__":
-            if len(args) > 1 and args[1] != AF_UNIX:
+            if len(args) > 1 and as_int(args[1]) != AF_UNIX:
                 raise PermissionError("sandbox: network access is disabled")
         elif event in NET:
             raise PermissionError("sandbox: network access is disabled")
-        elif event == "import" and args and args[0] in BLOCKED_IMPORTS:
+        elif event == "import" and args and name_of(args[0]) in BLOCKED_IMPORTS:
             raise ImportError(f"sandbox: module {args[0]!r} is disabled")
         elif event in DENY or event.startswith("ctypes."):
             raise PermissionError(f"sandbox: {event} is disabled")
-        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__code__":
+        elif event == "object.__setattr__" and len(args) > 1 and name_of(args[1]) == "__code__":
             raise PermissionError("sandbox: replacing a function's code is disabled")
-        elif event == "object.__getattr__" and len(args) > 1 and args[1] == "tb_frame":
+        elif event == "object.__getattr__" and len(args) > 1 and name_of(args[1]) == "tb_frame":
             # A traceback through the hook must not hand out the hook's frames.
             state["busy"] = True
             try:
