@@ -416,6 +416,14 @@ class RewardError(RuntimeError):
         super().__init__(message)
         self.source = source
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses process boundaries (a Ray reward actor): keep the keyword-only ``source``.
+        return (_rebuild_reward_error, (type(self), str(self), self.source))
+
+
+def _rebuild_reward_error(cls: type[RewardError], message: str, source: str) -> RewardError:
+    return cls(message, source=source)
+
 
 class RewardTimeoutError(RewardError):
     """A reward function ran past ``timeout_s`` (it was abandoned, or its worker killed)."""

@@ -332,6 +332,12 @@ async def test_malformed_results_are_errors(result, match):
     assert mgr.metrics()["reward/errors"] == 1.0
 
 
+def test_reward_errors_pickle_with_their_source():
+    for cls in (RewardError, RewardTimeoutError):
+        error = pickle.loads(pickle.dumps(cls("judge failed", source="math")))
+        assert type(error) is cls and str(error) == "judge failed" and error.source == "math"
+
+
 def test_timeout_must_be_a_positive_number():
     for bad in (0, -1.0, None):
         with pytest.raises(RewardConfigError, match="timeout_s"):
