@@ -20,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,9 +38,12 @@ SNIPPETS = {
 }
 
 
-def _bare(code: str) -> None:
+def _bare(code: str, cwd: str) -> None:
     subprocess.run(
-        [sys.executable, "-I", "-S", "-c", code], check=True, env={"OMP_NUM_THREADS": "1"}
+        [sys.executable, "-I", "-S", "-c", code],
+        check=True,
+        cwd=cwd,
+        env={"OMP_NUM_THREADS": "1"},
     )
 
 
@@ -48,10 +53,11 @@ async def _measure(rounds: int, snippet: str) -> dict[str, list[float]]:
     unsandboxed = PythonTool(bwrap="/nonexistent/bwrap", allow_unsandboxed=True)
     states = {"sandboxed": await sandboxed.create(), "unsandboxed": await unsandboxed.create()}
     times: dict[str, list[float]] = {"bare": [], "unsandboxed": [], "sandboxed": []}
+    scratch = tempfile.mkdtemp(prefix="agentrl-bench-")
     try:
         for _ in range(rounds):
             t0 = time.perf_counter()
-            await asyncio.to_thread(_bare, code)
+            await asyncio.to_thread(_bare, code, scratch)
             times["bare"].append(time.perf_counter() - t0)
             for name, tool in (("unsandboxed", unsandboxed), ("sandboxed", sandboxed)):
                 t0 = time.perf_counter()
@@ -60,6 +66,7 @@ async def _measure(rounds: int, snippet: str) -> dict[str, list[float]]:
                 if result.error:
                     raise RuntimeError(f"{name}: {result.content}")
     finally:
+        shutil.rmtree(scratch, ignore_errors=True)
         await sandboxed.release(states["sandboxed"])
         await unsandboxed.release(states["unsandboxed"])
     return times
