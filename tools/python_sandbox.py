@@ -783,11 +783,13 @@ class PythonTool(Tool):
             await proc.wait()
 
         killed = False
+        finished = False  # False while a cancellation propagates: no archive is kept then
         try:
             try:
                 await asyncio.wait_for(feed_and_wait(), timeout=self._hard_deadline_s)
             except TimeoutError:
                 killed = True
+            finished = True
         finally:
             # Always: kill what is left (bwrap; --die-with-parent and the PID namespace take the
             # rest with it), on the deadline, on cancellation and after a normal exit.
@@ -800,7 +802,7 @@ class PythonTool(Tool):
             done, pending = await asyncio.wait({out_task, err_task, status_task}, timeout=2.0)
             for task in pending:
                 task.cancel()
-            if status_task not in done:
+            if status_task not in done or not finished:
                 with contextlib.suppress(OSError):
                     partial.unlink()
         wall = time.monotonic() - start

@@ -232,6 +232,7 @@ async def test_cancellation_kills_the_sandbox(no_leftovers):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+    assert os.listdir(state) == []  # no half-written archive left behind
     await tool.release(state)
     assert not Path(state).exists()
 
