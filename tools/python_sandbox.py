@@ -1,52 +1,42 @@
-"""A ``python`` tool: run model-written code in a sandboxed subprocess with hard limits.
+"""A ``python`` tool: run model-written code under an OS isolation boundary (bubblewrap).
 
 Why it exists: code-executing agents need a tool that runs arbitrary snippets without taking
-the rollout worker down with them (an infinite loop, a memory bomb, a stray ``fork``) and
-without reaching the network or the files of the machine.
+the rollout worker down with them (an infinite loop, a memory bomb, a fork bomb) and without
+reaching the network, the files or the secrets of the machine. A Python-level guard cannot
+promise that (PEP 578: audit hooks are not a sandbox; model code switched ours off), so the
+boundary is the kernel, set up by `bubblewrap <https://github.com/containers/bubblewrap>`_
+(``bwrap``, Debian package ``bubblewrap``); docs/tools.md says why bwrap and not nsjail.
 
-**This is a best-effort sandbox, not a security boundary against hostile code.** It contains
-the mistakes a model makes while learning; a determined attacker with native code (a C
-extension, a kernel bug) can get further. Run untrusted workloads in a container or VM too.
+Guarantees of a sandboxed call (each checked by tests/integration/test_sandbox_escape.py):
 
-Layers, each on by default (``PythonTool`` arguments turn some off, for tests), and who
-enforces them:
+- **no network**: a fresh network namespace (only its own loopback): nothing on the host,
+  127.0.0.1 included, is reachable;
+- **private file system**: a read-only ``/usr`` and Python installation, a few device nodes
+  (``null``, ``zero``, ``full``, ``random``, ``urandom``) and one size-limited tmpfs
+  (``disk_mb``) holding the working directory, ``/tmp`` and ``/dev/shm``. No host ``/etc``,
+  ``/home``, ``/tmp``, ``/dev/shm`` or ``/proc``; the root is read-only;
+- **processes**: a PID namespace whose init dies with the parent (``--die-with-parent``);
+  when the call ends, every process the code started is killed; at most ``max_processes``
+  processes at once (RLIMIT_NPROC, counted per sandbox: a per-call user id when run as root,
+  a per-call user namespace otherwise);
+- **memory and CPU**: RLIMIT_AS (``memory_mb``) and RLIMIT_CPU (``cpu_time_s``) per process,
+  RLIMIT_FSIZE (``max_file_mb``), no core files; a wall-clock deadline (``wall_time_s``)
+  enforced inside by the supervisor and outside by the parent (which SIGKILLs bwrap);
+- **no inherited environment**: the environment is built from nothing (``PATH``, ``HOME``,
+  ``TMPDIR``, a UTF-8 locale, one BLAS thread); no capabilities, ``no_new_privs``, a new
+  session (no terminal), IPC/UTS/cgroup namespaces;
+- **refusal**: without a working bwrap the tool refuses to start
+  (:class:`SandboxUnavailableError`, naming the fix) unless ``allow_unsandboxed=True``;
+  :func:`check_python_sandbox_available` runs the same check before any server starts.
 
-- **wall-time deadline** (parent process): the whole process group is SIGKILLed at
-  ``wall_time_s`` (start-up included), on cancellation, and after every run (stragglers).
-- **namespaces** (kernel; ``unshare``): a network namespace (only a down loopback, so every
-  ``connect`` fails, even to 127.0.0.1); a PID namespace (the code runs as PID 1; when it
-  exits or is killed, the kernel kills every process it forked, even one that called
-  ``setsid``); a user namespace where available (limits cannot be raised again).
-- **private root file system** (kernel; mount namespace + ``chroot``): the code sees a
-  tmpfs root holding only ``/usr`` (and the ``/bin``, ``/lib``... links), the Python
-  installation (both read-only), ``/dev/null``, ``/dev/urandom``, a ``/dev/shm`` and
-  ``/tmp`` tmpfs, and its working directory (read-write) at its real path. ``/etc``, home
-  directories, the project, other episodes' directories: none of it exists in there. All
-  capabilities are dropped (``setpriv``) before the interpreter starts.
-- **resource limits** (kernel; ``setrlimit`` before the code runs): RLIMIT_AS
-  (``memory_mb``), RLIMIT_CPU (``cpu_time_s``), RLIMIT_FSIZE (``max_file_mb``),
-  RLIMIT_NOFILE, RLIMIT_CORE = 0, and RLIMIT_NPROC when not root.
-- **audit hook** (interpreter; PEP 578): opening, listing and changing files only inside the
-  working directory (reading also inside the Python installation, for imports; symlinks are
-  resolved first; paths must be ``str``/``bytes``/``pathlib`` objects); no sockets but
-  AF_UNIX ones, no ``connect``/``bind``/DNS; no ``exec``/``system``/``Popen``/spawn; no
-  ``ctypes``; no ``setrlimit``; no ``gc``/trace/frame introspection that would reach the
-  hook itself; ``fork`` at most ``max_forks`` times from the top process, never from a
-  child, and not at all without the PID namespace (nothing else could reap an escaped child).
-- **environment** (parent): ``python -I -S`` (no user site, no ``PYTHON*`` variables, no
-  ``.pth`` files; site-packages added explicitly), a scrubbed environment (``PATH``; ``HOME``
-  and ``TMPDIR`` = the working directory; a UTF-8 locale), stdin closed once the code is
-  read, a fresh temporary working directory per episode.
+The PEP 578 audit hook (files only under the working directory, no sockets, no spawning, no
+ctypes...) stays as defence in depth, and is the only guard left in the explicitly unsafe
+``allow_unsandboxed`` mode.
 
-Which layers a machine supports is probed once per process and interpreter
-(:func:`isolation`): ``unshare`` (util-linux) with root or unprivileged user namespaces gives
-the namespaces; ``mount`` and ``chroot`` add the private root. Missing layers are skipped with
-a warning (``namespaces=True`` / ``mount_namespace=True`` make them mandatory); without the
-private root, the audit hook alone keeps the code out of the user's files.
-
-State: each episode gets its own temporary directory (created on the first call, removed on
-``release``); files persist across the calls of an episode, Python variables do not (every
-call is a fresh interpreter).
+State: each episode has a private host directory. Files the code writes in its working
+directory persist across the calls of the episode as an archive that only the next sandbox
+reads (the host never unpacks model-written archives); Python variables do not persist (every
+call is a fresh interpreter). Calls of one episode run one at a time.
 """
 
 from __future__ import annotations
@@ -58,6 +48,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import shutil
 import signal
 import subprocess
@@ -67,45 +58,117 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from tools.base import Tool, ToolResult, truncate
 
 __all__ = [
+    "SUPERVISOR_MARKER",
     "Isolation",
     "PythonTool",
     "SandboxRun",
+    "SandboxUnavailableError",
+    "check_python_sandbox_available",
     "interpreter_info",
     "isolation",
 ]
 
 logger = logging.getLogger(__name__)
 
-# The program the sandboxed interpreter runs first (``python -I -c _BOOTSTRAP CONFIG``): it
-# sets the resource limits, installs the audit hook, then reads the user's code from stdin and
-# executes it as ``__main__``. Kept dependency-free: only builtin modules before the hook.
-_BOOTSTRAP = r"""
-import json, os, resource, sys
+# Layout inside the sandbox: one tmpfs (``disk_mb``) holds everything writable.
+_SCRATCH = "/sandbox"
+_WORKDIR = "/sandbox/work"
+_TMPDIR = "/sandbox/tmp"
+_SHMDIR = "/sandbox/shm"
+_STATE_IN = "/.agentrl/state.tar"
+_STATE_FILE = "state.tar"
+# Per-call user ids when bwrap runs as root: random, so that RLIMIT_NPROC (counted per user)
+# is per call and sandboxes cannot signal each other. Far above any real account.
+_UID_LOW, _UID_HIGH = 1 << 24, (1 << 31) - 2
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+_INSTALL_HINT = (
+    "install bubblewrap (Debian/Ubuntu: `apt-get install -y bubblewrap`; Fedora: `dnf install "
+    "bubblewrap`) so that model code runs isolated, or set `tools.python.allow_unsandboxed: "
+    "true` (PythonTool(allow_unsandboxed=True)) to run it with only the in-interpreter guard "
+    "(unsafe: the code can reach the network, the files and the secrets of this machine)"
+)
+
+# The program the sandboxed interpreter runs (``python -I -S -c _SUPERVISOR CONFIG``). As the
+# supervisor it restores the episode's files, reads the code from stdin, sets the limits and
+# forks; the child installs the audit hook and runs the code; the supervisor waits for it up
+# to the deadline, kills everything the code left, then writes a status line and (sandboxed)
+# an archive of the working directory to the status pipe. Dependency-free (stdlib only).
+SUPERVISOR_MARKER = "agentrl-sandbox-supervisor"
+"""A comment on the supervisor's first line: in the command line of every sandboxed process."""
+_SUPERVISOR = r"""# agentrl-sandbox-supervisor
+import json, os, select, signal, sys
 cfg = json.loads(sys.argv[1])
-os.chdir(cfg["cwd"])
+STATUS_FD = cfg["status_fd"]
 sys.argv = ["<code>"]
 sys.dont_write_bytecode = True
 for name, value in cfg["rlimits"].items():
+    import resource
     lim = getattr(resource, name)
     soft, hard = resource.getrlimit(lim)
     value = value if hard == resource.RLIM_INFINITY else min(value, hard)
-    resource.setrlimit(lim, (value, value))
-code = sys.stdin.read()
-sys.stdin.close()
-os.close(0)
-os.open(os.devnull, os.O_RDONLY)
+    # CPU: SIGXCPU at the soft limit (reported as such), SIGKILL one second later.
+    resource.setrlimit(lim, (value, value + 1 if name == "RLIMIT_CPU" else value))
+os.chdir(cfg["cwd"])
+restore_error = ""
+if cfg["restore"] and os.path.exists(cfg["restore"]):
+    try:
+        import tarfile
+        with tarfile.open(cfg["restore"]) as archive:
+            try:
+                archive.extractall(".", filter="tar")
+            except TypeError:  # Python < 3.11.4 has no extraction filters
+                archive.extractall(".")
+    except Exception as e:
+        restore_error = f"{type(e).__name__}: {e}"
+code = sys.stdin.buffer.read().decode("utf-8", "replace")
+_null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_null, 0)
+os.close(_null)
 sys.stdin = open(0, closefd=False)
 
+
+def _supervise(pid):
+    pidfd = os.pidfd_open(pid)
+    ready, _, _ = select.select([pidfd], [], [], cfg["wall_time_s"])
+    timed_out = not ready
+    if timed_out:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _, status = os.waitpid(pid, 0)
+    try:  # whatever the code left running (in the sandbox: every process but this one)
+        if cfg["sandboxed"]:
+            os.kill(-1, signal.SIGKILL)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    out = os.fdopen(STATUS_FD, "wb")
+    head = {"exit_code": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
+            "restore_error": restore_error}
+    out.write(json.dumps(head).encode() + b"\n")
+    if cfg["archive"]:
+        import tarfile
+        with tarfile.open(fileobj=out, mode="w|") as archive:
+            for entry in sorted(os.listdir(".")):
+                archive.add(entry)
+    out.close()
+    os._exit(0)
+
+
 def _install(root, read_roots, max_forks, pid_ns):
-    # Everything the hook needs is bound here; no user code ever runs inside the hook (paths
-    # must be str/bytes/pathlib objects, so no user __fspath__ runs between check and use).
+    # Everything the hook needs is bound here. No user code may run inside the hook: types are
+    # compared with ``type(x) is``/``in`` (``isinstance`` would call a user ``__class__``),
+    # names must be plain ``str`` and numbers are read with ``int.__int__`` (a subclass's
+    # ``__eq__``, ``__hash__`` or ``__bool__`` would run user code with the hook's frame live).
     import _posixsubprocess, pathlib, socket
     def _no_spawn(*a, **k):
         raise PermissionError("sandbox: starting programs is disabled")
@@ -116,7 +179,7 @@ def _install(root, read_roots, max_forks, pid_ns):
     state = {"forks": max_forks, "busy": False}
     os.register_at_fork(after_in_child=lambda: state.__setitem__("forks", 0))
     WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    READ_OK = ("/dev/null", "/dev/urandom")
+    READ_OK = ("/dev/null", "/dev/urandom", "/dev/zero", "/dev/random")
     READ_EVENTS = {"os.listdir", "os.scandir", "glob.glob", "glob.glob/2", "os.getxattr",
                    "os.listxattr"}
     FS_EVENTS = READ_EVENTS | {
@@ -133,12 +196,17 @@ def _install(root, read_roots, max_forks, pid_ns):
            "socket.gethostbyname_ex", "socket.getnameinfo", "http.client.connect",
            "urllib.Request", "ftplib.connect", "smtplib.connect", "telnetlib.Telnet.open",
            "webbrowser.open"}
-    # Introspection that could reach the hook's own frames and state.
     DENY = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames",
             "sys.settrace", "sys.setprofile", "sys.addaudithook", "resource.setrlimit",
             "resource.prlimit", "os.setuid", "os.setgid"}
     BLOCKED_IMPORTS = {"ctypes", "_ctypes", "_posixsubprocess"}
-    SIMPLE = (int, float, type(None), tuple, bool)
+    SIMPLE = {int, float, type(None), tuple, bool}
+    as_int = int.__int__
+
+    def name_of(value):
+        if type(value) is not str:
+            raise PermissionError("sandbox: names must be plain str")
+        return value
 
     def as_text(path):
         t = type(path)
@@ -171,13 +239,14 @@ def _install(root, read_roots, max_forks, pid_ns):
             path, mode, flags = args
             if type(path) is int:
                 return
-            write = bool(mode and any(c in mode for c in "wax+")) or bool(
-                (flags or 0) & WRITE_FLAGS)
+            mode = "" if mode is None else name_of(mode)
+            flags = 0 if flags is None else as_int(flags)
+            write = any(c in mode for c in "wax+") or bool(flags & WRITE_FLAGS)
             check(path, write)
         elif event in FS_EVENTS:
             write = event not in READ_EVENTS
             for a in args:
-                if not isinstance(a, SIMPLE):
+                if type(a) not in SIMPLE:
                     check(a, write)
         elif event in SPAWN:
             raise PermissionError("sandbox: starting programs is disabled")
@@ -188,20 +257,20 @@ def _install(root, read_roots, max_forks, pid_ns):
                     else "sandbox: fork limit reached (children may not fork)")
             state["forks"] -= 1
         elif event in ("os.kill", "os.killpg") and not pid_ns:
-            if args and args[0] not in (0, os.getpid()):
+            if args and as_int(args[0]) not in (0, os.getpid()):
                 raise PermissionError("sandbox: signalling other processes is disabled")
         elif event == "socket.__new__":
-            if len(args) > 1 and args[1] != AF_UNIX:
+            if len(args) > 1 and as_int(args[1]) != AF_UNIX:
                 raise PermissionError("sandbox: network access is disabled")
         elif event in NET:
             raise PermissionError("sandbox: network access is disabled")
-        elif event == "import" and args and args[0] in BLOCKED_IMPORTS:
+        elif event == "import" and args and name_of(args[0]) in BLOCKED_IMPORTS:
             raise ImportError(f"sandbox: module {args[0]!r} is disabled")
         elif event in DENY or event.startswith("ctypes."):
             raise PermissionError(f"sandbox: {event} is disabled")
-        elif event == "object.__setattr__" and len(args) > 1 and args[1] == "__code__":
+        elif event == "object.__setattr__" and len(args) > 1 and name_of(args[1]) == "__code__":
             raise PermissionError("sandbox: replacing a function's code is disabled")
-        elif event == "object.__getattr__" and len(args) > 1 and args[1] == "tb_frame":
+        elif event == "object.__getattr__" and len(args) > 1 and name_of(args[1]) == "tb_frame":
             # A traceback through the hook must not hand out the hook's frames.
             state["busy"] = True
             try:
@@ -217,65 +286,44 @@ def _install(root, read_roots, max_forks, pid_ns):
 for _p in cfg["site_dirs"]:
     if _p not in sys.path:
         sys.path.append(_p)
+_child = os.fork()
+if _child:
+    _supervise(_child)
+os.setsid()
+os.close(STATUS_FD)
 if cfg["audit"]:
-    _install(os.path.realpath(os.getcwd()), tuple(cfg["read_roots"]), cfg["max_forks"],
-             cfg["pid_ns"])
-del _install, cfg, json, resource
+    _install(os.path.realpath(cfg["write_root"]), tuple(cfg["read_roots"]), cfg["max_forks"],
+             cfg["sandboxed"])
+del _install, _supervise, _child, cfg, json
 _source = code
 del code
 # An uncaught exception is printed by the interpreter's C code (exit status 1); the parent
-# removes the sandbox's own "<string>" frames from it.
+# removes the supervisor's own "<string>" frames from it.
 exec(compile(_source, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})
 """
 
-# Runs inside the new user+mount namespace, before the code: builds a private root file
-# system holding only /usr (and the /bin, /lib... links), the Python installation (read-only),
-# a few device nodes, and the working directory (read-write) at its real path, then chroots
-# into it. Mounts made here are private to the namespace and vanish with it.
-_MOUNT_SCRIPT = r"""
-set -e
-CHROOT=$1; MOUNT=$2; R=$3; W=$4; shift 4
-mount() { "$MOUNT" "$@"; }
-mount -t tmpfs -o size=64m,mode=755 agentrl-sandbox "$R"
-ro() {  # read-only bind (mount(8) binds, then remounts read-only, in one process)
-  if [ -d "$1" ]; then mkdir -p "$R$1"; else mkdir -p "$R$(dirname "$1")"; : > "$R$1"; fi
-  mount --rbind -o ro "$1" "$R$1"
-}
-ro /usr
-for d in /bin /sbin /lib /lib32 /lib64 /libx32; do
-  if [ -L "$d" ]; then ln -s "$(readlink "$d")" "$R$d"; elif [ -d "$d" ]; then ro "$d"; fi
-done
-while [ "$1" != "--" ]; do ro "$1"; shift; done
-shift
-mkdir -p "$R/dev/shm" "$R/tmp"
-for f in null urandom; do : > "$R/dev/$f"; mount --bind "/dev/$f" "$R/dev/$f"; done
-mount -t tmpfs -o size=64m agentrl-shm "$R/dev/shm"
-mkdir -p "$R$W"
-mount --bind "$W" "$R$W"
-exec "$CHROOT" "$R" "$@"
-"""
 
-_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+class SandboxUnavailableError(RuntimeError):
+    """No working OS isolation (bubblewrap) here, and ``allow_unsandboxed`` is not set."""
 
 
 @dataclass(frozen=True)
 class Isolation:
-    """How this machine can isolate a sandboxed run (see :func:`isolation`)."""
+    """How this machine runs a sandboxed call (see :func:`isolation`)."""
 
-    prefix: tuple[str, ...]
-    """The ``unshare`` command (user where available, network, PID and maybe mount)."""
-    mount: bool
-    """Whether the run sees a private root file system (working directory + Python only)."""
-    bind_paths: tuple[str, ...] = ()
-    """Read-only paths the private root holds besides /usr (the Python installation)."""
-    setpriv: tuple[str, ...] = ()
-    """Command that drops every capability before the interpreter starts (may be empty)."""
+    bwrap: str
+    """Path of the ``bwrap`` executable."""
+    mode: Literal["root", "userns"]
+    """``root``: bwrap runs as root and drops to a per-call user id (``setpriv``);
+    ``userns``: an unprivileged user namespace per call."""
+    bind_paths: tuple[str, ...]
+    """Read-only paths the sandbox holds besides ``/usr`` (the Python installation)."""
+    setpriv: str = ""
+    """Path of ``setpriv`` (root mode)."""
 
 
 _PROBE_LOCK = threading.RLock()
-_PROBED: dict[tuple[str, bool], Isolation | None] = {}
-
-
+_PROBED: dict[tuple[str, str], Isolation | str] = {}
 _INFO: dict[str, dict[str, list[str]]] = {}
 _INFO_PROBE = (
     "import sys, json, sysconfig\n"
@@ -284,6 +332,7 @@ _INFO_PROBE = (
     "    sys.base_exec_prefix], 'site_dirs': [paths['purelib'], paths['platlib']],\n"
     "    'stdlib_dirs': [paths['stdlib'], paths['platstdlib']]}))"
 )
+_SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 
 
 def interpreter_info(python_executable: str) -> dict[str, list[str]]:
@@ -314,9 +363,6 @@ def _python_paths(python_executable: str) -> tuple[str, ...]:
         candidates.add(os.path.realpath(prefix))
     exe_dir = os.path.dirname(os.path.abspath(python_executable))
     candidates.update({exe_dir, os.path.dirname(os.path.realpath(python_executable))})
-    for extra in ("/etc/ld.so.cache",):
-        if os.path.exists(extra):
-            candidates.add(extra)
 
     def covered(path: str, by: str) -> bool:
         return path == by or path.startswith(by.rstrip("/") + "/")
@@ -338,121 +384,134 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts) - 1)]
 
 
-def isolation(python_executable: str | None = None, mount: bool = True) -> Isolation | None:
-    """The strongest isolation ``unshare`` offers here for this interpreter, or None.
+def _sbin(name: str) -> str | None:
+    """Absolute path of a system tool (looked up in the system directories only)."""
+    return shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
 
-    Probed once per process and interpreter, in order: user + mount + network + PID
-    namespaces (a private root file system), mount without a user namespace (needs root), then
-    the same without the mount namespace. A candidate counts only if a real run of the
-    interpreter succeeds under it.
+
+def isolation(python_executable: str | None = None, bwrap: str | None = None) -> Isolation | str:
+    """The isolation this machine offers for ``python_executable``, or why there is none.
+
+    Probed once per process, interpreter and bwrap path: a real sandboxed run of the
+    interpreter must succeed. Returns an :class:`Isolation`, or a string saying what is
+    missing and how to fix it.
     """
     exe = python_executable or sys.executable
-    key = (exe, mount)
+    key = (exe, bwrap or "")
     with _PROBE_LOCK:
-        if key in _PROBED:
-            return _PROBED[key]
-        result: Isolation | None = None
-        unshare = shutil.which("unshare")
-        if unshare:
-            base = ["-n", "-p", "-f", "--kill-child"]
-            user = ["-U", "-r"]
-            candidates: list[tuple[list[str], bool]] = []
-            if mount and _sbin("chroot") and _sbin("mount"):
-                candidates += [
-                    ([unshare, *user, "-m", *base], True),
-                    ([unshare, "-m", *base], True),
-                ]
-            candidates += [([unshare, *user, *base], False), ([unshare, *base], False)]
-            try:
-                paths = _python_paths(exe)
-            except (OSError, subprocess.SubprocessError, ValueError):
-                paths = None
-            setpriv_bin = "/usr/bin/setpriv" if os.path.exists("/usr/bin/setpriv") else None
-            setpriv = (
-                (setpriv_bin, "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs")
-                if setpriv_bin
-                else ()
-            )
-            for prefix, with_mount in candidates:
-                if with_mount and paths is None:
-                    continue
-                iso = Isolation(
-                    prefix=tuple(prefix),
-                    mount=with_mount,
-                    bind_paths=paths or (),
-                    setpriv=setpriv if with_mount else (),
-                )
-                if _probe(iso, exe):
-                    result = iso
-                    break
-        if result is None:
-            logger.warning(
-                "python sandbox: 'unshare' cannot create namespaces here; running without the "
-                "namespace layers (audit hook and resource limits still apply, fork is disabled)"
-            )
-        elif not result.mount and mount:
-            logger.warning(
-                "python sandbox: no private root file system here (mount namespace "
-                "unavailable); file isolation rests on the audit hook alone"
-            )
-        _PROBED[key] = result
-        return result
+        if key not in _PROBED:
+            _PROBED[key] = _probe_isolation(exe, bwrap)
+        return _PROBED[key]
 
 
-def _probe(iso: Isolation, exe: str) -> bool:
+def _probe_isolation(exe: str, bwrap: str | None) -> Isolation | str:
+    path = bwrap or shutil.which("bwrap") or _sbin("bwrap")
+    if not path or not os.access(path, os.X_OK):
+        return f"bubblewrap (`bwrap`) was not found{f' at {bwrap!r}' if bwrap else ''}"
+    root = os.geteuid() == 0
+    setpriv = _sbin("setpriv") or ""
+    if root and not setpriv:
+        return "`setpriv` (util-linux) was not found; running as root it drops the user id"
+    try:
+        binds = _python_paths(exe)
+    except (OSError, subprocess.SubprocessError, ValueError) as exc:
+        return f"cannot ask the interpreter {exe!r} where it lives: {exc}"
+    iso = Isolation(
+        bwrap=path, mode="root" if root else "userns", bind_paths=binds, setpriv=setpriv
+    )
     workdir = tempfile.mkdtemp(prefix="agentrl-probe-")
     try:
-        cmd, root = _command(iso, Path(workdir), [exe, "-I", "-S", "-c", "pass"])
-        try:
-            proc = subprocess.run(
-                cmd,
-                capture_output=True,
-                timeout=30,
-                check=False,
-                cwd=workdir,
-                env=_sandbox_env(Path(workdir)),
-            )
-        finally:
-            if root:
-                os.rmdir(root)
-        return proc.returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False
+        argv = [exe, "-I", "-S", "-c", "print('agentrl-sandbox-ok')"]
+        cmd = _bwrap_command(iso, Path(workdir), argv, disk_mb=8)
+        proc = subprocess.run(
+            cmd, capture_output=True, timeout=60, check=False, cwd=workdir, env={}
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"bubblewrap at {path!r} could not be run: {exc}"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    if proc.returncode != 0 or proc.stdout.strip() != b"agentrl-sandbox-ok":
+        err = proc.stderr.decode(errors="replace").strip()[-500:]
+        return (
+            f"bubblewrap at {path!r} cannot create a sandbox here (exit {proc.returncode}: "
+            f"{err or 'no message'}); it needs root or unprivileged user namespaces "
+            "(`sysctl kernel.unprivileged_userns_clone=1`; in Docker, a seccomp profile that "
+            "allows them)"
+        )
+    return iso
 
 
-def _command(iso: Isolation | None, workdir: Path, argv: list[str]) -> tuple[list[str], str]:
-    """The full command for ``argv`` under ``iso``, and the mount point it needs ('' if none).
+def check_python_sandbox_available(section: Any = None) -> None:
+    """Raise :class:`SandboxUnavailableError` (naming the fix) if the python tool cannot run.
 
-    The caller removes the (empty, on the host) mount point directory after the run.
+    ``section`` is the ``tools.python`` config section (or a dict, or None for the defaults);
+    its ``allow_unsandboxed``, ``python_executable`` and ``bwrap`` are read when present. Call
+    it before starting any server when ``python`` is among ``tools.enabled``. Cached per
+    process: costs one sandboxed ``pass`` (~0.1 s) the first time.
     """
-    if iso is None:
-        return list(argv), ""
-    if not iso.mount:
-        return [*iso.prefix, *argv], ""
-    root = tempfile.mkdtemp(prefix="agentrl-root-", dir=str(workdir.parent))
-    cmd = [
-        *iso.prefix,
-        "sh",
-        "-c",
-        _MOUNT_SCRIPT,
-        "agentrl-sandbox",
-        _sbin("chroot") or "chroot",
-        _sbin("mount") or "mount",
-        root,
-        str(workdir),
-        *iso.bind_paths,
-        "--",
-        *iso.setpriv,
-        *argv,
-    ]
-    return cmd, root
+
+    def get(key: str) -> Any:
+        if section is None:
+            return None
+        if isinstance(section, dict):
+            return section.get(key)
+        return getattr(section, key, None)
+
+    if get("allow_unsandboxed"):
+        return
+    iso = isolation(get("python_executable"), get("bwrap"))
+    if isinstance(iso, str):
+        raise SandboxUnavailableError(
+            f"tools.python: the python tool runs model-written code and needs OS isolation, "
+            f"but {iso}. Fix: {_INSTALL_HINT}."
+        )
 
 
-def _sbin(name: str) -> str | None:
-    """Absolute path of a system tool (sandboxed runs get a minimal PATH without sbin)."""
-    return shutil.which(name, path="/usr/sbin:/usr/bin:/sbin:/bin")
+def _bwrap_command(
+    iso: Isolation, state_dir: Path, argv: list[str], *, disk_mb: int, uid: int | None = None
+) -> list[str]:
+    """The bwrap command line that runs ``argv`` in a fresh sandbox (see the module docstring)."""
+    cmd = [iso.bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts"]
+    # bwrap's own init is PID 1 (not --as-pid-1): it keeps --die-with-parent's SIGKILL, which
+    # setpriv's change of user would clear on our supervisor, and its death ends the namespace.
+    cmd += ["--unshare-cgroup-try", "--die-with-parent", "--new-session"]
+    if iso.mode == "userns":
+        cmd += ["--unshare-user", "--disable-userns"]
+    cmd += ["--hostname", "sandbox", "--clearenv"]
+    for key, value in _sandbox_env(_WORKDIR, _TMPDIR).items():
+        cmd += ["--setenv", key, value]
+    cmd += ["--ro-bind", "/usr", "/usr"]
+    for d in _SYSTEM_DIRS[1:]:
+        if os.path.islink(d):
+            cmd += ["--symlink", os.readlink(d), d]
+        elif os.path.isdir(d):
+            cmd += ["--ro-bind", d, d]
+    made: set[str] = set()
+    for p in iso.bind_paths:
+        # bwrap would create missing parents 0700: unreadable to the sandbox's user.
+        for parent in _ancestors(p):
+            if parent not in made:
+                made.add(parent)
+                cmd += ["--perms", "0755", "--dir", parent]
+        cmd += ["--ro-bind", p, p]
+    cmd += ["--tmpfs", "/dev"]
+    for dev in _DEVICES:
+        cmd += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
+    cmd += ["--symlink", _SHMDIR, "/dev/shm", "--remount-ro", "/dev"]
+    cmd += ["--perms", "1777", "--size", str(disk_mb * 1024 * 1024), "--tmpfs", _SCRATCH]
+    for d in (_WORKDIR, _TMPDIR, _SHMDIR):
+        cmd += ["--dir", d, "--chmod", "1777", d]
+    cmd += ["--symlink", _TMPDIR, "/tmp"]
+    state = state_dir / _STATE_FILE
+    if state.exists():
+        cmd += ["--perms", "0755", "--dir", os.path.dirname(_STATE_IN)]
+        cmd += ["--ro-bind", str(state), _STATE_IN]
+    cmd += ["--chdir", _WORKDIR, "--remount-ro", "/", "--"]
+    if iso.mode == "root":
+        uid = uid if uid is not None else _UID_LOW + secrets.randbelow(_UID_HIGH - _UID_LOW)
+        cmd += [iso.setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+        cmd += ["--inh-caps=-all", "--bounding-set=-all", "--no-new-privs"]
+    return [*cmd, *argv]
 
 
 @dataclass
@@ -462,11 +521,16 @@ class SandboxRun:
     stdout: str
     stderr: str
     exit_code: int | None
-    """Exit status; negative = killed by that signal; None = never started."""
+    """Exit status of the code; negative = killed by that signal; None = unknown (the
+    supervisor itself was killed)."""
     timed_out: bool
     wall_s: float
     stdout_dropped: int = 0
     stderr_dropped: int = 0
+    files_saved: bool = True
+    """Sandboxed runs: whether this call's files were kept for the next call."""
+    note: str = ""
+    """A sandbox-side problem worth telling the model (files not restored or not saved)."""
 
 
 class _Args(BaseModel):
@@ -477,38 +541,55 @@ class _Args(BaseModel):
     )
 
 
+class _EpisodeDir:
+    """Per-episode state: a private host directory and a lock (calls run one at a time)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock = asyncio.Lock()
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def __repr__(self) -> str:
+        return f"_EpisodeDir({str(self.path)!r})"
+
+
 class PythonTool(Tool):
-    """Run Python code in a sandboxed subprocess (see the module docstring for the layers).
+    """Run Python code in a bubblewrap sandbox (see the module docstring for the boundary).
 
     Args:
-        wall_time_s: Wall-clock seconds per call; the process group is killed at the deadline.
-        memory_mb: Address-space limit (RLIMIT_AS) of the interpreter, in MiB.
+        wall_time_s: Wall-clock seconds the code may run; then every process is killed.
+        memory_mb: Address-space limit (RLIMIT_AS) of each process, in MiB.
         max_output_chars: Most characters of output returned (head and tail kept, the middle
             cut with a marker); the marker is counted, so the result never exceeds it.
         cpu_time_s: CPU seconds per process (RLIMIT_CPU); default ``ceil(wall_time_s) + 1``.
         max_file_mb: Largest file the code may write (RLIMIT_FSIZE), in MiB.
-        max_forks: How many times the top process may ``fork`` (children may not); only with
-            the PID namespace, else fork is disabled.
+        max_processes: Most processes the code may have at once, itself included.
+        disk_mb: Size of the sandbox's tmpfs (working directory, ``/tmp``, ``/dev/shm``).
+        allow_unsandboxed: Run without OS isolation when bwrap is unavailable (only the audit
+            hook and resource limits then; fork disabled). Unsafe; off by default, when the
+            tool refuses to start instead.
         python_executable: Interpreter to run (default: this one, ``sys.executable``).
-        base_dir: Where per-episode working directories are created (default: the system
+        bwrap: Path of the ``bwrap`` executable (default: found on ``PATH``).
+        base_dir: Where per-episode host directories are created (default: the system
             temporary directory).
-        namespaces: Use the ``unshare`` network/PID namespaces: None = when available,
-            True = required (error if unavailable), False = never.
-        audit_hook: Install the in-interpreter audit hook (files, sockets, spawning).
+        audit_hook: Install the in-interpreter audit hook (defence in depth).
         site_packages: Let the code import the packages installed next to the interpreter
             (numpy, sympy, ...). ``.pth`` files are not processed (editable installs are not
             importable).
-        mount_namespace: Give the code a private root file system (only /usr, the Python
-            installation, read-only, and the working directory): None = when available,
-            True = required, False = never. Needs ``namespaces``.
         name: Tool name the model sees.
+
+    Raises:
+        SandboxUnavailableError: bwrap cannot isolate code here and ``allow_unsandboxed`` is
+            False (checked once per process, when the tool is built).
     """
 
     name = "python"
     description = (
         "Run a Python 3 script in a fresh interpreter and return what it prints (stdout, then "
         "stderr). Variables do not persist between calls; files written to the current "
-        "directory do. No network access; time and memory are limited."
+        "directory do. No network access; time, memory and disk are limited."
     )
     arguments_model: ClassVar[type[BaseModel] | None] = _Args
 
@@ -520,92 +601,97 @@ class PythonTool(Tool):
         *,
         cpu_time_s: float | None = None,
         max_file_mb: int = 16,
-        max_forks: int = 8,
+        max_processes: int = 16,
+        disk_mb: int = 64,
+        allow_unsandboxed: bool = False,
         python_executable: str | None = None,
+        bwrap: str | None = None,
         base_dir: str | Path | None = None,
-        namespaces: bool | None = None,
         audit_hook: bool = True,
         site_packages: bool = True,
-        mount_namespace: bool | None = None,
         name: str = "python",
     ) -> None:
-        if wall_time_s <= 0:
-            raise ValueError(f"PythonTool: wall_time_s must be > 0, got {wall_time_s}")
-        if memory_mb < 32:
-            raise ValueError(
-                f"PythonTool: memory_mb={memory_mb} is too small for an interpreter; use >= 32"
-            )
-        if max_output_chars < 64:
-            raise ValueError(f"PythonTool: max_output_chars must be >= 64, got {max_output_chars}")
+        _check_limits(wall_time_s, memory_mb, max_output_chars, max_processes, disk_mb)
         self.name = name
         self.wall_time_s = float(wall_time_s)
         self.memory_mb = int(memory_mb)
         self.output_chars = int(max_output_chars)
         self.cpu_time_s = cpu_time_s if cpu_time_s is not None else math.ceil(wall_time_s) + 1
         self.max_file_mb = int(max_file_mb)
-        self.max_forks = int(max_forks)
+        self.max_processes = int(max_processes)
+        self.disk_mb = int(disk_mb)
+        self.allow_unsandboxed = bool(allow_unsandboxed)
         self.python_executable = python_executable or sys.executable
+        self.bwrap = bwrap
         self.base_dir = str(base_dir) if base_dir is not None else None
-        self.namespaces = namespaces
         self.audit_hook = audit_hook
         self.site_packages = site_packages
-        self.mount_namespace = mount_namespace
-        # The sandbox enforces its own deadline; the ToolSet timeout is only a backstop.
-        self.timeout_s = self.wall_time_s + 10.0
+        # Past the code's deadline the supervisor needs a moment to archive the files (tmpfs
+        # reads); the parent kills bwrap at ``_hard_deadline_s``. The ToolSet timeout is only
+        # a backstop behind both.
+        self._hard_deadline_s = self.wall_time_s + 5.0 + self.disk_mb / 50.0
+        self.timeout_s = self._hard_deadline_s + 5.0
         # Output is already cut to ``output_chars`` (marker included); leave the ToolSet's
         # ``max_output_chars`` in charge of anything stricter.
         self.max_output_chars = None
+        iso = isolation(self.python_executable, self.bwrap)
+        if isinstance(iso, str):
+            if not self.allow_unsandboxed:
+                raise SandboxUnavailableError(
+                    f"python tool: model code needs OS isolation, but {iso}. Fix: {_INSTALL_HINT}."
+                )
+            logger.warning(
+                "python tool: running model code WITHOUT OS isolation (allow_unsandboxed=True): %s",
+                iso,
+            )
 
     # ---- lifecycle ----
-    async def create(self) -> Path:
-        """A fresh, private working directory for this episode."""
+    async def create(self) -> _EpisodeDir:
+        """A fresh, private host directory for this episode."""
         path = Path(tempfile.mkdtemp(prefix="agentrl-py-", dir=self.base_dir))
-        return path.resolve()
+        return _EpisodeDir(path.resolve())
 
     async def release(self, state: Any) -> None:
         if state is not None:
-            await asyncio.to_thread(shutil.rmtree, state, True)
+            # One archive file (sandboxed) or the files of an unsandboxed episode: quick.
+            shutil.rmtree(os.fspath(state), ignore_errors=True)
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
-        workdir = Path(state) if state is not None else None
-        if workdir is None:
+        if state is None:
             return await self.run(arguments["code"])
-        run = await self.run_raw(arguments["code"], workdir)
+        async with state.lock:
+            run = await self.run_raw(arguments["code"], state.path)
         return self._to_result(run)
 
     # ---- standalone use ----
     async def run(self, code: str) -> ToolResult:
-        """Run ``code`` once in a throw-away working directory (no episode needed)."""
-        workdir = await self.create()
+        """Run ``code`` once in a throw-away episode directory (no episode needed)."""
+        state = await self.create()
         try:
-            return self._to_result(await self.run_raw(code, workdir))
+            return self._to_result(await self.run_raw(code, state.path))
         finally:
-            await self.release(workdir)
+            await self.release(state)
 
     async def _isolation(self) -> Isolation | None:
-        if self.namespaces is False:
+        """The isolation to use; None = unsandboxed (only when allowed)."""
+        key = (self.python_executable, self.bwrap or "")
+        if key in _PROBED and self.python_executable in _INFO:
+            iso = _PROBED[key]
+        else:  # first run in this process (e.g. after unpickling): probe off the event loop
+            iso = await asyncio.to_thread(isolation, self.python_executable, self.bwrap)
+            await asyncio.to_thread(interpreter_info, self.python_executable)
+        if isinstance(iso, Isolation):
+            return iso
+        if self.allow_unsandboxed:
             return None
-        iso = await asyncio.to_thread(
-            isolation, self.python_executable, self.mount_namespace is not False
+        raise SandboxUnavailableError(
+            f"python tool: model code needs OS isolation, but {iso}. Fix: {_INSTALL_HINT}."
         )
-        if iso is None and self.namespaces:
-            raise RuntimeError(
-                "PythonTool(namespaces=True) but 'unshare' cannot create network/PID "
-                "namespaces here; run as root, enable unprivileged user namespaces, or pass "
-                "namespaces=None to fall back to the audit hook"
-            )
-        if self.mount_namespace and (iso is None or not iso.mount):
-            raise RuntimeError(
-                "PythonTool(mount_namespace=True) but no private root file system can be "
-                "built here (needs unshare -m, mount and chroot); pass mount_namespace=None"
-            )
-        return iso
 
-    async def run_raw(self, code: str, workdir: Path) -> SandboxRun:
-        """Run ``code`` in ``workdir`` under every enabled layer; never leaves a process behind."""
-        info = await asyncio.to_thread(interpreter_info, self.python_executable)
-        iso = await self._isolation()
-        pid_ns = iso is not None
+    def _config(self, iso: Isolation | None, episode_dir: Path, status_fd: int) -> dict[str, Any]:
+        """The supervisor's configuration (limits, layout, hook) for one run."""
+        info = interpreter_info(self.python_executable)
+        sandboxed = iso is not None
         rlimits: dict[str, int] = {
             "RLIMIT_AS": self.memory_mb * 1024 * 1024,
             "RLIMIT_CPU": math.ceil(self.cpu_time_s),
@@ -613,41 +699,78 @@ class PythonTool(Tool):
             "RLIMIT_CORE": 0,
             "RLIMIT_NOFILE": 256,
         }
-        if os.geteuid() != 0:
-            # Counts every process of this user, so it is only a coarse fork-bomb brake.
-            rlimits["RLIMIT_NPROC"] = 4096
-        config = {
+        if iso is not None:
+            # The supervisor counts as one process of the sandbox's user; with a user namespace
+            # bwrap's init (PID 1) does too.
+            overhead = 1 if iso.mode == "root" else 2
+            rlimits["RLIMIT_NPROC"] = self.max_processes + overhead
+        elif os.geteuid() != 0:
+            rlimits["RLIMIT_NPROC"] = 4096  # counts every process of this user: a coarse brake
+        cwd = _WORKDIR if sandboxed else str(episode_dir)
+        return {
             "rlimits": rlimits,
+            "cwd": cwd,
+            "write_root": _SCRATCH if sandboxed else cwd,
+            "restore": _STATE_IN if sandboxed else "",
+            "archive": sandboxed,
+            "sandboxed": sandboxed,
+            "status_fd": status_fd,
+            "wall_time_s": self.wall_time_s,
             "audit": self.audit_hook,
-            "max_forks": self.max_forks if pid_ns else 0,
-            "pid_ns": pid_ns,
+            "max_forks": self.max_processes - 1 if sandboxed else 0,
             "site_dirs": list(dict.fromkeys(info["site_dirs"])) if self.site_packages else [],
             "read_roots": sorted(
                 {os.path.realpath(p) for p in [*info["stdlib_dirs"], *info["site_dirs"]]}
             ),
-            "cwd": str(workdir),
         }
-        env = _sandbox_env(workdir)
-        argv = [self.python_executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(config)]
-        cmd, mount_point = _command(iso, workdir, argv)
-        start = time.monotonic()
+
+    async def run_raw(self, code: str, episode_dir: Path) -> SandboxRun:
+        """Run ``code`` for the episode in ``episode_dir``; never leaves a process behind."""
+        iso = await self._isolation()
+        read_fd, write_fd = os.pipe()
         try:
+            config = self._config(iso, episode_dir, write_fd)
+            argv = [self.python_executable, "-I", "-S", "-c", _SUPERVISOR, json.dumps(config)]
+            if iso is not None:
+                argv = _bwrap_command(iso, episode_dir, argv, disk_mb=self.disk_mb)
+            env = {} if iso is not None else _sandbox_env(str(episode_dir), str(episode_dir))
+            start = time.monotonic()
             proc = await asyncio.create_subprocess_exec(
-                *cmd,
+                *argv,
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.PIPE,
-                cwd=str(workdir),
+                cwd=str(episode_dir),
                 env=env,
                 start_new_session=True,
+                pass_fds=(write_fd,),
             )
         except BaseException:
-            _rmdir(mount_point)
+            os.close(read_fd)
             raise
+        finally:
+            os.close(write_fd)
+        return await self._collect(proc, code, read_fd, episode_dir, iso is not None, start)
+
+    async def _collect(
+        self,
+        proc: asyncio.subprocess.Process,
+        code: str,
+        status_fd: int,
+        episode_dir: Path,
+        sandboxed: bool,
+        start: float,
+    ) -> SandboxRun:
+        """Feed the code, read the outputs and the status pipe, enforce the hard deadline."""
         cap = 4 * self.output_chars + 4096
         assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
         out_task = asyncio.ensure_future(_read_capped(proc.stdout, cap))
         err_task = asyncio.ensure_future(_read_capped(proc.stderr, cap))
+        partial = episode_dir / (_STATE_FILE + ".partial")
+        archive_cap = 2 * self.disk_mb * 1024 * 1024 + (1 << 20)
+        status_task = asyncio.ensure_future(
+            _read_status(status_fd, partial if sandboxed else None, archive_cap)
+        )
         stdin = proc.stdin
 
         async def feed_and_wait() -> None:
@@ -656,41 +779,64 @@ class PythonTool(Tool):
                 await stdin.drain()
                 stdin.close()
             except (BrokenPipeError, ConnectionResetError):
-                pass  # the interpreter died before reading its code; the exit status says why
+                pass  # the supervisor died before reading the code; its status says why
             await proc.wait()
 
-        timed_out = False
+        killed = False
+        finished = False  # False while a cancellation propagates: no archive is kept then
         try:
             try:
-                await asyncio.wait_for(feed_and_wait(), timeout=self.wall_time_s)
+                await asyncio.wait_for(feed_and_wait(), timeout=self._hard_deadline_s)
             except TimeoutError:
-                timed_out = True
+                killed = True
+            finished = True
         finally:
-            # Always: kill whatever is left of the process group (a forked child, or all of it
-            # at the deadline or on cancellation); the PID namespace kills the rest.
+            # Always: kill what is left (bwrap; --die-with-parent and the PID namespace take the
+            # rest with it), on the deadline, on cancellation and after a normal exit.
             _killpg(proc.pid)
             if proc.returncode is None:
                 try:
                     await asyncio.wait_for(proc.wait(), timeout=5.0)
                 except TimeoutError:
                     logger.error("python sandbox: process %d did not die after SIGKILL", proc.pid)
-            # A grandchild that escaped the group may hold the pipes open: do not wait on it.
-            done, pending = await asyncio.wait({out_task, err_task}, timeout=1.0)
+            done, pending = await asyncio.wait({out_task, err_task, status_task}, timeout=2.0)
             for task in pending:
                 task.cancel()
-            _rmdir(mount_point)
+            if status_task not in done or not finished:
+                with contextlib.suppress(OSError):
+                    partial.unlink()
         wall = time.monotonic() - start
         stdout, out_dropped = out_task.result() if out_task in done else ("", 0)
         stderr, err_dropped = err_task.result() if err_task in done else ("", 0)
-        return SandboxRun(
+        head, archive_ok, note = status_task.result() if status_task in done else ({}, False, "")
+        run = SandboxRun(
             stdout=stdout,
             stderr=stderr,
-            exit_code=proc.returncode,
-            timed_out=timed_out,
+            exit_code=head.get("exit_code"),
+            timed_out=killed or bool(head.get("timed_out")),
             wall_s=wall,
             stdout_dropped=out_dropped,
             stderr_dropped=err_dropped,
+            files_saved=not sandboxed,
+            note=note,
         )
+        if head.get("restore_error"):
+            run.note = (
+                f"note: the files of earlier calls could not be restored ({head['restore_error']})"
+            )
+        if sandboxed:
+            run.files_saved = self._keep_archive(partial, archive_ok and proc.returncode == 0)
+        return run
+
+    def _keep_archive(self, partial: Path, ok: bool) -> bool:
+        """Make this call's archive the episode's files (only a complete one)."""
+        if not ok:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+            return False
+        partial.chmod(0o644)  # read by the sandbox's user (another uid when run as root)
+        partial.replace(partial.with_name(_STATE_FILE))
+        return True
 
     def _to_result(self, run: SandboxRun) -> ToolResult:
         stdout, stderr = run.stdout, _hide_sandbox_frames(run.stderr)
@@ -704,7 +850,10 @@ class PythonTool(Tool):
         if run.timed_out:
             error = True
             note = f"error: timed out after {self.wall_time_s:g} s; the process was killed"
-        elif run.exit_code is not None and run.exit_code < 0:
+        elif run.exit_code is None:
+            error = True
+            note = "error: the sandbox was killed before the code finished"
+        elif run.exit_code < 0:
             error = True
             note = f"error: killed by {_signal_name(-run.exit_code)}"
             hint = _SIGNAL_HINTS.get(-run.exit_code)
@@ -714,6 +863,8 @@ class PythonTool(Tool):
             error = True
             if not stderr.strip():
                 note = f"error: exit code {run.exit_code}"
+        if run.note:
+            note = f"{note}\n{run.note}" if note else run.note
         if note:
             if text and not text.endswith("\n"):
                 text += "\n"
@@ -739,6 +890,23 @@ class PythonTool(Tool):
         )
 
 
+def _check_limits(
+    wall_time_s: float, memory_mb: int, max_output_chars: int, max_processes: int, disk_mb: int
+) -> None:
+    if wall_time_s <= 0:
+        raise ValueError(f"PythonTool: wall_time_s must be > 0, got {wall_time_s}")
+    if memory_mb < 32:
+        raise ValueError(
+            f"PythonTool: memory_mb={memory_mb} is too small for an interpreter; use >= 32"
+        )
+    if max_output_chars < 64:
+        raise ValueError(f"PythonTool: max_output_chars must be >= 64, got {max_output_chars}")
+    if max_processes < 1:
+        raise ValueError(f"PythonTool: max_processes must be >= 1, got {max_processes}")
+    if disk_mb < 1:
+        raise ValueError(f"PythonTool: disk_mb must be >= 1, got {disk_mb}")
+
+
 _SIGNAL_HINTS: dict[int, str] = {
     signal.SIGKILL: "memory, CPU or time limit",
     signal.SIGXCPU: "CPU time limit",
@@ -751,7 +919,7 @@ _SANDBOX_FRAME = re.compile(r'^  File "<string>", line \d+, in .*\n', re.MULTILI
 
 
 def _hide_sandbox_frames(stderr: str) -> str:
-    """Drop the bootstrap's and the audit hook's traceback lines (they run as ``<string>``)."""
+    """Drop the supervisor's and the audit hook's traceback lines (they run as ``<string>``)."""
     return _SANDBOX_FRAME.sub("", stderr)
 
 
@@ -762,12 +930,12 @@ def _signal_name(signum: int) -> str:
         return f"signal {signum}"
 
 
-def _sandbox_env(workdir: Path) -> dict[str, str]:
-    """The whole environment of a sandboxed run: nothing inherited from the parent."""
+def _sandbox_env(home: str, tmpdir: str) -> dict[str, str]:
+    """The whole environment of a run: nothing inherited from the parent."""
     return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": str(workdir),
-        "TMPDIR": str(workdir),
+        "HOME": home,
+        "TMPDIR": tmpdir,
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
         "OMP_NUM_THREADS": "1",
@@ -776,15 +944,40 @@ def _sandbox_env(workdir: Path) -> dict[str, str]:
     }
 
 
-def _rmdir(path: str) -> None:
-    if path:
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
-
-
 def _killpg(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+async def _read_status(fd: int, archive: Path | None, cap: int) -> tuple[dict[str, Any], bool, str]:
+    """Read the supervisor's status pipe: (status line, archive complete, note).
+
+    The archive (sandboxed runs) is streamed into ``archive`` unread and unparsed: only the
+    next sandbox unpacks it. Past ``cap`` bytes it is dropped (the note says so).
+    """
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 16)
+    pipe = os.fdopen(fd, "rb", buffering=0)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    try:
+        try:
+            line = await reader.readline()
+            head = json.loads(line) if line.endswith(b"\n") else {}
+        except (ValueError, asyncio.LimitOverrunError):
+            return {}, False, ""
+        if not isinstance(head, dict) or archive is None:
+            return (head if isinstance(head, dict) else {}), False, ""
+        size = 0
+        with open(archive, "wb") as f:
+            while chunk := await reader.read(1 << 16):
+                size += len(chunk)
+                if size > cap:
+                    note = f"note: files not saved for the next call (more than {cap >> 20} MiB)"
+                    return head, False, note
+                f.write(chunk)
+        return head, size > 0, ""
+    finally:
+        transport.close()
 
 
 async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[str, int]:

@@ -12,15 +12,22 @@ answer a function grades is the content of the last assistant message in ``traj.
 
 :class:`RewardManager` picks the function per task by ``task.data_source`` and guarantees:
 
-- every call to :meth:`RewardManager.score` returns a scored copy of the trajectory; a reward
-  function that raises, times out or returns something malformed gives reward ``0.0`` with
-  ``reward_info["error"]``, is logged and counted in ``reward/errors`` — a trajectory is never
-  lost to a broken reward;
+- every reward call has a deadline (``timeout_s``, config ``reward.timeout_s``) that holds
+  whatever the function does: an async function is cancelled and abandoned, a sync one's
+  thread is abandoned (threads cannot be killed; the pool is bounded and its threads never
+  block exit), a process-pool call's worker is SIGKILLed and replaced;
+- a reward function that raises, times out or returns something malformed makes
+  :meth:`RewardManager.score` raise :class:`RewardError` (:class:`RewardTimeoutError` for a
+  timeout) naming the function and the data source, after it is logged and counted per data
+  source (``reward/<source>/errors``, ``timeouts``, ``abandoned``, ``killed``); the caller
+  decides what happens to the trajectory (it is never silently scored 0.0 here);
 - at most ``max_workers`` reward calls run at once (a semaphore), whatever the executor;
-- ``executor="async"`` awaits async functions on the event loop and calls sync ones inline
-  (for cheap rule-based rewards); ``"thread"`` runs sync functions in a thread pool (I/O that
-  is not async); ``"process"`` runs them in a process pool (CPU-bound graders), which needs
-  functions that pickle (module-level, importable) — checked when the manager is built.
+- ``executor="async"`` awaits async functions on the event loop (the built-in rule rewards
+  of this module run inline; any other sync function runs on the reward thread pool, so its
+  deadline can be enforced); ``"thread"`` runs sync functions on a bounded pool of daemon
+  threads (I/O that is not async); ``"process"`` runs them in spawned worker processes
+  (CPU-bound graders), which needs functions that pickle (module-level, importable) —
+  checked when the manager is built.
 
 Built-ins, by name: ``exact_match``, ``numeric_match`` (GSM8K ``#### 42``, ``\\boxed{42}``,
 else the last number; tolerant numeric compare), ``calculator`` (the calculator task's
@@ -32,10 +39,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import inspect
 import logging
 import math
 import multiprocessing
+import os
 import pickle
 import re
 import time
@@ -45,13 +54,16 @@ from typing import Any, Literal, TypeAlias
 
 from agentrl.registry import Registry, RegistryError
 from agentrl.types import Task, Trajectory
+from tools.executor import DaemonThreadPool
 
 __all__ = [
     "BUILTIN_REWARDS",
     "REWARDS",
     "RewardConfigError",
+    "RewardError",
     "RewardFn",
     "RewardManager",
+    "RewardTimeoutError",
     "calculator_reward",
     "exact_match",
     "extract_answer",
@@ -383,8 +395,38 @@ def resolve_reward_fn(
 # ---- running a reward function -------------------------------------------------------------
 
 
+class RewardError(RuntimeError):
+    """A reward function failed: it raised, returned something malformed, or timed out.
+
+    ``source`` is the task's ``data_source``. Raised by :meth:`RewardManager.score` after the
+    failure is counted; the caller decides what happens to the trajectory.
+    """
+
+    def __init__(self, message: str, *, source: str) -> None:
+        super().__init__(message)
+        self.source = source
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Crosses process boundaries (a Ray reward actor): keep the keyword-only ``source``.
+        return (_rebuild_reward_error, (type(self), str(self), self.source))
+
+
+def _rebuild_reward_error(cls: type[RewardError], message: str, source: str) -> RewardError:
+    return cls(message, source=source)
+
+
+class RewardTimeoutError(RewardError):
+    """A reward function ran past ``timeout_s`` (it was abandoned, or its worker killed)."""
+
+
+_ABANDON_GRACE_S = 1.0
+"""Seconds a timed-out reward call has to stop before it counts as abandoned."""
+_WORKER_START_TIMEOUT_S = 120.0
+"""Seconds a new process worker may take to start (not counted in a call's ``timeout_s``)."""
+
+
 def _call_in_process(fn: RewardFn, traj: Trajectory, task: Task) -> RewardResult:
-    """Runs in a pool worker: call ``fn``, driving it to completion if it is async."""
+    """Runs in a worker process: call ``fn``, driving it to completion if it is async."""
     out = fn(traj, task)
     if inspect.isawaitable(out):
 
@@ -393,6 +435,133 @@ def _call_in_process(fn: RewardFn, traj: Trajectory, task: Task) -> RewardResult
 
         return asyncio.run(_await())
     return out  # type: ignore[return-value]  # sync functions return the result itself
+
+
+def _worker_main(conn: Any) -> None:
+    """A process worker: one thread for BLAS/OpenMP, then calls from ``conn`` until EOF."""
+    from agentrl.threads import ENV_THREADS, THREAD_ENV_VARS
+
+    for name in THREAD_ENV_VARS:
+        os.environ[name] = os.environ.get(ENV_THREADS) or "1"
+    conn.send(("ready", None))
+    while True:
+        try:
+            fn, traj, task = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", _call_in_process(fn, traj, task)))
+        except Exception as exc:  # sent back as text: user exceptions need not pickle
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+
+
+async def _readable(fd: int, timeout: float | None) -> bool:
+    """Wait until ``fd`` is readable (or at EOF); False at the deadline."""
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+    loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+    try:
+        await asyncio.wait_for(ready, timeout)
+        return True
+    except TimeoutError:
+        return False
+    finally:
+        loop.remove_reader(fd)
+
+
+class _WorkerCallError(Exception):
+    """The reward function raised inside a worker process (message: ``Type: text``)."""
+
+
+class _ProcessWorker:
+    """One spawned worker process and its pipe; killed when a call overruns."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process.start()
+        child.close()
+
+    async def ready(self) -> None:
+        if not await _readable(self.conn.fileno(), _WORKER_START_TIMEOUT_S):
+            self.kill()
+            raise RuntimeError(
+                f"a reward worker process did not start within {_WORKER_START_TIMEOUT_S:g} s"
+            )
+        self.conn.recv()
+
+    async def call(self, fn: RewardFn, traj: Trajectory, task: Task, timeout: float) -> Any:
+        """The result; raises TimeoutError (the caller kills), _WorkerCallError (the function
+        raised) or RuntimeError (the worker died)."""
+        self.conn.send((fn, traj, task))
+        if not await _readable(self.conn.fileno(), timeout):
+            raise TimeoutError
+        try:
+            kind, value = self.conn.recv()
+        except (EOFError, OSError) as exc:
+            raise RuntimeError(
+                f"the reward worker process died (exit code {self.process.exitcode})"
+            ) from exc
+        if kind == "error":
+            raise _WorkerCallError(value)
+        return value
+
+    def kill(self) -> None:
+        """SIGKILL the worker; its zombie is reaped once it is gone (never blocks)."""
+        self.process.kill()
+        self.conn.close()
+        loop = asyncio.get_running_loop()
+        sentinel = self.process.sentinel
+
+        def reap() -> None:
+            loop.remove_reader(sentinel)
+            self.process.join(0)
+
+        loop.add_reader(sentinel, reap)
+
+
+class _ProcessWorkers:
+    """Spawn-started workers, one call each at a time; a call past its deadline kills its
+    worker (and a new one is started for the next call). Spawn, not fork: the parent runs
+    threads (servers, torch) that fork would copy mid-lock."""
+
+    def __init__(self) -> None:
+        self._ctx = multiprocessing.get_context("spawn")
+        self._idle: list[_ProcessWorker] = []
+        self.killed = 0
+
+    async def call(self, fn: RewardFn, traj: Trajectory, task: Task, timeout: float) -> Any:
+        """``fn(traj, task)`` in a worker; TimeoutError after ``timeout`` (worker killed)."""
+        worker = self._idle.pop() if self._idle else None
+        if worker is None or not worker.process.is_alive():
+            worker = _ProcessWorker(self._ctx)
+            try:
+                await worker.ready()
+            except BaseException:
+                worker.kill()
+                raise
+        try:
+            result = await worker.call(fn, traj, task, timeout)
+        except TimeoutError:
+            self.killed += 1
+            worker.kill()
+            raise
+        except _WorkerCallError:
+            self._idle.append(worker)  # the function raised; the worker is fine
+            raise
+        except BaseException:  # cancelled mid-call: the worker's state is unknown
+            worker.kill()
+            raise
+        self._idle.append(worker)
+        return result
+
+    def close(self) -> None:
+        for worker in self._idle:
+            worker.conn.close()  # EOF: the worker returns
+            worker.process.join(5)
+            if worker.process.is_alive():
+                worker.process.kill()
+        self._idle.clear()
 
 
 def _normalize_result(result: Any, traj: Trajectory) -> tuple[float, list[float] | None, dict]:
@@ -440,13 +609,15 @@ class RewardManager:
             itself a built-in name (e.g. ``calculator``) uses that built-in; any other is an error.
         executor: ``"async"`` (event loop), ``"thread"`` or ``"process"`` (see module docstring).
         max_workers: most reward calls in flight (and the pool size).
-        timeout_s: per-call time limit; a call over it scores 0.0 with an error (a process-pool
-            call keeps running in its worker until it returns).
+        timeout_s: per-call deadline (> 0). Past it the call is abandoned (async and thread:
+            cancelled, its thread left to finish) or its worker process killed, and
+            :class:`RewardTimeoutError` is raised.
         format_weight: adds ``format_weight * tool_format(traj, task)`` to every successful
             score (``reward_info["tool_format"]`` reports the term); 0 = off.
 
-    ``score(traj, task)`` never raises for a failing reward function; it raises
-    :class:`RewardConfigError` only for a data source with no reward configured.
+    ``score(traj, task)`` raises :class:`RewardError` (:class:`RewardTimeoutError` for a
+    timeout) when the reward function fails, after counting it, and
+    :class:`RewardConfigError` for a data source with no reward configured.
     """
 
     def __init__(
@@ -455,7 +626,7 @@ class RewardManager:
         default: str | RewardFn | None = None,
         executor: Executor = "async",
         max_workers: int = 4,
-        timeout_s: float | None = None,
+        timeout_s: float = 60.0,
         format_weight: float = 0.0,
         base_dir: Any = None,
     ) -> None:
@@ -465,9 +636,14 @@ class RewardManager:
             )
         if max_workers < 1:
             raise RewardConfigError(f"reward max_workers = {max_workers}; it must be >= 1")
+        if timeout_s is None or not timeout_s > 0:
+            raise RewardConfigError(
+                f"reward timeout_s = {timeout_s!r}; it must be a number of seconds > 0 "
+                "(every reward call needs a deadline)"
+            )
         self.executor: Executor = executor
         self.max_workers = max_workers
-        self.timeout_s = timeout_s
+        self.timeout_s = float(timeout_s)
         self.format_weight = format_weight
         self._specs = dict(sources or {})
         self._fns: dict[str, RewardFn] = {
@@ -483,9 +659,10 @@ class RewardManager:
             for name, fn in [*self._fns.items(), ("<default>", self._default)]:
                 if fn is not None:
                     self._check_picklable(name, fn)
-        self._pool: concurrent.futures.Executor | None = None
+        self._threads: DaemonThreadPool | None = None
+        self._processes: _ProcessWorkers | None = None
         self._semaphore: asyncio.Semaphore | None = None
-        self._counts = {"scored": 0, "errors": 0, "timeouts": 0}
+        self._counts: dict[str, dict[str, int]] = {}
         self._latency_sum = 0.0
         self._latency_max = 0.0
         self._in_flight = 0
@@ -493,16 +670,16 @@ class RewardManager:
     @classmethod
     def from_config(cls, cfg: Any, *, base_dir: Any = None) -> RewardManager:
         """Build from the ``reward`` config section (``sources``, ``default``, ``executor``,
-        ``max_workers``, ``format_weight``; any object with those attributes); path specs
-        resolve against ``base_dir`` (the config file's folder)."""
+        ``max_workers``, ``timeout_s``, ``format_weight``; any object with those attributes);
+        path specs resolve against ``base_dir`` (the config file's folder)."""
         return cls(
             base_dir=base_dir,
             sources=dict(cfg.sources),
             default=cfg.default,
             executor=cfg.executor,
             max_workers=cfg.max_workers,
-            timeout_s=getattr(cfg, "timeout_s", None),
-            format_weight=getattr(cfg, "format_weight", 0.0),
+            timeout_s=cfg.timeout_s,
+            format_weight=cfg.format_weight,
         )
 
     @staticmethod
@@ -519,7 +696,8 @@ class RewardManager:
     # -- pickling: pools and semaphores are per process, created lazily ----------------------
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_pool"] = None
+        state["_threads"] = None
+        state["_processes"] = None
         state["_semaphore"] = None
         return state
 
@@ -541,35 +719,72 @@ class RewardManager:
             f"(registered: {', '.join(REWARDS.names())})"
         )
 
-    def _get_pool(self) -> concurrent.futures.Executor:
-        if self._pool is None:
-            if self.executor == "process":
-                # spawn, not fork: the parent runs threads (servers, torch) that fork would copy
-                # mid-lock.
-                self._pool = concurrent.futures.ProcessPoolExecutor(
-                    max_workers=self.max_workers, mp_context=multiprocessing.get_context("spawn")
-                )
-            else:
-                self._pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self.max_workers, thread_name_prefix="reward"
-                )
-        return self._pool
+    def _thread_pool(self) -> DaemonThreadPool:
+        if self._threads is None:
+            self._threads = DaemonThreadPool(self.max_workers, name="agentrl-reward")
+        return self._threads
 
-    async def _run(self, fn: RewardFn, traj: Trajectory, task: Task) -> RewardResult:
+    def _runs_inline(self, fn: RewardFn) -> bool:
+        """Sync functions run on the event loop only when they are this module's built-ins
+        (bounded, ours); user code always runs where a deadline can be enforced."""
+        return self.executor == "async" and getattr(fn, "__module__", None) == __name__
+
+    async def _call(self, fn: RewardFn, traj: Trajectory, task: Task) -> tuple[Any, bool]:
+        """``fn(traj, task)`` under ``timeout_s``: (result, False), or (None, True) when the
+        deadline passed (the call is then abandoned or its worker killed, and counted)."""
         if self.executor == "process":
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._get_pool(), _call_in_process, fn, traj, task)
-        if inspect.iscoroutinefunction(fn) or self.executor == "async":
-            out = fn(traj, task)
-            return await out if inspect.isawaitable(out) else out  # type: ignore[return-value]  # sync result
-        loop = asyncio.get_running_loop()
-        out = await loop.run_in_executor(self._get_pool(), fn, traj, task)
-        return await out if inspect.isawaitable(out) else out  # type: ignore[return-value]  # sync result
+            if self._processes is None:
+                self._processes = _ProcessWorkers()
+            try:
+                return await self._processes.call(fn, traj, task, self.timeout_s), False
+            except TimeoutError:
+                self._count(task.data_source, "killed")
+                return None, True
+        thread: concurrent.futures.Future[Any] | None = None
+        if inspect.iscoroutinefunction(fn):
+            work: asyncio.Future[Any] = asyncio.ensure_future(fn(traj, task))
+        elif self._runs_inline(fn):
+            return fn(traj, task), False
+        else:
+            future = self._thread_pool().submit(contextvars.copy_context().run, fn, traj, task)
+            thread, work = future, asyncio.wrap_future(future)
+        try:
+            done, _ = await asyncio.wait({work}, timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        if not done:
+            work.cancel()
+            self._check_abandoned(task.data_source, work, thread)
+            return None, True
+        out = work.result()
+        return (await out if inspect.isawaitable(out) else out), False
+
+    def _check_abandoned(
+        self,
+        source: str,
+        work: asyncio.Future[Any],
+        thread: concurrent.futures.Future[Any] | None,
+    ) -> None:
+        """Count the timed-out call as abandoned if it still runs ``_ABANDON_GRACE_S`` later."""
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())
+
+        def check() -> None:
+            if not work.done() or (thread is not None and not thread.done()):
+                self._count(source, "abandoned")
+                logger.warning(
+                    "a reward call for data_source %r still runs %.0f s after its deadline "
+                    "(it ignores cancellation, or its thread cannot be stopped)",
+                    source,
+                    _ABANDON_GRACE_S,
+                )
+
+        asyncio.get_running_loop().call_later(_ABANDON_GRACE_S, check)
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         """A copy of ``traj`` with ``reward``, ``turn_rewards``, ``reward_info`` and
-        ``timings["reward"]`` set. A failing reward function gives reward 0.0 and
-        ``reward_info["error"]`` (logged, counted in ``reward/errors``)."""
+        ``timings["reward"]`` set. A reward function that raises, returns something malformed
+        or runs past ``timeout_s`` raises :class:`RewardError` (counted per data source)."""
         fn = self.reward_fn_for(task.data_source)
         if self._semaphore is None:
             self._semaphore = asyncio.Semaphore(self.max_workers)
@@ -577,66 +792,104 @@ class RewardManager:
             self._in_flight += 1
             start = time.perf_counter()
             try:
-                if self.timeout_s is not None:
-                    result = await asyncio.wait_for(self._run(fn, traj, task), self.timeout_s)
-                else:
-                    result = await self._run(fn, traj, task)
-                score, turn_rewards, info = _normalize_result(result, traj)
-                if self.format_weight:
-                    fmt = float(tool_format(traj, task)["score"])
-                    info["tool_format"] = fmt
-                    score += self.format_weight * fmt
-                error = None
-            except TimeoutError:
-                self._counts["timeouts"] += 1
-                error = f"reward function timed out after {self.timeout_s} s"
-                score, turn_rewards, info = 0.0, None, {}
-            except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                score, turn_rewards, info = 0.0, None, {}
+                score, turn_rewards, info, failure = await self._score_once(fn, traj, task)
             finally:
                 self._in_flight -= 1
             elapsed = time.perf_counter() - start
-        self._counts["scored"] += 1
         self._latency_sum += elapsed
         self._latency_max = max(self._latency_max, elapsed)
-        reward_info = {**traj.reward_info, **info}
-        if error is not None:
-            self._counts["errors"] += 1
-            reward_info["error"] = error
-            logger.warning(
-                "reward for trajectory %s (task %s, data_source %s) failed; scored 0.0: %s",
-                traj.uid,
-                task.id,
-                task.data_source,
-                error,
-            )
+        if failure is not None:
+            raise failure
         return traj.model_copy(
             update={
                 "reward": score,
                 "turn_rewards": turn_rewards if turn_rewards is not None else traj.turn_rewards,
-                "reward_info": reward_info,
+                "reward_info": {**traj.reward_info, **info},
                 "timings": {**traj.timings, "reward": elapsed},
             }
         )
 
+    async def _score_once(
+        self, fn: RewardFn, traj: Trajectory, task: Task
+    ) -> tuple[float, list[float] | None, dict[str, Any], RewardError | None]:
+        """One bounded call, normalized and counted; failures returned as a RewardError."""
+        source = task.data_source
+        name = getattr(fn, "__qualname__", repr(fn))
+        try:
+            result, timed_out = await self._call(fn, traj, task)
+            if timed_out:
+                raise RewardTimeoutError(
+                    f"reward function {name!r} for data_source {source!r} timed out after "
+                    f"{self.timeout_s:g} s (reward.timeout_s)",
+                    source=source,
+                )
+            score, turn_rewards, info = _normalize_result(result, traj)
+            if self.format_weight:
+                fmt = float(tool_format(traj, task)["score"])
+                info["tool_format"] = fmt
+                score += self.format_weight * fmt
+        except RewardTimeoutError as exc:
+            self._count(source, "timeouts", "errors")
+            logger.warning("trajectory %s (task %s): %s", traj.uid, task.id, exc)
+            return 0.0, None, {}, exc
+        except Exception as exc:
+            self._count(source, "errors")
+            detail = (
+                str(exc) if isinstance(exc, _WorkerCallError) else f"{type(exc).__name__}: {exc}"
+            )
+            error = RewardError(
+                f"reward function {name!r} for data_source {source!r} failed: {detail}",
+                source=source,
+            )
+            error.__cause__ = exc
+            logger.warning("trajectory %s (task %s): %s", traj.uid, task.id, error)
+            return 0.0, None, {}, error
+        self._count(source, "scored")
+        return score, turn_rewards, info, None
+
+    def _count(self, source: str, *keys: str) -> None:
+        counts = self._counts.setdefault(
+            source, {"scored": 0, "errors": 0, "timeouts": 0, "abandoned": 0, "killed": 0}
+        )
+        for key in keys:
+            counts[key] += 1
+
     def metrics(self) -> dict[str, float]:
-        """Cumulative counters since construction (``reward/`` family)."""
-        n = self._counts["scored"]
+        """Cumulative counters since construction (``reward/`` family).
+
+        Totals ``reward/scored``, ``errors`` (timeouts included), ``timeouts``, and per data
+        source ``reward/<source>/scored``, ``errors``, ``timeouts``, ``abandoned`` (timed-out
+        calls still running ``1 s`` later: an async function ignoring cancellation, or a thread
+        that cannot be stopped), ``killed`` (process workers killed at the deadline); plus
+        ``reward/in_flight``, ``reward/threads_busy`` and the latency of every call.
+        """
+        totals = {key: 0 for key in ("scored", "errors", "timeouts")}
+        out: dict[str, float] = {}
+        for source, counts in sorted(self._counts.items()):
+            for key, value in counts.items():
+                out[f"reward/{source}/{key}"] = float(value)
+                if key in totals:
+                    totals[key] += value
+        n = totals["scored"] + totals["errors"]
         return {
-            "reward/scored": float(n),
-            "reward/errors": float(self._counts["errors"]),
-            "reward/timeouts": float(self._counts["timeouts"]),
+            "reward/scored": float(totals["scored"]),
+            "reward/errors": float(totals["errors"]),
+            "reward/timeouts": float(totals["timeouts"]),
             "reward/in_flight": float(self._in_flight),
+            "reward/threads_busy": float(self._threads.busy if self._threads else 0),
             "reward/latency_mean_s": self._latency_sum / n if n else 0.0,
             "reward/latency_max_s": self._latency_max,
+            **out,
         }
 
     def close(self) -> None:
-        """Shut the worker pool down (idempotent)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Stop the workers (idempotent); never waits for a hung thread."""
+        if self._threads is not None:
+            self._threads.shutdown(cancel_futures=True)
+            self._threads = None
+        if self._processes is not None:
+            self._processes.close()
+            self._processes = None
 
     async def __aenter__(self) -> RewardManager:
         return self

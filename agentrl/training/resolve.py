@@ -244,11 +244,12 @@ def _transport(cfg: ExperimentConfig) -> None:
 def _sandbox(cfg: ExperimentConfig) -> None:
     if "python" not in cfg.tools.enabled:
         return
-    from tools import python_sandbox
+    from tools.python_sandbox import SandboxUnavailableError, check_python_sandbox_available
 
-    check = getattr(python_sandbox, "check_python_sandbox_available", None)
-    if check is not None:
-        check(cfg.tools.python)
+    try:
+        check_python_sandbox_available(cfg.tools.python)
+    except SandboxUnavailableError as exc:
+        raise RegistryError(f"tools.enabled: 'python': {exc}") from None
 
 
 def model_dir(cfg: ExperimentConfig) -> Path:

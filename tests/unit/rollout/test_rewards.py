@@ -1,12 +1,16 @@
 """Reward functions and the RewardManager: built-ins, sync/async/path/per-source/per-turn,
-bounded concurrency, executors, and errors that never lose a trajectory."""
+bounded concurrency, executors, deadlines that hold whatever the function does, and failures
+raised as counted RewardErrors."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import pickle
+import threading
+import time
 from fractions import Fraction
 
 import pytest
@@ -14,7 +18,9 @@ import pytest
 from agentrl.rollout.rewards import (
     BUILTIN_REWARDS,
     RewardConfigError,
+    RewardError,
     RewardManager,
+    RewardTimeoutError,
     calculator_reward,
     exact_match,
     extract_answer,
@@ -74,6 +80,16 @@ async def async_pid_reward(traj: Trajectory, task: Task) -> dict:
 
 def raising_reward(traj: Trajectory, task: Task) -> float:
     raise RuntimeError("grader crashed")
+
+
+def hanging_reward(traj: Trajectory, task: Task) -> float:
+    """A judge that never answers (in a worker process: until it is killed)."""
+    while True:
+        time.sleep(1)
+
+
+def exiting_reward(traj: Trajectory, task: Task) -> float:
+    os._exit(3)
 
 
 # ---- extraction ---------------------------------------------------------------------------
@@ -278,17 +294,25 @@ async def test_per_turn_rewards():
     def wrong_length(traj, task):
         return {"score": 1.0, "turn_rewards": [1.0]}
 
-    bad = await RewardManager(default=wrong_length).score(make_traj("x", num_turns=2), make_task())
-    assert bad.reward == 0.0 and "one per model turn" in bad.reward_info["error"]
+    with pytest.raises(RewardError, match="one per model turn"):
+        await RewardManager(default=wrong_length).score(make_traj("x", num_turns=2), make_task())
 
 
-async def test_raising_reward_scores_zero_with_error_and_is_counted(caplog):
-    mgr = RewardManager(default=raising_reward)
-    with caplog.at_level(logging.WARNING, logger="agentrl.rollout.rewards"):
-        scored = await mgr.score(make_traj("x"), make_task())
-    assert scored.reward == 0.0
-    assert scored.reward_info["error"] == "RuntimeError: grader crashed"
-    assert mgr.metrics()["reward/errors"] == 1.0
+async def test_raising_reward_raises_a_reward_error_naming_function_and_source(caplog):
+    mgr = RewardManager(sources={"boom": raising_reward})
+    with (
+        caplog.at_level(logging.WARNING, logger="agentrl.rollout.rewards"),
+        pytest.raises(RewardError) as info,
+    ):
+        await mgr.score(make_traj("x"), make_task(data_source="boom"))
+    assert str(info.value) == (
+        "reward function 'raising_reward' for data_source 'boom' failed: "
+        "RuntimeError: grader crashed"
+    )
+    assert info.value.source == "boom" and not isinstance(info.value, RewardTimeoutError)
+    m = mgr.metrics()
+    assert m["reward/errors"] == 1.0 and m["reward/boom/errors"] == 1.0
+    assert m["reward/scored"] == 0.0 and m["reward/boom/timeouts"] == 0.0
     assert "grader crashed" in caplog.text
 
 
@@ -303,20 +327,144 @@ async def test_raising_reward_scores_zero_with_error_and_is_counted(caplog):
 )
 async def test_malformed_results_are_errors(result, match):
     mgr = RewardManager(default=lambda traj, task: result)
-    scored = await mgr.score(make_traj("x"), make_task())
-    assert scored.reward == 0.0 and match in scored.reward_info["error"]
+    with pytest.raises(RewardError, match=match):
+        await mgr.score(make_traj("x"), make_task())
     assert mgr.metrics()["reward/errors"] == 1.0
 
 
-async def test_timeout_scores_zero():
+def test_reward_errors_pickle_with_their_source():
+    for cls in (RewardError, RewardTimeoutError):
+        error = pickle.loads(pickle.dumps(cls("judge failed", source="math")))
+        assert type(error) is cls and str(error) == "judge failed" and error.source == "math"
+
+
+def test_timeout_must_be_a_positive_number():
+    for bad in (0, -1.0, None):
+        with pytest.raises(RewardConfigError, match="timeout_s"):
+            RewardManager(timeout_s=bad)  # type: ignore[arg-type]  # testing bad values
+
+
+async def _swallowing_judge(traj: Trajectory, task: Task) -> float:
+    """An async judge that ignores cancellation for 3 s (a badly written retry loop)."""
+    deadline = time.monotonic() + 3.0
+    while time.monotonic() < deadline:
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            continue
+    return 1.0
+
+
+async def test_async_timeout_holds_even_when_the_judge_swallows_cancellation():
+    mgr = RewardManager(sources={"judge": _swallowing_judge}, timeout_s=0.3)
+    t0 = time.monotonic()
+    with pytest.raises(RewardTimeoutError, match=r"'judge' timed out after 0.3 s"):
+        await mgr.score(make_traj("x"), make_task(data_source="judge"))
+    assert time.monotonic() - t0 < 1.5  # not the judge's 3 s
+    await asyncio.sleep(1.2)  # past the abandon grace period
+    m = mgr.metrics()
+    assert m["reward/judge/timeouts"] == 1 and m["reward/judge/abandoned"] == 1
+    assert m["reward/timeouts"] == 1 and m["reward/errors"] == 1
+
+
+async def test_a_well_behaved_timeout_is_not_counted_as_abandoned():
     async def slow(traj, task):
         await asyncio.sleep(5)
         return 1.0
 
-    mgr = RewardManager(default=slow, timeout_s=0.05)
-    scored = await mgr.score(make_traj("x"), make_task())
-    assert scored.reward == 0.0 and "timed out" in scored.reward_info["error"]
-    assert mgr.metrics()["reward/timeouts"] == 1.0
+    mgr = RewardManager(sources={"slow": slow}, timeout_s=0.05)
+    with pytest.raises(RewardTimeoutError):
+        await mgr.score(make_traj("x"), make_task(data_source="slow"))
+    await asyncio.sleep(1.2)
+    m = mgr.metrics()
+    assert m["reward/slow/timeouts"] == 1 and m["reward/slow/abandoned"] == 0
+
+
+@pytest.mark.parametrize("executor", ["async", "thread"])
+async def test_a_hung_sync_reward_is_abandoned_on_the_reward_pool_not_the_default_one(executor):
+    release = threading.Event()
+    loop = asyncio.get_running_loop()
+    # A default pool as small as the hung calls: any of them landing there would starve it.
+    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=2))
+    threads_used: list[str] = []
+
+    def hung(traj, task):
+        threads_used.append(threading.current_thread().name)
+        release.wait(10)
+        return 1.0
+
+    mgr = RewardManager(sources={"hung": hung}, executor=executor, timeout_s=0.2, max_workers=2)
+    try:
+        t0 = time.monotonic()
+        for _ in range(2):
+            with pytest.raises(RewardTimeoutError):
+                await mgr.score(make_traj("x"), make_task(data_source="hung"))
+        assert time.monotonic() - t0 < 2.0
+        assert all(name.startswith("agentrl-reward") for name in threads_used)
+        # the loop's default executor is untouched by the hung calls
+        assert await asyncio.wait_for(loop.run_in_executor(None, lambda: 7), 2) == 7
+        await asyncio.sleep(1.2)
+        m = mgr.metrics()
+        assert m["reward/hung/abandoned"] == 2 and m["reward/threads_busy"] == 2
+    finally:
+        release.set()
+        mgr.close()
+
+
+async def test_process_executor_kills_a_hanging_worker_and_replaces_it():
+    mgr = RewardManager(
+        sources={
+            "hang": "tests.unit.rollout.test_rewards:hanging_reward",
+            "ok": "tests.unit.rollout.test_rewards:pid_reward",
+        },
+        executor="process",
+        max_workers=1,
+        timeout_s=2.0,
+    )
+    try:
+        first = await mgr.score(make_traj("x"), make_task(data_source="ok"))
+        t0 = time.monotonic()
+        with pytest.raises(RewardTimeoutError, match="timed out after 2 s"):
+            await mgr.score(make_traj("x"), make_task(data_source="hang"))
+        assert time.monotonic() - t0 < 6.0
+        hung_pid = first.reward_info["pid"]
+        for _ in range(100):  # the killed worker is reaped by the event loop
+            if not _alive(hung_pid):
+                break
+            await asyncio.sleep(0.05)
+        assert not _alive(hung_pid)
+        after = await mgr.score(make_traj("x"), make_task(data_source="ok"))
+        assert after.reward == 1.0 and after.reward_info["pid"] != hung_pid
+        m = mgr.metrics()
+        assert m["reward/hang/killed"] == 1 and m["reward/hang/timeouts"] == 1
+        assert m["reward/ok/scored"] == 2
+    finally:
+        mgr.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+async def test_process_executor_survives_a_worker_that_exits():
+    mgr = RewardManager(
+        sources={
+            "exit": "tests.unit.rollout.test_rewards:exiting_reward",
+            "ok": "tests.unit.rollout.test_rewards:pid_reward",
+        },
+        executor="process",
+        max_workers=1,
+    )
+    try:
+        with pytest.raises(RewardError, match="worker process died"):
+            await mgr.score(make_traj("x"), make_task(data_source="exit"))
+        assert (await mgr.score(make_traj("x"), make_task(data_source="ok"))).reward == 1.0
+    finally:
+        mgr.close()
 
 
 @pytest.mark.parametrize("executor", ["async", "thread"])
@@ -367,12 +515,14 @@ async def test_process_executor_runs_sync_and_async_functions_in_workers():
     try:
         s = await mgr.score(make_traj("x"), make_task(data_source="sync"))
         a = await mgr.score(make_traj("x"), make_task(data_source="async"))
-        b = await mgr.score(make_traj("x"), make_task(data_source="boom"))
+        with pytest.raises(RewardError) as info:
+            await mgr.score(make_traj("x"), make_task(data_source="boom"))
+        b = str(info.value).split(" ", 3)[3]
     finally:
         mgr.close()
     assert s.reward == 1.0 and s.reward_info["pid"] != os.getpid()
     assert a.reward == 2.0 and a.reward_info["pid"] == s.reward_info["pid"]
-    assert b.reward == 0.0 and "grader crashed" in b.reward_info["error"]
+    assert b == "for data_source 'boom' failed: RuntimeError: grader crashed"
 
 
 def test_process_executor_rejects_unpicklable_functions_clearly():
@@ -408,9 +558,11 @@ def test_from_config_reads_the_reward_section():
     from agentrl.config import RewardConfig
 
     mgr = RewardManager.from_config(
-        RewardConfig(executor="thread", max_workers=2, format_weight=0.1)
+        RewardConfig(executor="thread", max_workers=2, format_weight=0.1, timeout_s=7.0)
     )
     assert mgr.executor == "thread" and mgr.max_workers == 2 and mgr.format_weight == 0.1
+    assert mgr.timeout_s == 7.0
+    assert RewardManager.from_config(RewardConfig()).timeout_s == RewardConfig().timeout_s
     assert mgr.reward_fn_for("calculator") is calculator_reward
     assert mgr.reward_fn_for("gsm8k") is numeric_match
     assert mgr.reward_fn_for("anything_else") is exact_match
@@ -440,3 +592,25 @@ def test_numeric_match_finds_any_integer_in_any_supported_format(n, fmt, commas)
 def test_parse_number_is_exact_for_fractions_and_decimals(n, d):
     assert parse_number(f"{n}/{d + 1}") == Fraction(n, d + 1)
     assert parse_number(f"{n}.{d:06d}") == Fraction(n) + Fraction(d, 10**6)
+
+
+async def test_chaos_a_hanging_judge_does_not_stall_the_rollout_stream():
+    """Issue 13: one hanging judge used to stall the stream forever (no reward deadline)."""
+    from agentrl.inference.tiny_model import build_tiny_tokenizer
+    from agentrl.rollout.manager import AgentLoopManager
+    from tests.fakes import ScriptedPolicy
+
+    async def hanging_judge(traj: Trajectory, task: Task) -> float:
+        await asyncio.Event().wait()  # never set
+        return 1.0
+
+    tok = build_tiny_tokenizer()
+    rewards = RewardManager(sources={"judge": hanging_judge}, timeout_s=0.5, max_workers=4)
+    mgr = AgentLoopManager(ScriptedPolicy(tok, ["\\boxed{1}"]), tok, reward=rewards)
+    tasks = [Task(id=f"t{i}", prompt="q", data_source="judge") for i in range(4)]
+    t0 = time.monotonic()
+    out = await asyncio.wait_for(mgr.generate(tasks), 30)
+    assert time.monotonic() - t0 < 3.0  # one deadline (4 calls at once), not forever
+    assert len(out) <= 4
+    m = rewards.metrics()
+    assert m["reward/judge/timeouts"] == 4 and m["reward/judge/scored"] == 0

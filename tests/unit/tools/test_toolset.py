@@ -343,7 +343,11 @@ async def test_metrics_latency_and_reset():
     assert 0.02 <= m["tools/slow/latency_mean_s"] <= m["tools/slow/latency_max_s"]
     assert m["tools/unknown_calls"] == 1
     assert "tools/add/calls" not in m  # tools never called report nothing
-    assert ts.metrics() == {"tools/unknown_calls": 0.0}
+    assert ts.metrics() == {
+        "tools/unknown_calls": 0.0,
+        "tools/abandoned_running": 0.0,
+        "tools/sync_threads_busy": 0.0,
+    }
 
 
 def test_toolset_rejects_duplicates_and_non_tools():
