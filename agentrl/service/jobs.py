@@ -96,6 +96,8 @@ class _Job:
     cancel_requested: bool = False
     shutting_down: bool = False
     drops: list[EpisodeKey] = field(default_factory=list)
+    episodes: list[tuple[int, int]] = field(default_factory=list)
+    """``(task, sample)`` of the k-th episode given to the current manager."""
     manager: Any = None
     runner: asyncio.Task[None] | None = None
     _event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -135,13 +137,20 @@ class _JobAdmission:
             self.job.drops.append(key)
 
 
-def _episode_id(task_index: int, sample: int) -> str:
-    return f"{task_index}.{sample}"
+def _episode_number(uid: str) -> int:
+    """The position of an episode in the task stream given to its manager.
 
-
-def _parse_episode_id(task_id: str) -> tuple[int, int]:
-    t, s = task_id.split(".")
-    return int(t), int(s)
+    The manager names the k-th task of a stream ``"{task.id}#{k}"`` (one sample per task
+    here), so the service can keep the user's task ids untouched (reward functions and agents
+    see the real task) and still know which ``(task, sample)`` an episode was.
+    """
+    _, sep, tail = uid.rpartition("#")
+    if not sep or not tail.isdigit():
+        raise RuntimeError(
+            f"unexpected episode uid {uid!r} from AgentLoopManager (expected 'task_id#k'); "
+            "the service's episode accounting depends on that format"
+        )
+    return int(tail)
 
 
 def request_hash(req: RolloutRequest) -> str:
@@ -344,14 +353,12 @@ class JobManager:
         manager = self.serving.make_manager(admission=_JobAdmission(self.budget, job))
         with_sampling(manager, **job.sampling)
         job.manager = manager
+        job.episodes = pending
 
         def episodes() -> Any:
-            for ti, si in pending:
+            for ti, _ in pending:
                 task = job.tasks[ti]
-                update: dict[str, Any] = {"id": _episode_id(ti, si)}
-                if job.agent:
-                    update["agent"] = job.agent
-                yield task.model_copy(update=update)
+                yield task.model_copy(update={"agent": job.agent}) if job.agent else task
 
         async with manager.stream(episodes(), n_samples=1) as stream:
             async for traj in stream:
@@ -360,9 +367,8 @@ class JobManager:
                     await self._flush_drops(job)
 
     async def _record(self, job: _Job, traj: Trajectory) -> None:
-        ti, si = _parse_episode_id(traj.task_id)
-        task = job.tasks[ti]
-        traj = traj.model_copy(update={"uid": f"{job.id}/{ti}", "index": si, "task_id": task.id})
+        ti, si = job.episodes[_episode_number(traj.uid)]
+        traj = traj.model_copy(update={"uid": f"{job.id}/{ti}", "index": si})
         reason = None
         if traj.reward_info.get("error"):
             reason = "reward_error"
@@ -391,7 +397,7 @@ class JobManager:
         drops, job.drops = job.drops, []
         reason = "cancelled" if job.cancel_requested else "error"
         for key in drops:
-            ti, si = _parse_episode_id(key.task_id)
+            ti, si = job.episodes[_episode_number(key.uid)]
             if await self.db.call(self.store.record_dropped, job.id, ti, si, reason):
                 self.counters["dropped"] += 1
             if job.group:
