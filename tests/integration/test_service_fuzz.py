@@ -139,9 +139,8 @@ def test_fuzzing_the_openapi_schema_finds_no_5xx_and_no_hang(fuzz_service, repor
         for param in op.get("parameters", []):
             where, name = param["in"], param["name"]
             if where == "path":
-                value = data.draw(
-                    st.sampled_from(ids.get(name, ["x"])) | st.text(min_size=1, max_size=20)
-                )
+                real = st.sampled_from(ids.get(name, ["x"]))
+                value = data.draw(st.one_of(real, real, real, st.text(min_size=1, max_size=20)))
                 url = url.replace("{" + name + "}", quote(value, safe=""))
             elif where == "query" and data.draw(st.booleans()):
                 query[name] = data.draw(from_schema(param.get("schema", {}), components))
@@ -164,9 +163,9 @@ def test_fuzzing_the_openapi_schema_finds_no_5xx_and_no_hang(fuzz_service, repor
         assert r.status_code < 500, (method, url, query, kwargs, r.status_code, r.text[:500])
 
     one_request()
-    print("STATUSES", sorted(statuses.items()))
     report_metric("fuzz_requests", sum(statuses.values()))
-    report_metric("fuzz_2xx", sum(n for s, n in statuses.items() if s < 300))
+    for code, n in sorted(statuses.items()):
+        report_metric(f"fuzz_status_{code}", n)
     assert sum(n for s, n in statuses.items() if s < 300) > 0  # it reached past validation
     # still serving, and correctly: a known-answer job
     assert http.get("/health").status_code == 200
