@@ -217,3 +217,32 @@ def test_every_protected_route_needs_the_key_and_bodies_are_limited(stack):
         )
         assert r.status_code == 413
         assert http.get("/v1/status", headers=headers).status_code == 200
+
+
+def test_the_client_example_in_the_docs_runs(stack, tmp_path):
+    import pyarrow.parquet as pq
+
+    svc, _, _ = stack
+    text = (ROOT / "docs" / "service.md").read_text()
+    block = text.split("<!-- example")[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(block.strip().splitlines()) <= 20
+    env = {
+        **__import__("os").environ,
+        "AGENTRL_URL": svc.url,
+        "AGENTRL_API_KEY": API_KEY,
+        "OUT": str(tmp_path / "rollouts.parquet"),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", block], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "finished" in out.stdout
+    table = pq.read_table(tmp_path / "rollouts.parquet")
+    assert table.num_rows == 8 and set(table.column_names) >= {
+        "prompt_ids",
+        "response_ids",
+        "loss_mask",
+        "rollout_logprobs",
+        "reward",
+        "policy_version",
+    }
