@@ -212,7 +212,7 @@ class JobManager:
             logger.info("purged %d rollout jobs older than %.0f s", purged, self.retention_s)
         for row in await self.db.call(self.store.jobs, ("admitted", "running")):
             logger.info("resuming rollout job %s after a restart", row.id)
-            self._launch(row)
+            await self._launch(row)
 
     async def close(self) -> None:
         """Stop every job without recording its running episodes (module docstring)."""
@@ -259,7 +259,7 @@ class JobManager:
             )
         self._validate_tasks(tasks, req.agent)
         spec = {
-            "tasks": [t.model_dump(mode="json") for t in tasks],
+            "num_tasks": len(tasks),
             "n": req.n,
             "group": req.group,
             "agent": req.agent,
@@ -268,12 +268,17 @@ class JobManager:
         }
         job_id = "job-" + secrets.token_hex(12)
         row = await self.db.call(
-            self.store.create_job, job_id, spec, request_hash=digest, idempotency_key=key
+            self.store.create_job,
+            job_id,
+            spec,
+            request_hash=digest,
+            idempotency_key=key,
+            tasks=[t.model_dump(mode="json") for t in tasks],
         )
         if row.id != job_id:  # lost a race with the same key
             return await self._same_request(row, digest, key or ""), False
         self.counters["submitted"] += 1
-        self._launch(row)
+        await self._launch(row)
         return await self.status(job_id), True
 
     async def _same_request(self, row: JobRow, digest: str, key: str) -> JobStatus:
@@ -301,11 +306,12 @@ class JobManager:
                 raise JobError(400, str(exc), "tasks.data_source") from None
 
     # ---- running --------------------------------------------------------------------------
-    def _launch(self, row: JobRow) -> None:
+    async def _launch(self, row: JobRow) -> None:
         spec = row.spec
+        tasks = await self.db.call(self.store.tasks, row.id)
         job = _Job(
             id=row.id,
-            tasks=[Task.model_validate(t) for t in spec["tasks"]],
+            tasks=[Task.model_validate(t) for t in tasks],
             n=int(spec["n"]),
             group=bool(spec["group"]),
             agent=spec.get("agent"),
@@ -428,7 +434,7 @@ class JobManager:
         job = self._jobs.get(job_id)
         running = job.running if job else 0
         spec = row.spec
-        episodes = len(spec["tasks"]) * int(spec["n"])
+        episodes = int(spec["num_tasks"]) * int(spec["n"])
         dropped = sum(counts["dropped"].values())
         return JobStatus(
             id=row.id,
@@ -436,7 +442,7 @@ class JobManager:
             error=row.error,
             created=row.created,
             finished=row.finished,
-            tasks=len(spec["tasks"]),
+            tasks=int(spec["num_tasks"]),
             n=int(spec["n"]),
             group=bool(spec["group"]),
             counts=JobCounts(

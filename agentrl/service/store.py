@@ -6,8 +6,9 @@ boring right tool for that (no second server, no home-made file format).
 
 Schema (one file):
 
-- ``jobs``: one row per rollout job: its request and resolved tasks (JSON), status, error,
-  the next sequence number to hand out and the acknowledged cursor.
+- ``jobs``: one row per rollout job: its settings (JSON, small), status, error, the next
+  sequence number to hand out and the acknowledged cursor; ``job_tasks``: its resolved tasks
+  (JSON, read once when the job starts, so status queries never parse them).
 - ``episodes``: one row per *recorded* episode ``(job, task, sample)``: ``done`` with its
   trajectory (JSON) and, once deliverable, a per-job sequence number ``seq``; or ``dropped``
   with a reason. An episode with no row has not ended yet (after a restart it is run again).
@@ -67,6 +68,10 @@ CREATE TABLE IF NOT EXISTS episodes (
     PRIMARY KEY (job, task, sample)
 );
 CREATE INDEX IF NOT EXISTS episodes_seq ON episodes (job, seq);
+CREATE TABLE IF NOT EXISTS job_tasks (
+    job TEXT PRIMARY KEY,
+    tasks TEXT NOT NULL
+);
 """
 
 
@@ -137,6 +142,7 @@ class Store:
         *,
         request_hash: str,
         idempotency_key: str | None = None,
+        tasks: list[dict[str, Any]] | None = None,
     ) -> JobRow:
         """Insert a job in status ``admitted``, or return the job that owns the idempotency key."""
 
@@ -149,6 +155,10 @@ class Store:
                 "INSERT INTO jobs (id, idempotency_key, request_hash, spec, status, created) "
                 "VALUES (?, ?, ?, ?, 'admitted', ?)",
                 (job_id, idempotency_key, request_hash, json.dumps(spec), time.time()),
+            )
+            db.execute(
+                "INSERT INTO job_tasks (job, tasks) VALUES (?, ?)",
+                (job_id, json.dumps(tasks or [])),
             )
             row = self._job(db, job_id)
             assert row is not None
@@ -188,6 +198,11 @@ class Store:
     def job(self, job_id: str) -> JobRow | None:
         return self._job(self._db, job_id)
 
+    def tasks(self, job_id: str) -> list[dict[str, Any]]:
+        """The resolved tasks of a job (as given at creation)."""
+        r = self._db.execute("SELECT tasks FROM job_tasks WHERE job = ?", (job_id,)).fetchone()
+        return json.loads(r[0]) if r else []
+
     def job_by_key(self, key: str) -> JobRow | None:
         """The job created with idempotency key ``key``, if any."""
         return self._job_by_key(self._db, key)
@@ -221,6 +236,7 @@ class Store:
             ]
             for job_id in ids:
                 db.execute("DELETE FROM episodes WHERE job = ?", (job_id,))
+                db.execute("DELETE FROM job_tasks WHERE job = ?", (job_id,))
                 db.execute("DELETE FROM jobs WHERE id = ?", (job_id,))
             return len(ids)
 

@@ -9,7 +9,9 @@ from agentrl.service.store import Store
 
 def _store(tmp_path) -> Store:
     s = Store(tmp_path / "s.sqlite")
-    s.create_job("j", {"tasks": [{}, {}], "n": 2}, request_hash="h", idempotency_key="k")
+    s.create_job(
+        "j", {"num_tasks": 2, "n": 2}, request_hash="h", idempotency_key="k", tasks=[{"a": 1}, {}]
+    )
     return s
 
 
@@ -58,6 +60,7 @@ def test_state_survives_reopening_and_the_file_is_private(tmp_path):
     s2 = Store(tmp_path / "s.sqlite")
     assert s2.job_by_key("k").id == "j"  # type: ignore[union-attr]
     assert s2.recorded("j") == {(0, 0)}
+    assert s2.tasks("j") == [{"a": 1}, {}]
     assert [r.data for r in s2.read("j", 0)] == ['"x"']
     assert [j.id for j in s2.jobs(("running",))] == ["j"]
     assert stat.S_IMODE((tmp_path / "s.sqlite").stat().st_mode) == 0o600
