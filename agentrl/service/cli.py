@@ -98,6 +98,14 @@ async def _serve(cfg: Any, settings: Any) -> None:
         )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())
+
+        async def end_streams_on_shutdown() -> None:
+            # Open SSE streams would hold uvicorn's graceful shutdown for its full timeout.
+            while not server.should_exit and not task.done():
+                await asyncio.sleep(0.1)
+            service.jobs.begin_shutdown()
+
+        watcher = asyncio.create_task(end_streams_on_shutdown())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
@@ -107,7 +115,10 @@ async def _serve(cfg: Any, settings: Any) -> None:
                 f"(servers: {', '.join(service.serving.server_urls)}; version {service.weights.version})",
                 flush=True,
             )
-        await task
+        try:
+            await task
+        finally:
+            watcher.cancel()
 
 
 def run(args: argparse.Namespace) -> int:

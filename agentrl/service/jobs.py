@@ -214,9 +214,15 @@ class JobManager:
             logger.info("resuming rollout job %s after a restart", row.id)
             await self._launch(row)
 
+    def begin_shutdown(self) -> None:
+        """Refuse new jobs and end open streams (readers reconnect to the next instance)."""
+        self._closing = True
+        for job in self._jobs.values():
+            job.notify()
+
     async def close(self) -> None:
         """Stop every job without recording its running episodes (module docstring)."""
-        self._closing = True
+        self.begin_shutdown()
         runners = []
         for job in self._jobs.values():
             job.shutting_down = True
@@ -545,6 +551,8 @@ class JobManager:
                 await asyncio.wait_for(waiter.wait(), self.heartbeat_s)
             except TimeoutError:
                 yield ": keep-alive\n\n"
+            if self._closing:
+                return
 
     def stats(self) -> dict[str, float]:
         """Counters for /status and /metrics."""

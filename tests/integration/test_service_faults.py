@@ -104,3 +104,31 @@ def test_killing_and_restarting_the_service_mid_stream_resumes_exactly_once(serv
     report_metric("service_restart_trajectories", len(seen))
     report_metric("service_restart_stored_at_kill", at_kill.counts["finished"])
     report_metric("service_restart_running_at_kill", at_kill.counts["running"])
+
+
+def test_sigterm_mid_stream_exits_promptly_and_the_job_resumes(servers, report_metric):
+    import time
+
+    handles, tmp = servers
+    alive = [h for h in handles if h.is_running()]
+    config = write_config(tmp, [h.base_url for h in alive])
+    svc = ServiceProcess(config, free_port(), tmp / "term.sqlite", tmp / "term.log").start()
+    try:
+        with RolloutClient(svc.url, api_key=API_KEY) as client:
+            job = client.submit(dataset={"split": "train", "limit": TASKS}, n=N)
+            seen: list = []
+            for traj in client.trajectories(job.id, reconnect_timeout_s=180):
+                seen.append(traj)
+                if len(seen) == 10 and svc.proc is not None and svc.proc.poll() is None:
+                    t0 = time.monotonic()
+                    svc.stop()  # SIGTERM with this stream open and episodes running
+                    exit_s = time.monotonic() - t0
+                    svc.start()
+            status = client.job(job.id)
+    finally:
+        svc.stop()
+    keys = Counter(_key(t) for t in seen)
+    assert max(keys.values()) == 1 and set(keys) == _expected()
+    assert status.status == "finished" and status.counts["dropped"] == 0
+    assert exit_s < 15, f"SIGTERM took {exit_s:.1f} s"
+    report_metric("service_sigterm_exit_s", exit_s)
