@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sft": ("agentrl.training.sft_cli", "supervised warm start on chat conversations"),
     "train": ("agentrl.training.train_cli", "train an agent with async RL (one experiment)"),
     "eval": ("agentrl.training.eval_cli", "held-out metrics of a saved model"),
+    "serve": ("agentrl.service.cli", "serve scored rollouts, sessions and weight pushes over HTTP"),
 }
 
 

@@ -28,6 +28,18 @@ tool calls (hermes by default) and returned as an OpenAI ``ChatCompletion``. Sam
 the request (``temperature``, ``top_p``, ``max_tokens``/``max_completion_tokens``, ``seed``)
 are passed through; ``stream``, ``n > 1`` and ``stop`` strings are refused with a 400.
 
+Sessions and access (the control-plane rules of DESIGN section 10):
+
+- a session exists only once :meth:`ProxyRecorder.open_session` issued its id (192 random
+  bits); a request to any other id is a 404 and creates nothing, so a failed request never
+  leaves an empty session behind and no client can write into an episode it was not given;
+- a session is bound to its task (``task_id``, ``data_source`` and ``uid`` of its
+  trajectories) and evicted after ``session_ttl_s`` idle (counted in ``proxy/evicted``);
+- roles other than system/user/assistant/tool, and text that is not valid Unicode (a lone
+  surrogate), are refused with a 400 naming the field;
+- with an API key every route but ``/health`` needs ``Authorization: Bearer <key>`` (the
+  ``api_key`` of the OpenAI client); without one only loopback clients are served.
+
 ``finish(sid)`` returns one trajectory per segment and forgets the session. Requests of one
 session are serialized (a per-session lock); sessions run concurrently.
 """
@@ -38,6 +50,7 @@ import asyncio
 import copy
 import dataclasses
 import json
+import secrets
 import socket
 import time
 import uuid
@@ -50,10 +63,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentrl.auth import BearerAuth, resolve_api_key, warn_if_exposed
 from agentrl.episode import EpisodeRecorder, get_delta_renderer, render_prompt_ids
-from agentrl.types import Message, Policy, SamplingParams, StopReason, Trajectory
+from agentrl.inference.client import InferenceRequestError
+from agentrl.types import Message, Policy, SamplingParams, StopReason, Task, Trajectory
 
 __all__ = [
+    "ALLOWED_ROLES",
     "ChatCompletionRequest",
     "ProxyError",
     "ProxyRecorder",
@@ -94,7 +110,7 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     n: int | None = 1
     stream: bool | None = False
     stop: str | list[str] | None = None
@@ -124,11 +140,43 @@ def _arguments_value(arguments: Any) -> Any:
     return arguments
 
 
+ALLOWED_ROLES = ("system", "user", "assistant", "tool")
+"""Message roles the chat template renders; any other role is refused with a 400."""
+
+
+def _check_text(value: Any, where: str) -> None:
+    """Refuse strings the tokenizer cannot encode (a lone UTF-16 surrogate, e.g. ``"\\ud800"``
+    in JSON) with a 400 naming the field, instead of failing deep inside tokenization."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ProxyError(
+                400,
+                f"{where} holds a lone surrogate (position {exc.start}); send valid Unicode text",
+                param=where,
+            ) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k, where)
+            _check_text(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_text(v, f"{where}[{i}]")
+
+
 def _plain_message(msg: dict[str, Any], index: int) -> Message:
     """A message as the chat template expects it: string content, no null fields."""
     role = msg.get("role")
     if not isinstance(role, str) or not role:
         raise ProxyError(400, f"messages[{index}] has no 'role'", param=f"messages[{index}].role")
+    if role not in ALLOWED_ROLES:
+        raise ProxyError(
+            400,
+            f"messages[{index}].role={role[:50]!r} is not a role the chat template renders; "
+            f"use one of {', '.join(ALLOWED_ROLES)}",
+            param=f"messages[{index}].role",
+        )
     out: Message = {k: v for k, v in msg.items() if v is not None}
     if "content" in out and not isinstance(out["content"], str):
         out["content"] = _content_text(out["content"])
@@ -173,9 +221,20 @@ class _Segment:
 @dataclass
 class _Session:
     id: str
+    task: Task | None = None
+    """The task the session works on (trajectory ``task_id``/``data_source``/``uid``)."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Trajectory fields given at open (``index``, ``agent``, ...)."""
+    ttl_s: float = 3600.0
+    sampling: SamplingParams | None = None
+    """Base sampling of this session (request fields override it)."""
+    last_used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     segments: list[_Segment] = field(default_factory=list)
     prefix_breaks: int = 0
+
+    def expired(self, now: float) -> bool:
+        return not self.lock.locked() and now - self.last_used > self.ttl_s
 
 
 def _draft(seg: _Segment) -> _Segment:
@@ -199,6 +258,14 @@ class ProxyRecorder:
             environment tokens, as ``agent.max_response_tokens``); None = unlimited.
         max_context_tokens: context budget per segment (prompt + response); None = unlimited.
         default_sampling: base sampling params that request fields override.
+        session_ttl_s: a session idle for longer is evicted (its recording is discarded and
+            counted in ``proxy/evicted``); a session with a request in flight is never evicted.
+        max_sessions: most open sessions; opening one more first evicts expired sessions,
+            then refuses with a 429.
+
+    Sessions are opened by :meth:`open_session`, which issues an unguessable id; requests to
+    any other id are refused (404), so no client can create a session by naming it or post
+    into another episode's session without its id.
     """
 
     def __init__(
@@ -212,8 +279,17 @@ class ProxyRecorder:
         max_response_tokens: int | None = None,
         max_context_tokens: int | None = None,
         default_sampling: SamplingParams | None = None,
+        session_ttl_s: float = 3600.0,
+        max_sessions: int = 10_000,
     ) -> None:
         from agents.parsers import get_parser
+
+        if session_ttl_s <= 0 or max_sessions < 1:
+            raise ValueError(
+                f"session_ttl_s={session_ttl_s} and max_sessions={max_sessions}: both must be > 0"
+            )
+        self.session_ttl_s = session_ttl_s
+        self.max_sessions = max_sessions
 
         self.policy = policy
         self.tokenizer = tokenizer
@@ -230,15 +306,87 @@ class ProxyRecorder:
             "segments": 0,
             "sessions": 0,
             "errors": 0,
+            "evicted": 0,
         }
 
     # ---- sessions ---------------------------------------------------------------------------
+    def open_session(
+        self,
+        task: Task | None = None,
+        *,
+        ttl_s: float | None = None,
+        sampling: SamplingParams | None = None,
+        **meta: Any,
+    ) -> str:
+        """Open a session and return its id (unguessable: 192 random bits).
+
+        ``task`` binds the session to a task: its trajectories get the task's ``id`` as
+        ``task_id`` and ``uid`` (so sessions of one task form a GRPO group) and its
+        ``data_source``. ``meta`` sets other Trajectory fields at :meth:`finish` (``index``,
+        ``agent``, ...). ``ttl_s`` overrides the idle TTL; ``sampling`` the base sampling.
+        """
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s={ttl_s}; a session TTL must be > 0 seconds")
+        self.evict_expired()
+        if len(self._sessions) >= self.max_sessions:
+            raise ProxyError(
+                429,
+                f"{len(self._sessions)} sessions are open (max_sessions={self.max_sessions}); "
+                "finish sessions you are done with",
+                kind="rate_limit_error",
+            )
+        session_id = secrets.token_urlsafe(24)
+        self._sessions[session_id] = _Session(
+            session_id,
+            task=task,
+            meta=dict(meta),
+            ttl_s=self.session_ttl_s if ttl_s is None else ttl_s,
+            sampling=sampling,
+        )
+        self._counts["sessions"] += 1
+        return session_id
+
+    def evict_expired(self) -> list[str]:
+        """Forget sessions idle for longer than their TTL; returns their ids."""
+        now = time.monotonic()
+        gone = [sid for sid, s in self._sessions.items() if s.expired(now)]
+        for sid in gone:
+            del self._sessions[sid]
+        self._counts["evicted"] += len(gone)
+        return gone
+
     def _session(self, session_id: str) -> _Session:
+        self.evict_expired()
         session = self._sessions.get(session_id)
         if session is None:
-            session = self._sessions[session_id] = _Session(session_id)
-            self._counts["sessions"] += 1
+            raise ProxyError(
+                404,
+                "unknown or expired session id; open a session first (sessions idle for longer "
+                "than their TTL are evicted)",
+                param="session_id",
+                kind="not_found_error",
+            )
+        session.last_used = time.monotonic()
         return session
+
+    def session_info(self, session_id: str) -> dict[str, Any]:
+        """``turns``, ``segments``, ``expires_in_s`` and ``task_id`` of an open session."""
+        session = self._session(session_id)
+        return {
+            "id": session.id,
+            "task_id": session.task.id if session.task else None,
+            "turns": sum(seg.recorder.num_turns for seg in session.segments),
+            "segments": len(session.segments),
+            "expires_in_s": session.ttl_s,
+        }
+
+    def task_of(self, session_id: str) -> Task | None:
+        """The task a session is bound to (None for an unbound session)."""
+        return self._session(session_id).task
+
+    def discard(self, session_id: str) -> bool:
+        """Forget a session without producing trajectories; False if it was not open."""
+        return self._sessions.pop(session_id, None) is not None
 
     def sessions(self) -> list[str]:
         """Ids of the sessions recorded and not yet finished."""
@@ -259,17 +407,31 @@ class ProxyRecorder:
     ) -> list[Trajectory]:
         """One trajectory per segment of the session (in order), then forget the session.
 
-        ``uid`` defaults to the session id; ``meta`` sets other Trajectory fields (``index``,
-        ``task_id``, ``agent``, ``data_source``, ...). ``stop_reason`` defaults to what the
-        last generation of each segment reported (``stop`` -> eos, ``length`` -> length,
-        ``abort`` -> aborted). Call it after the agent is done with the session.
+        ``uid`` defaults to the bound task's id, else the session id; ``meta`` (merged over
+        what was given at open) sets other Trajectory fields (``index``, ``task_id``,
+        ``agent``, ``data_source``, ...). ``stop_reason`` defaults to what the last generation
+        of each segment reported (``stop`` -> eos, ``length`` -> length, ``abort`` ->
+        aborted). Call it after the agent is done with the session; a session with a request
+        in flight cannot be finished (409).
         """
-        session = self._sessions.pop(session_id, None)
+        self.evict_expired()
+        session = self._sessions.get(session_id)
         if session is None:
             raise KeyError(
-                f"no proxy session {session_id!r}; sessions start with the first request to "
-                f"/sessions/{session_id}/v1/chat/completions (open sessions: {self.sessions()})"
+                f"no open proxy session {session_id[:64]!r} (never opened, finished already, "
+                f"or evicted after its TTL); open sessions: {len(self._sessions)}"
             )
+        if session.lock.locked():
+            raise ProxyError(
+                409, "the session has a request in flight; finish it after the reply arrives"
+            )
+        del self._sessions[session_id]
+        meta = {**session.meta, **meta}
+        if session.task is not None:
+            meta.setdefault("task_id", session.task.id)
+            meta.setdefault("data_source", session.task.data_source)
+            if uid is None:
+                uid = session.task.id
         meta.setdefault("agent", "openai_proxy")
         out = []
         for i, seg in enumerate(session.segments):
@@ -358,7 +520,9 @@ class ProxyRecorder:
     def _eot_ids(self) -> list[int]:
         return list(get_delta_renderer(self.tokenizer).end_of_turn_ids)
 
-    def _sampling(self, req: ChatCompletionRequest) -> SamplingParams:
+    def _sampling(
+        self, req: ChatCompletionRequest, base: SamplingParams | None = None
+    ) -> SamplingParams:
         update: dict[str, Any] = {}
         if req.temperature is not None:
             update["temperature"] = req.temperature
@@ -368,7 +532,7 @@ class ProxyRecorder:
             update["seed"] = req.seed
         max_tokens = req.max_completion_tokens if req.max_tokens is None else req.max_tokens
         update["max_tokens"] = self.default_max_tokens if max_tokens is None else max_tokens
-        return self.default_sampling.model_copy(update=update)
+        return (base or self.default_sampling).model_copy(update=update)
 
     async def chat(self, session_id: str, req: ChatCompletionRequest) -> dict[str, Any]:
         """Serve one chat-completions request of ``session_id``; returns the ChatCompletion."""
@@ -384,6 +548,9 @@ class ProxyRecorder:
             )
         if not req.messages:
             raise ProxyError(400, "messages is empty; send at least one message", "messages")
+        _check_text(req.model, "model")
+        _check_text(req.messages, "messages")
+        _check_text(req.tools, "tools")
         messages = [_plain_message(m, i) for i, m in enumerate(req.messages)]
         tools = list(req.tools) if req.tools else None
         session = self._session(session_id)
@@ -405,12 +572,13 @@ class ProxyRecorder:
                     self._counts["prefix_breaks"] += 1
                 session.segments.append(draft)
                 self._counts["segments"] += 1
+            session.last_used = time.monotonic()
             return completion
 
     async def _generate(
         self, session: _Session, seg: _Segment, messages: list[Message], req: ChatCompletionRequest
     ) -> dict[str, Any]:
-        sampling = self._sampling(req)
+        sampling = self._sampling(req, session.sampling)
         rec = seg.recorder
         max_tokens = min(sampling.max_tokens, rec.remaining_budget)
         prompt_len = len(rec.context_ids())
@@ -425,6 +593,11 @@ class ProxyRecorder:
                     sampling.model_copy(update={"max_tokens": max_tokens}),
                     session_id=session.id,
                 )
+            except InferenceRequestError as exc:  # the server refused the request: a 4xx
+                self._counts["errors"] += 1
+                raise ProxyError(
+                    400, f"the inference server refused the request: {exc.message}"
+                ) from None
             except Exception as exc:
                 self._counts["errors"] += 1
                 raise ProxyError(
@@ -490,9 +663,8 @@ class ProxyRecorder:
         }
 
 
-def _build_app(recorder: ProxyRecorder) -> FastAPI:
-    app = FastAPI(title="agentrl recording proxy")
-    app.state.recorder = recorder
+def add_proxy_error_handlers(app: FastAPI) -> None:
+    """OpenAI-style error bodies for :class:`ProxyError` and request validation (400)."""
 
     @app.exception_handler(ProxyError)
     async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
@@ -507,12 +679,19 @@ def _build_app(recorder: ProxyRecorder) -> FastAPI:
             status_code=400,
         )
 
+
+def _build_app(recorder: ProxyRecorder) -> FastAPI:
+    app = FastAPI(title="agentrl recording proxy")
+    app.state.recorder = recorder
+    add_proxy_error_handlers(app)
+
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_completions(session_id: str, req: ChatCompletionRequest) -> JSONResponse:
         return JSONResponse(await recorder.chat(session_id, req))
 
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str) -> dict[str, Any]:
+        recorder.task_of(session_id)  # 404 for an unknown session
         return {
             "object": "list",
             "data": [
@@ -531,13 +710,24 @@ def _build_app(recorder: ProxyRecorder) -> FastAPI:
     return app
 
 
-def create_proxy_app(policy: Policy, tokenizer: Any, **options: Any) -> FastAPI:
-    """A FastAPI app serving ``/sessions/{sid}/v1/chat/completions`` for ``policy``.
+def create_proxy_app(
+    policy: Policy, tokenizer: Any, *, api_key: str | None = None, **options: Any
+) -> Any:
+    """An ASGI app serving ``/sessions/{sid}/v1/chat/completions`` for ``policy``.
 
-    ``options`` go to :class:`ProxyRecorder`; the recorder is ``app.state.recorder`` (call its
-    ``finish(sid)`` to collect trajectories).
+    ``options`` go to :class:`ProxyRecorder`; the recorder is ``app.state.recorder`` (open
+    sessions with its ``open_session()``, collect trajectories with ``finish(sid)``).
+    ``api_key`` (default ``$AGENTRL_API_KEY``): every route but ``/health`` needs
+    ``Authorization: Bearer <key>``; without a key only loopback clients are served.
     """
-    return _build_app(ProxyRecorder(policy, tokenizer, **options))
+    app = _build_app(ProxyRecorder(policy, tokenizer, **options))
+    return _with_auth(app, api_key)
+
+
+def _with_auth(app: FastAPI, api_key: str | None) -> Any:
+    secured = BearerAuth(app, api_key=resolve_api_key(api_key))
+    secured.state = app.state  # type: ignore[attr-defined]  # callers reach the recorder here
+    return secured
 
 
 def _free_port(host: str) -> int:
@@ -551,10 +741,11 @@ class RecordingProxy:
 
     Example::
 
-        async with RecordingProxy(policy, tokenizer) as proxy:
-            client = AsyncOpenAI(base_url=proxy.session_url("ep-1"), api_key="unused")
+        async with RecordingProxy(policy, tokenizer, api_key="s3cret") as proxy:
+            sid = proxy.open_session(task)               # an unguessable id, bound to the task
+            client = AsyncOpenAI(base_url=proxy.session_url(sid), api_key="s3cret")
             await my_agent(client)                       # unmodified OpenAI-client code
-            trajectories = proxy.finish("ep-1", uid="task-7")
+            trajectories = proxy.finish(sid)             # uid/task_id/data_source from task
     """
 
     def __init__(
@@ -565,10 +756,12 @@ class RecordingProxy:
         host: str = "127.0.0.1",
         port: int | None = None,
         startup_timeout_s: float = 30.0,
+        api_key: str | None = None,
         **options: Any,
     ) -> None:
         self.recorder = ProxyRecorder(policy, tokenizer, **options)
-        self.app = _build_app(self.recorder)
+        self.api_key = resolve_api_key(api_key)
+        self.app = _with_auth(_build_app(self.recorder), self.api_key)
         self.host = host
         self.port = port
         self.startup_timeout_s = startup_timeout_s
@@ -585,6 +778,10 @@ class RecordingProxy:
         """The ``base_url`` to give ``AsyncOpenAI`` for one session."""
         return f"{self.base_url}/sessions/{session_id}/v1"
 
+    def open_session(self, task: Task | None = None, **options: Any) -> str:
+        """See :meth:`ProxyRecorder.open_session`."""
+        return self.recorder.open_session(task, **options)
+
     def finish(self, session_id: str, **meta: Any) -> list[Trajectory]:
         """See :meth:`ProxyRecorder.finish`."""
         return self.recorder.finish(session_id, **meta)
@@ -597,6 +794,7 @@ class RecordingProxy:
 
         if self.port is None:
             self.port = _free_port(self.host)
+        warn_if_exposed(self.host, self.api_key, "the recording proxy")
         config = uvicorn.Config(
             self.app, host=self.host, port=self.port, log_level="warning", lifespan="off"
         )

@@ -295,6 +295,7 @@ async def build_serving(
         rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)
         stack.callback(rewards.close)
         pool.start()
+        versions = [await c.weight_version() for c in engine.clients]
         serving = Serving(
             cfg=cfg,
             model_dir=path,
@@ -305,6 +306,7 @@ async def build_serving(
             rewards=rewards,
             threads=plan,
             workers=workers,
+            version=max(versions),
             timings={"startup": time.perf_counter() - t0},
             loaded=results[1] if models else None,
         )

@@ -146,9 +146,10 @@ def _check(problems: list[str], fn: Callable[[], Any]) -> Any:
     return None
 
 
-def resolve_experiment(cfg: ExperimentConfig) -> Resolved:
+def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> Resolved:
     """Resolve every name and file of ``cfg`` (see the module docstring); raise
-    :class:`ResolutionError` listing every problem found."""
+    :class:`ResolutionError` listing every problem found. ``require_train=False`` (the rollout
+    service: tasks come with each job) accepts a config without a training set."""
     from agentrl.user_code import import_user_modules
 
     problems: list[str] = []
@@ -161,7 +162,11 @@ def resolve_experiment(cfg: ExperimentConfig) -> Resolved:
     _check(problems, lambda: _parser(cfg))
     _check(problems, lambda: build_toolset(cfg))
     rewards = _check(problems, lambda: _rewards(cfg))
-    train = _check(problems, lambda: build_tasks(cfg, split="train")) or []
+    train = (
+        _check(problems, lambda: build_tasks(cfg, split="train")) or []
+        if require_train or cfg.data.train_files
+        else []
+    )
     val = _check(problems, lambda: build_tasks(cfg, split="val")) or []
     agents = _agents(cfg, [*train, *val], problems)
     if rewards is not None:
@@ -170,7 +175,7 @@ def resolve_experiment(cfg: ExperimentConfig) -> Resolved:
     _check(problems, lambda: _sandbox(cfg))
     if problems:
         raise ResolutionError(problems)
-    if not train:
+    if require_train and not train:
         raise ResolutionError(["the training set is empty (data.train_files / data.generator)"])
     return Resolved(plan=plan, train_tasks=train, val_tasks=val, agents=agents)
 

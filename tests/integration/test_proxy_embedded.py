@@ -139,11 +139,13 @@ async def test_openai_client_agent_through_proxy_equals_native_tool_agent(
             async with RecordingProxy(
                 policy, tok, max_response_tokens=MAX_RESPONSE_TOKENS
             ) as proxy:
+                session = proxy.open_session(task)
                 async with AsyncOpenAI(
-                    base_url=proxy.session_url("proxied"), api_key="unused", max_retries=0
+                    base_url=proxy.session_url(session), api_key="unused", max_retries=0
                 ) as client:
                     await openai_tool_agent(client, task, toolset)
-                (proxied,) = proxy.finish("proxied", uid="g", data_source="calculator")
+                (proxied,) = proxy.finish(session, uid="g")
+                assert proxied.data_source == "calculator" and proxied.task_id == task.id
                 assert proxy.metrics()["proxy/prefix_breaks"] == 0.0
 
     # the episode really was multi-turn with a tool call (not a vacuous single turn)

@@ -1,0 +1,140 @@
+"""``agentrl serve CONFIG [key=value ...]``: the rollout service over HTTP.
+
+Starts the config's inference servers (or uses ``inference.backend=external`` URLs), then
+serves the API of docs/service.md on ``--host``/``--port`` until SIGINT/SIGTERM; on the way
+out it stops admitting, cancels running episodes without recording them (they run again on
+the next start with the same ``--store``) and stops the servers it started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from typing import Any
+
+__all__ = ["add_arguments", "run", "settings_from_args"]
+
+logger = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("config", help="experiment YAML (e.g. configs/quickstart.yaml)")
+    parser.add_argument(
+        "overrides", nargs="*", help="dotted overrides, e.g. inference.num_servers=1"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="bind address (default loopback)")
+    parser.add_argument("--port", type=int, default=8400, help="bind port (0 = any free port)")
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="bearer token for every route but /health ($AGENTRL_API_KEY)",
+    )
+    parser.add_argument(
+        "--store", default=None, help="SQLite store (default: trainer.output_dir/service.sqlite)"
+    )
+    parser.add_argument("--durable", action="store_true", help="SQLite synchronous=FULL")
+    parser.add_argument("--max-body-mb", type=float, default=32.0, help="largest JSON body")
+    parser.add_argument(
+        "--max-weights-mb", type=float, default=65536.0, help="largest uploaded weights body"
+    )
+    parser.add_argument("--max-active-jobs", type=int, default=64, help="queued + running jobs")
+    parser.add_argument("--max-episodes-per-job", type=int, default=100_000, help="tasks x n")
+    parser.add_argument("--session-ttl-s", type=float, default=3600.0, help="idle session TTL")
+    parser.add_argument("--max-sessions", type=int, default=10_000, help="open sessions at once")
+    parser.add_argument(
+        "--weights-dir",
+        action="append",
+        default=[],
+        help="a directory path pushes may read from (repeatable; none = path pushes refused)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        action="append",
+        default=[],
+        help="a directory dataset.path may read from (repeatable; none = refused)",
+    )
+    parser.add_argument("--heartbeat-s", type=float, default=15.0, help="SSE keep-alive period")
+    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+
+
+def settings_from_args(args: argparse.Namespace) -> Any:
+    from agentrl.auth import resolve_api_key
+    from agentrl.service.app import MiB, ServiceSettings
+
+    return ServiceSettings(
+        host=args.host,
+        port=args.port,
+        api_key=resolve_api_key(args.api_key),
+        store=args.store,
+        durable=args.durable,
+        max_body_bytes=int(args.max_body_mb * MiB),
+        max_weights_bytes=int(args.max_weights_mb * MiB),
+        max_active_jobs=args.max_active_jobs,
+        max_episodes_per_job=args.max_episodes_per_job,
+        session_ttl_s=args.session_ttl_s,
+        max_sessions=args.max_sessions,
+        weights_dirs=list(args.weights_dir),
+        data_dirs=list(args.data_dir),
+        heartbeat_s=args.heartbeat_s,
+    )
+
+
+async def _serve(cfg: Any, settings: Any) -> None:
+    import uvicorn
+
+    from agentrl.auth import warn_if_exposed
+    from agentrl.service.app import create_app, run_service
+
+    warn_if_exposed(settings.host, settings.api_key, "agentrl serve")
+    async with run_service(cfg, settings) as service:
+        config = uvicorn.Config(
+            create_app(service),
+            host=settings.host,
+            port=settings.port,
+            log_level="warning",
+            timeout_graceful_shutdown=5,
+        )
+        server = uvicorn.Server(config)
+        task = asyncio.create_task(server.serve())
+
+        async def end_streams_on_shutdown() -> None:
+            # Open SSE streams would hold uvicorn's graceful shutdown for its full timeout.
+            while not server.should_exit and not task.done():
+                await asyncio.sleep(0.1)
+            service.jobs.begin_shutdown()
+
+        watcher = asyncio.create_task(end_streams_on_shutdown())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            port = server.servers[0].sockets[0].getsockname()[1]
+            print(
+                f"agentrl serve: ready on http://{settings.host}:{port} "
+                f"(servers: {', '.join(service.serving.server_urls)}; version {service.weights.version})",
+                flush=True,
+            )
+        try:
+            await task
+        finally:
+            watcher.cancel()
+
+
+def run(args: argparse.Namespace) -> int:
+    from agentrl.config import ConfigError, load_config
+    from agentrl.training.train_cli import configure_logging
+
+    configure_logging(args.quiet)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    from agentrl.training.resolve import ResolutionError, resolve_experiment
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        resolve_experiment(cfg, require_train=False)  # every name resolves before a server starts
+        settings = settings_from_args(args)
+    except (ConfigError, ResolutionError, ValueError) as exc:
+        print(f"agentrl serve: error: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(_serve(cfg, settings))
+    return 0
