@@ -500,6 +500,7 @@ class AgentLoopManager:
         self._running = 0
         self._streaming = False
         self._cancel: asyncio.Event | None = None
+        self._drop_reasons: dict[EpisodeKey, str] = {}
         self.failures: list[tuple[str, str]] = []
         """The first dropped episodes' (reason, message), for a run that must stop with them."""
 
@@ -544,6 +545,11 @@ class AgentLoopManager:
     def _count(self, key: str, n: int = 1) -> None:
         self._counts[key] = self._counts.get(key, 0) + n
 
+    def drop_reason(self, key: EpisodeKey) -> str | None:
+        """Why episode ``key`` ended without a trajectory (``reward_error``, ...); None for a
+        cancellation or an unknown key. Each reason is returned once (popped)."""
+        return self._drop_reasons.pop(key, None)
+
     def _note_failure(self, reason: str, message: str) -> None:
         if len(self.failures) < 16:  # the first ones are what a user needs; all are counted
             self.failures.append((reason, message))
@@ -582,6 +588,9 @@ class AgentLoopManager:
             elif isinstance(exc := ep.exception(), EpisodeDropped):
                 self._count(f"dropped/{exc.reason}")
                 self._note_failure(exc.reason, str(exc))
+                self._drop_reasons[key] = exc.reason
+                if len(self._drop_reasons) > 10_000:  # consumers pop theirs; bound the rest
+                    self._drop_reasons.pop(next(iter(self._drop_reasons)))
                 logger.warning("episode %s/%d dropped: %s", key.uid, key.index, exc)
             elif exc is not None:
                 self._count("worker_errors")

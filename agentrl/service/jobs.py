@@ -408,8 +408,10 @@ class JobManager:
 
     async def _flush_drops(self, job: _Job) -> None:
         drops, job.drops = job.drops, []
-        reason = "cancelled" if job.cancel_requested else "error"
         for key in drops:
+            reason = "cancelled" if job.cancel_requested else "error"
+            if job.manager is not None:
+                reason = job.manager.drop_reason(key) or reason
             ti, si = job.episodes[_episode_number(key.uid)]
             if await self.db.call(self.store.record_dropped, job.id, ti, si, reason):
                 self.counters["dropped"] += 1

@@ -105,16 +105,21 @@ class SessionService:
             trajs = self.recorder.finish(sid, stop_reason=stop_reason)
         except KeyError as exc:
             raise ProxyError(404, str(exc.args[0]), "session_id") from None
-        scored = await asyncio.gather(*(self.serving.rewards.score(t, task) for t in trajs))
+        scored = await asyncio.gather(
+            *(self.serving.rewards.score(t, task) for t in trajs), return_exceptions=True
+        )
         out: list[dict[str, Any]] = []
         dropped: list[dict[str, Any]] = []
         for i, traj in enumerate(scored):
-            error = traj.reward_info.get("error")
-            if error:
+            if isinstance(traj, asyncio.CancelledError):
+                raise traj
+            # A failed reward raises (RewardError, counted by the reward manager): a drop.
+            error = str(traj) if isinstance(traj, BaseException) else traj.reward_info.get("error")
+            if error or isinstance(traj, BaseException):
                 self.counts["reward_errors"] += 1
                 dropped.append({"segment": i, "reason": "reward_error", "error": str(error)})
             else:
-                out.append(traj.model_dump(mode="json"))
+                out.append(traj.model_dump(mode="json"))  # type: ignore[union-attr]  # not an exception here
         self.counts["finished"] += 1
         return SessionFinishResponse(trajectories=out, dropped=dropped)
 

@@ -47,13 +47,9 @@ def write_config(tmp: Path, urls: list[str], **inference: Any) -> Path:
         "model": {"path": str(CHECKPOINT), "dtype": "float32"},
         "data": {
             "generator": "calculator",
-            "generator_kwargs": {
-                "n": 256,
-                "seed": 0,
-                "min_digits": 2,
-                "max_digits": 3,
-                "n_val": 32,
-            },
+            "generator_kwargs": {"min_digits": 2, "max_digits": 3},
+            "generator_train_size": 256,
+            "generator_val_size": 32,
         },
         "agent": {
             "max_turns": 3,

@@ -45,6 +45,7 @@ class FakeServing:
     version: int
     rewards: RewardManager
     fake_servers: list[FakeInferenceServer]
+    cfg: Any = dataclasses.field(default_factory=lambda: load_config(None))
 
     def make_manager(self, *, admission=None, temperature=None, n_samples=1) -> AgentLoopManager:
         return AgentLoopManager(
