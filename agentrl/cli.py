@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"agentrl {name}", description=help_text)
     module.add_arguments(parser)
-    args = parser.parse_args(rest)
+    # Options may come before, between or after the config and its key=value overrides.
+    args = parser.parse_intermixed_args(rest)
     return int(module.run(args) or 0)
 
 

@@ -173,6 +173,8 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
         _check_sources(rewards, [*train, *val], problems)
     _check(problems, lambda: _transport(cfg))
     _check(problems, lambda: _sandbox(cfg))
+    if not problems and train:
+        _check(problems, lambda: _prompt_lengths(cfg, train))
     if problems:
         raise ResolutionError(problems)
     if require_train and not train:
@@ -235,6 +237,39 @@ def _agents(cfg: ExperimentConfig, tasks: list[Task], problems: list[str]) -> li
             f"agent.kwargs.{name}: no task runs agent {name!r}; the run's agents: {', '.join(names)}"
         )
     return list(names)
+
+
+PROMPT_CHECK_TASKS = 64
+"""How many training tasks the resolution pass renders to check ``data.max_prompt_tokens``."""
+
+
+def _prompt_lengths(cfg: ExperimentConfig, tasks: list[Task]) -> None:
+    """Render the first tasks' prompts as an episode would (system prompt, tools block) and
+    fail now when ``data.max_prompt_tokens`` would drop all of them (or, with
+    ``overlong_prompts: error``, any of them) — not minutes later, after servers started."""
+    from agentrl.episode import render_prompt_ids
+
+    path = model_dir(cfg)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path), trust_remote_code=cfg.model.trust_remote_code)
+    schemas = build_toolset(cfg).schemas() or None
+    limit = cfg.data.max_prompt_tokens
+    sample = tasks[:PROMPT_CHECK_TASKS]
+    lengths = [
+        len(render_prompt_ids(tok, t.initial_messages(cfg.agent.system_prompt), schemas))
+        for t in sample
+    ]
+    over = [(t.id, n) for t, n in zip(sample, lengths, strict=True) if n > limit]
+    fix = f"raise data.max_prompt_tokens (longest: {max(lengths)} tokens) or shorten the prompts"
+    if over and (cfg.data.overlong_prompts == "error" or len(over) == len(sample)):
+        task_id, n = over[0]
+        which = "every one" if len(over) == len(sample) else f"{len(over)}"
+        raise RegistryError(
+            f"data.max_prompt_tokens={limit}: {which} of the first {len(sample)} training "
+            f"prompts is longer (task {task_id!r}: {n} tokens, tools block and system prompt "
+            f"included); {fix}"
+        )
 
 
 def _transport(cfg: ExperimentConfig) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from agentrl.config import ConfigError, load_config
 
-__all__ = ["add_arguments", "configure_logging", "run"]
+__all__ = ["add_arguments", "configure_logging", "load_and_resolve", "run", "summary"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -60,17 +60,28 @@ def run(args: argparse.Namespace) -> int:
     except RunFailed as exc:
         print(f"error: the run stopped: {exc}", file=sys.stderr)
         return 1
-    summary = {
+    print(json.dumps(summary(result), indent=2))
+    return 0
+
+
+def summary(result: Any) -> dict[str, Any]:
+    """What ``agentrl train`` prints: steps, validation, weight pushes, where the run is."""
+    diffs = [d for _, d in result.history.get("weight_sync/verify_max_abs_diff", [])]
+    failed = [f for _, f in result.history.get("weight_sync/failed_servers", [])]
+    return {
         "steps": result.steps,
         "version": result.version,
         "val_before": result.val_before,
         "val_after": result.val_after,
+        "weight_pushes": {
+            "verified": len(diffs),
+            "failed_servers": sum(failed),
+            "max_abs_diff": max(diffs) if diffs else None,
+        },
         "wall_time_s": round(result.wall_time_s, 1),
         "output_dir": result.output_dir,
         "mlflow": result.run_location,
     }
-    print(json.dumps(summary, indent=2))
-    return 0
 
 
 def _train(cfg: Any, resume: bool, trainer_cls: Any) -> Any:

@@ -13,7 +13,14 @@ summary, with or without ``-s``.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -108,3 +115,71 @@ def embedded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
 def inference_server(request: pytest.FixtureRequest):
     """Each backend in turn (embedded, then vLLM): the same test runs against both."""
     return request.getfixturevalue(f"{request.param}_server")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[str]:
+    ray_bin = Path(sys.executable).parent / "ray"
+    assert ray_bin.exists(), f"{ray_bin} is missing: install ray into the venv (pip install ray)"
+    port = _free_ray_port()
+    tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a limit
+    log = open(Path(tmp) / "head.log", "wb")  # noqa: SIM115 (closed in the finally below)
+    proc = subprocess.Popen(
+        [
+            str(ray_bin),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            "--node-ip-address=127.0.0.1",
+            "--num-cpus=2",
+            "--num-gpus=0",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            f"--temp-dir={tmp}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    address = f"127.0.0.1:{port}"
+    try:
+        import ray  # noqa: F401 (fail, not skip, when Ray is missing)
+
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, (Path(tmp) / "head.log").read_text()[-3000:]
+            r = subprocess.run(
+                [str(ray_bin), "status", f"--address={address}"],
+                capture_output=True,
+                timeout=30,
+            )
+            if r.returncode == 0:
+                break
+            assert time.monotonic() < deadline, "the Ray head did not come up in 90 s"
+            time.sleep(1)
+        yield address
+    finally:
+        with_pg = os.getpgid(proc.pid) if proc.poll() is None else None
+        if with_pg is not None:
+            os.killpg(with_pg, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+            # Whatever of that session is left (raylet workers) goes too.
+            for sig_wait in (5, 0):
+                try:
+                    os.killpg(with_pg, signal.SIGKILL if sig_wait == 0 else signal.SIGTERM)
+                except ProcessLookupError:
+                    break
+                time.sleep(sig_wait)
+        proc.wait(timeout=30)
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _free_ray_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

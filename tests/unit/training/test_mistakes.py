@@ -1,0 +1,100 @@
+"""Every obvious mistake fails before any server starts, naming the key, the value and the fix.
+
+Each case runs ``agentrl train examples/units/config.yaml <one bad override>`` through the CLI:
+exit status 2, an ``error:`` message (no traceback), and no server ever launched (the run's
+``logs/`` folder, where server logs go, is never created).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from agentrl.cli import main
+
+UNITS = Path(__file__).resolve().parents[3] / "examples" / "units" / "config.yaml"
+
+CASES = [
+    # (override, what the message must say)
+    (
+        "tools.enabled=[convert, notebok]",
+        ["tools.enabled: unknown tool 'notebok'", "did you mean 'notebook'?"],
+    ),
+    (
+        "agent.default=unit_agent",
+        ["agent.default: unknown agent 'unit_agent'", "did you mean 'units_agent'?"],
+    ),
+    (
+        "algorithm.advantage=grp",
+        ["algorithm.advantage.name: unknown advantage estimator 'grp'", "did you mean 'grpo'?"],
+    ),
+    (
+        "agent.tool_call_format=hermez",
+        ["agent.tool_call_format: unknown tool-call format 'hermez'", "did you mean 'hermes'?"],
+    ),
+    (
+        "algorithm.loss={name: vanilla, clip_ratio_hihg: 0.3}",
+        ["algorithm.loss.clip_ratio_hihg: unknown knob", "did you mean 'clip_ratio_high'?"],
+    ),
+    (
+        "reward.sources={}",
+        ["no reward function for data_source 'units'", "add it to reward sources"],
+    ),
+    (
+        "reward.sources.units=reward.py:scroe",
+        ["reward.sources.units", "has no attribute 'scroe'", "did you mean 'score'?"],
+    ),
+    (
+        "data.train_files=[data/trian.jsonl]",
+        ["data.train_files[0]: 'data/trian.jsonl' does not exist", "relative to the config file"],
+    ),
+    ("imports=[agnet.py]", ["imports[0]: 'agnet.py' does not exist"]),
+    (
+        "checkpoint.transport=nccl",
+        ["checkpoint.transport: 'nccl' is not available", "use 'shared_dir'"],
+    ),
+    ("data.max_prompt_tokens=64", ["data.max_prompt_tokens=64", "raise data.max_prompt_tokens"]),
+    (
+        "algorithm.adv_estimator=grpo",
+        ["'algorithm.adv_estimator' moved", "algorithm.advantage: {name: <estimator>}"],
+    ),
+    (
+        "trainer.max_stalenes=2",
+        ["unknown key 'trainer.max_stalenes'", "did you mean 'trainer.max_staleness'?"],
+    ),
+    (
+        "agent.kwargs={units_agent: {hint: true}}",
+        ["agent.kwargs.units_agent", "takes no arguments"],
+    ),
+]
+
+
+@pytest.mark.parametrize(("override", "expected"), CASES, ids=[c[0].split("=")[0] for c in CASES])
+def test_a_mistake_fails_before_any_server_starts(
+    override: str, expected: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    rc = main(["train", str(UNITS), override, f"trainer.output_dir={out}", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert "\nerror: " in "\n" + err and "Traceback" not in err
+    for text in expected:
+        assert text in err, f"{text!r} not in:\n{err}"
+    assert not (out / "logs").exists(), "a server was started"
+
+
+def test_every_problem_is_reported_at_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(
+        [
+            "train",
+            str(UNITS),
+            "algorithm.advantage=grp",
+            "agent.tool_call_format=hermez",
+            f"trainer.output_dir={tmp_path}",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert rc == 2 and "advantage estimator 'grp'" in err and "tool-call format 'hermez'" in err
