@@ -89,7 +89,7 @@ class OpenAIAgent(AgentLoop):
                 client = openai.AsyncOpenAI(
                     base_url=f"http://agentrl-proxy/sessions/{sid}/v1",
                     api_key="in-process",
-                    http_client=http,
+                    http_client=http,  # type: ignore[arg-type]  # openai 3 annotates its vendored httpx2; an httpx client works (tested)
                     max_retries=0,
                 )
                 stop = await self.rollout(client, task)
