@@ -165,31 +165,36 @@ def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:
     return tok
 
 
-def _launch_one(cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path) -> Any:
+def server_launch(
+    cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path
+) -> tuple[Any, dict[str, Any]]:
+    """The launcher function of server ``i`` and its keyword arguments (nothing started)."""
     inf = cfg.inference
+    seed = cfg.trainer.seed + i
     if inf.backend == "embedded":
         from agentrl.inference.server import launch_embedded_server
 
-        return launch_embedded_server(
-            path,
-            log_path=logs / f"server-{i}.log",
-            env=plan.servers[i].env() if i < len(plan.servers) else None,
-            extra_args=[
-                "--max-batch-size",
-                str(inf.max_batch_size),
-                "--seed",
-                str(cfg.trainer.seed + i),
-            ],
-        )
+        return launch_embedded_server, {
+            "model_dir": path,
+            "log_path": logs / f"server-{i}.log",
+            "env": plan.servers[i].env() if i < len(plan.servers) else None,
+            "extra_args": ["--max-batch-size", str(inf.max_batch_size), "--seed", str(seed)],
+        }
     from agentrl.inference.vllm_backend import launch_vllm_server
 
-    return launch_vllm_server(
-        path,
-        python=inf.vllm_python,
-        log_path=logs / f"vllm-{i}.log",
-        seed=cfg.trainer.seed + i,
-        extra_args=["--max-num-seqs", str(inf.max_batch_size), *inf.vllm_extra_args],
-    )
+    trust = ["--trust-remote-code"] if cfg.model.trust_remote_code else []
+    return launch_vllm_server, {
+        "model_dir": path,
+        "python": inf.vllm_python,
+        "log_path": logs / f"vllm-{i}.log",
+        "seed": seed,
+        "extra_args": ["--max-num-seqs", str(inf.max_batch_size), *trust, *inf.vllm_extra_args],
+    }
+
+
+def _launch_one(cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path) -> Any:
+    launch, kwargs = server_launch(cfg, path, i, plan, logs)
+    return launch(**kwargs)
 
 
 async def start_servers(
