@@ -72,9 +72,9 @@ class ReadRecorder:
 
         def getattribute(obj: Any, name: str) -> Any:
             prefix = recorder.paths.get(id(obj))
-            if prefix is not None and not recorder.suspended and not name.startswith("_"):
-                if name in type(obj).model_fields:
-                    recorder.read.add(prefix + name)
+            watched = prefix is not None and not recorder.suspended and not name.startswith("_")
+            if watched and name in type(obj).model_fields:
+                recorder.read.add(prefix + name)
             return original_get(obj, name)
 
         def model_dump(obj: Any, *args: Any, **kwargs: Any) -> Any:

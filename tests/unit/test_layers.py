@@ -54,9 +54,9 @@ def _layer(module: str) -> int | None:
     best: tuple[int, int] | None = None  # (prefix length, layer)
     for i, names in enumerate(LAYERS):
         for name in names:
-            if module == name or module.startswith(name + "."):
-                if best is None or len(name) > best[0]:
-                    best = (len(name), i)
+            matches = module == name or module.startswith(name + ".")
+            if matches and (best is None or len(name) > best[0]):
+                best = (len(name), i)
     return None if best is None else best[1]
 
 
