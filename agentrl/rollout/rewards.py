@@ -282,9 +282,6 @@ def calculator_reward(traj: Trajectory, task: Task) -> dict[str, Any]:
     return result
 
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-
 def _invalid_calls(traj: Trajectory) -> int:
     return int(traj.tool_calls.get("<invalid>", 0))
 
@@ -317,33 +314,25 @@ def tool_format(traj: Trajectory, task: Task) -> dict[str, Any]:
 
 
 def _count_text_tool_calls(traj: Trajectory) -> dict[str, int]:
-    import json
+    """Calls per tool name in the assistant messages (``<invalid>`` for malformed ones), by the
+    one hermes parser the agents and the proxy use (``agents.parsers``)."""
+    from agents.parsers import get_parser
 
+    parser = get_parser("hermes")
     counts: dict[str, int] = {}
     for msg in traj.messages:
         if msg.get("role") != "assistant":
             continue
+        names: list[str | None] = []
         for call in msg.get("tool_calls") or []:
             fn = call.get("function", {}) if isinstance(call, dict) else {}
-            name = fn.get("name")
-            key = name if isinstance(name, str) and name else "<invalid>"
-            counts[key] = counts.get(key, 0) + 1
+            names.append(fn.get("name") if isinstance(fn.get("name"), str) else None)
         content = msg.get("content")
-        if not isinstance(content, str):
-            continue
-        for m in _TOOL_CALL_RE.finditer(content):
-            closed = m.group(0).endswith("</tool_call>")
-            try:
-                obj = json.loads(m.group(1))
-            except json.JSONDecodeError:
-                obj = None
-            ok = (
-                closed
-                and isinstance(obj, dict)
-                and isinstance(obj.get("name"), str)
-                and isinstance(obj.get("arguments", {}), dict)
-            )
-            key = obj["name"] if ok and isinstance(obj, dict) else "<invalid>"
+        if not msg.get("tool_calls") and isinstance(content, str):
+            parsed = parser.parse(content)
+            names += [c.name for c in parsed.calls] + [None] * len(parsed.errors)
+        for name in names:
+            key = name if name else "<invalid>"
             counts[key] = counts.get(key, 0) + 1
     return counts
 

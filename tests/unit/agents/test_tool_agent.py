@@ -261,36 +261,64 @@ def test_registry():
         register_agent("bad")(object)  # type: ignore[arg-type]  # the point of the test
 
 
-async def test_user_agent_with_custom_tool_in_20_lines(tok):
-    @tool
-    def lookup(word: str) -> str:
-        """Look a word up.
+def _readme_agent_code() -> str:
+    """The README's 'Write your own agent' example, exactly as printed there."""
+    from pathlib import Path
 
-        Args:
-            word: The word.
-        """
-        return {"agentrl": "an RL library"}.get(word, "not found")
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme[readme.index("## Write your own agent") :]
+    start = section.index("```python\n") + len("```python\n")
+    return section[start : section.index("\n```", start)]
 
-    @register_agent("lookup_agent")
-    class LookupAgent(AgentLoop):
-        async def run(self, task, ctx):
-            ctx.start_episode(task.initial_messages(), tools=[lookup.schema()])
-            async with ctx.tool_episode([lookup]) as tools:
-                for _ in range(ctx.limits.max_turns):
-                    gen = await ctx.generate()
-                    parsed = ctx.parse(gen)
-                    if not parsed.calls:
-                        return ctx.finish(ctx.stop_reason_for(gen))
-                    messages, _stop = await ctx.call_tools(tools, parsed)
-                    ctx.add_messages(messages)
-            return ctx.finish(StopReason.MAX_TURNS)
 
+async def test_the_readme_agent_runs_as_printed(tok):
+    code = _readme_agent_code()
+    assert len(code.strip().splitlines()) <= 25, "keep the README agent short"
+    namespace: dict = {}
+    exec(compile(code, "README.md", "exec"), namespace)
     ctx = make_ctx(tok, [call("lookup", word="agentrl"), "It is an RL library."])
     traj = await create_agent("lookup_agent").run(
         Task(prompt="What is agentrl?", agent="lookup_agent"), ctx
     )
     assert traj.tool_calls == {"lookup": 1} and traj.stop_reason == StopReason.EOS
     assert traj.messages[2]["content"] == "an RL library"
+
+
+async def test_a_turn_of_only_malformed_calls_is_answered_and_the_episode_goes_on(tok):
+    script = ["<tool_call>\n{not json\n</tool_call>", call("calculator", expression="2+2"), "4"]
+    ctx = make_ctx(tok, script)
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.EOS and traj.num_turns == 3
+    assert traj.tool_calls == {INVALID_TOOL: 1, "calculator": 1}
+    assert traj.metrics["tool_calls_malformed"] == 1
+    assert traj.messages[2]["role"] == "tool" and traj.messages[2]["content"].startswith("error:")
+
+
+async def test_malformed_calls_in_the_last_turn_are_answered_and_counted(tok):
+    last = call("calculator", expression="1+1") + "<tool_call>\n{broken\n</tool_call>"
+    ctx = make_ctx(tok, [call("calculator", expression="2+2"), last], limits=AgentLimits(max_turns=2))
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.stop_reason == StopReason.MAX_TURNS and traj.num_turns == 2
+    assert traj.metrics["tool_calls_unrun"] == 1  # the valid call of the last turn: not run
+    assert traj.metrics["tool_calls_malformed"] == 1 and traj.tool_calls[INVALID_TOOL] == 1
+    assert traj.messages[-1]["role"] == "tool" and traj.messages[-1]["content"].startswith("error:")
+    # the answer is environment tokens after the last model turn: never trained on
+    assert traj.loss_mask[-1] == 0
+
+
+async def test_calls_without_tools_are_answered_as_unknown(tok):
+    ctx = make_ctx(tok, [call("calculator", expression="2+2"), "done"], tools=[])
+
+    class NoTools(AgentLoop):
+        async def run(self, task, ctx):
+            ctx.start_episode(task.initial_messages())
+            while (turn := await ctx.turn()).stop is None:
+                pass
+            return ctx.finish(turn.stop)
+
+    traj = await NoTools().run(TASK, ctx)
+    assert traj.tool_calls == {INVALID_TOOL: 1} and traj.stop_reason == StopReason.EOS
+    assert traj.messages[2]["content"].startswith("error:")
 
 
 async def test_generate_before_start_is_a_clear_error(tok):
