@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -413,3 +414,43 @@ def test_gae_resume_restores_the_critic_exactly(
     # the warmup step is not repeated after resume: the actor trains on steps 2 and 3
     assert [v for _, v in _values(r2, "actor/frozen")] == [0.0, 0.0]
     assert second.critic is not None and second.critic.global_step == STEPS
+
+
+# ---- validation at val_every, ReMax's greedy baseline, KL in the reward --------------------------
+def test_periodic_validation_is_logged_at_the_configured_steps(
+    servers: list[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _cfg(tiny_model_dir, tmp_path, "trainer.val_every=1")
+    result = Trainer(cfg, server_urls=servers).run_sync()
+    assert [step for step, _ in result.val_history] == [1, 2]  # the last step: val_after
+    assert result.val_before and result.val_after
+    logged = [step for step, _ in result.history["val/accuracy"]]
+    assert logged == [0, 1, 2, STEPS]
+
+
+def test_no_validation_when_asked(servers: list[str], tiny_model_dir: Path, tmp_path: Path) -> None:
+    cfg = _cfg(tiny_model_dir, tmp_path, "data.generator_val_size=0", "trainer.total_steps=1")
+    result = Trainer(cfg, server_urls=servers).run_sync()
+    assert (
+        result.val_before == {} and result.val_after == {} and "val/accuracy" not in result.history
+    )
+
+
+def test_remax_trains_on_a_greedy_baseline_and_kl_reaches_the_reward(
+    servers: list[str], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path,
+        "algorithm.advantage=remax",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl={type: adaptive, kl_coef: 0.05, target_kl: 0.01, horizon: 100}",
+        "reward.sources.calculator=tests.integration.test_training:even_token_reward",
+        "trainer.total_steps=2",
+    )
+    result = Trainer(cfg, server_urls=servers).run_sync()
+    assert result.steps == 2
+    assert next(v for _, v in _values(result, "critic/advantages_abs_max")) > 0
+    coeffs = [v for _, v in _values(result, "actor/reward_kl_penalty_coeff")]
+    assert coeffs[0] == pytest.approx(0.05)  # the step-1 β; the controller moves it afterwards
+    assert all(math.isfinite(v) for _, v in _values(result, "actor/reward_kl_penalty"))

@@ -296,7 +296,9 @@ async def test_a_turn_of_only_malformed_calls_is_answered_and_the_episode_goes_o
 
 async def test_malformed_calls_in_the_last_turn_are_answered_and_counted(tok):
     last = call("calculator", expression="1+1") + "<tool_call>\n{broken\n</tool_call>"
-    ctx = make_ctx(tok, [call("calculator", expression="2+2"), last], limits=AgentLimits(max_turns=2))
+    ctx = make_ctx(
+        tok, [call("calculator", expression="2+2"), last], limits=AgentLimits(max_turns=2)
+    )
     traj = await create_agent("tool_agent").run(TASK, ctx)
     assert traj.stop_reason == StopReason.MAX_TURNS and traj.num_turns == 2
     assert traj.metrics["tool_calls_unrun"] == 1  # the valid call of the last turn: not run

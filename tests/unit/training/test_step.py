@@ -161,3 +161,23 @@ def test_trajectory_metrics_count_episode_metrics_and_errors() -> None:
     m = trajectory_metrics(trajs, version=0)
     assert m["rollout/tool_calls_malformed"] == 2.0
     assert m["reward/mean"] == 0.5 and m["rollout/error_episodes"] == 0.0
+
+
+def test_the_greedy_sample_is_the_baseline_not_a_training_row() -> None:
+    """ReMax: each group holds n sampled episodes + one greedy one (index n); the feed trains on
+    the sampled ones and hands the greedy reward as every row's baseline."""
+    from agentrl.training.loop import RolloutFeed
+
+    feed = RolloutFeed.__new__(RolloutFeed)  # only split() is exercised: no manager, no loop
+    feed.greedy, feed.group = True, 3
+    trajs = random_trajectories(6)
+    groups = [
+        [
+            t.model_copy(update={"uid": f"g{g}", "index": i, "reward": float(g + i)})
+            for i, t in enumerate(trajs[3 * g : 3 * g + 3])
+        ]
+        for g in range(2)
+    ]
+    rows, baselines = feed.split(groups)
+    assert [(t.uid, t.index) for t in rows] == [("g0", 0), ("g0", 1), ("g1", 0), ("g1", 1)]
+    assert baselines is not None and baselines.tolist() == [2.0, 2.0, 3.0, 3.0]
