@@ -502,6 +502,16 @@ class TrainerConfig(OptimizerFields):
     """Also validate every N steps during training (0 = only before and after training)."""
     val_before_train: bool = True
     """Validate once before the first step (the baseline of the run)."""
+    val_n: int = Field(default=1, ge=1)
+    """Samples per validation task (the N of mean@N, best/worst/maj@k, pass@k)."""
+    val_temperature: float = Field(default=0.0, ge=0.0)
+    """Sampling temperature of validation episodes (0 = greedy; use > 0 with val_n > 1)."""
+    val_k: list[int] | None = None
+    """pass@k sizes (null = 1, 2, 4, ..., val_n); each in 1..val_n."""
+    val_bootstrap_samples: int = Field(default=1000, ge=1)
+    """Bootstrap subsets per task and subset size (best/worst/maj@k) and task resamples of the CI."""
+    val_seed: int = 0
+    """Seed of the validation bootstrap."""
     val_at_end: bool = True
     """Validate once after the last step."""
     save_every: int = Field(default=0, ge=0)
@@ -630,6 +640,16 @@ class ExperimentConfig(Section):
             raise ValueError(
                 "inference.backend is 'external' but inference.urls is empty; "
                 "list the servers' base URLs or use backend 'embedded' or 'vllm'"
+            )
+        t = self.trainer
+        if t.val_n > 1 and t.val_temperature == 0.0:
+            raise ValueError(
+                f"trainer.val_n={t.val_n} with trainer.val_temperature=0: greedy samples are "
+                "identical; set val_temperature > 0 (e.g. 1.0) or val_n: 1"
+            )
+        if t.val_k is not None and any(k < 1 or k > t.val_n for k in t.val_k):
+            raise ValueError(
+                f"trainer.val_k={t.val_k}: every k must be in 1..trainer.val_n ({t.val_n})"
             )
         if self.data.batch_size % self.trainer.mini_batch_size != 0:
             raise ValueError(

@@ -230,8 +230,8 @@ class Reporter:
     def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
         """After each step (its metrics and the trajectories it trained on)."""
 
-    def on_validation(self, step: int, metrics: dict[str, float]) -> None:
-        """After each validation."""
+    def on_validation(self, step: int, metrics: dict[str, float], report: Any = None) -> None:
+        """After each validation (``report``: the ``agentrl.evaluation.EvalReport``)."""
 
     def close(self) -> None:
         """At the end of the run (also on failure)."""
@@ -248,8 +248,13 @@ class MetricsReporter(Reporter):
         if step % self.log_every == 0:
             self.tracker.log_metrics(metrics, step=step)
 
-    def on_validation(self, step: int, metrics: dict[str, float]) -> None:
-        self.tracker.log_metrics(metrics, step=step)
+    def on_validation(self, step: int, metrics: dict[str, float], report: Any = None) -> None:
+        if report is None:
+            self.tracker.log_metrics(metrics, step=step)
+            return
+        from agentrl.evaluation import log_report
+
+        log_report(self.tracker, report, step=step)  # metrics, a table and the JSON report
 
 
 class SampleReporter(Reporter):

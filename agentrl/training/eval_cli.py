@@ -1,10 +1,16 @@
-"""``agentrl eval CONFIG --checkpoint DIR``: held-out accuracy of a saved model."""
+"""``agentrl eval CONFIG --checkpoint DIR [--report FILE]``: held-out metrics of a saved model.
+
+The same evaluation as periodic validation (``trainer.val_n`` samples per task at
+``trainer.val_temperature``, verl's statistics per data source); prints the metrics and writes
+the whole report (per-source statistics, per-task samples) as JSON with ``--report``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+from pathlib import Path
 
 from agentrl.training.train_cli import configure_logging, load_and_resolve
 
@@ -12,20 +18,25 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments."""
     parser.add_argument("config", help="experiment YAML (its data/agent/reward/inference sections)")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.val_n=8")
     parser.add_argument(
         "--checkpoint", required=True, help="a Hugging Face model directory (e.g. final_model)"
     )
+    parser.add_argument("--report", default=None, help="write the full JSON report here")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Evaluate; exit status 2 on a config mistake (nothing started)."""
     from agentrl.training.trainer import evaluate_checkpoint
 
     configure_logging(True)
     cfg = load_and_resolve(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
     if cfg is None:
         return 2
-    metrics = asyncio.run(evaluate_checkpoint(cfg))
-    print(json.dumps(metrics, indent=2))
+    report = asyncio.run(evaluate_checkpoint(cfg))
+    if args.report:
+        Path(args.report).write_text(report.to_json())
+    print(json.dumps(report.metrics, indent=2))
     return 0

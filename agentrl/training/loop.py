@@ -47,8 +47,15 @@ from agentrl.rollout.manager import EpisodeKey, StalenessAdmission
 from agentrl.training.buffer import TrajectoryBuffer
 from agentrl.training.build import Run
 from agentrl.training.checkpoint_engine import PushReport, WeightPushError
+from agentrl.training.metrics import (
+    TokenCounts,
+    compute_data_metrics,
+    compute_rollout_timing_metrics,
+    compute_throughput_metrics,
+    compute_timing_metrics,
+)
 from agentrl.training.state import RunState
-from agentrl.training.step import is_correct, train_step, trajectory_metrics
+from agentrl.training.step import train_step, trajectory_metrics
 from agentrl.types import StopReason, Trajectory
 
 __all__ = ["RunFailed", "TrainResult", "push_weights", "train", "validate"]
@@ -226,24 +233,29 @@ async def push_weights(run: Run, version: int) -> PushReport:
 
 
 async def validate(run: Run, step: int, reporters: Sequence[Any]) -> dict[str, float]:
-    """Held-out metrics (one greedy sample per task; never trained on), reported at ``step``."""
+    """Held-out evaluation (never trained on): ``trainer.val_n`` samples per task at
+    ``trainer.val_temperature``, verl's statistics per data source (mean@N, best/worst/maj@k,
+    pass@k; :mod:`agentrl.evaluation`), reported at ``step``. The rollout stream keeps
+    generating meanwhile; validation itself runs on the weights of ``step``."""
+    from agentrl.evaluation import evaluate
+
     tasks = run.resolved.val_tasks if run.resolved is not None else []
     if not tasks:
         return {}
-    manager = run.make_manager(temperature=0.0)
-    trajs = await manager.generate(tasks, n_samples=1)
-    if not trajs:
-        return {"val/num_tasks": 0.0}
-    metrics = {
-        "val/accuracy": sum(float(is_correct(t)) for t in trajs) / len(trajs),
-        "val/reward_mean": sum(t.reward for t in trajs) / len(trajs),
-        "val/tool_calls_mean": sum(sum(t.tool_calls.values()) for t in trajs) / len(trajs),
-        "val/num_tasks": float(len(trajs)),
-        "val/dropped": float(len(tasks) - len(trajs)),
-    }
+    t = run.cfg.trainer
+    manager = run.make_manager(temperature=t.val_temperature)
+    report = await evaluate(
+        manager,
+        tasks,
+        n=t.val_n,
+        temperature=t.val_temperature,
+        ks=t.val_k,
+        n_bootstrap=t.val_bootstrap_samples,
+        seed=t.val_seed,
+    )
     for r in reporters:
-        r.on_validation(step, metrics)
-    return metrics
+        r.on_validation(step, report.metrics, report)
+    return dict(report.metrics)
 
 
 async def train(
@@ -319,18 +331,28 @@ async def _one_step(
     feed.last_trajs = trajs
     m = out.metrics
     m.update(trajectory_metrics(trajs, state.version - 1, out.batch))
+    m.update(
+        compute_data_metrics(
+            out.batch,
+            trajs,
+            max_response_tokens=cfg.agent.max_response_tokens,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
+        )
+    )
+    m.update(compute_rollout_timing_metrics(trajs))
     m.update(report.metrics())
     m.update(feed.buffer.metrics())
     m.update(feed.manager.stats())
     m.update(run.rewards.metrics())
-    tokens = sum(len(t.response_ids) + len(t.prompt_ids) for t in trajs)
+    counts = TokenCounts.from_trajectories(trajs)
     elapsed = time.perf_counter() - t0
+    phases = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")}
+    phases.update(wait_rollout=waited, push=time.perf_counter() - t1, step=elapsed)
+    m.update(compute_timing_metrics(phases, counts))
+    m.update(compute_throughput_metrics(counts, elapsed))
     m.update(
         {
-            "timing_s/wait_rollout": waited,
-            "timing_s/push": time.perf_counter() - t1,
-            "timing_s/step": elapsed,
-            "perf/tokens_per_s": tokens / max(elapsed, 1e-9),
+            "perf/tokens_per_s": counts.total / max(elapsed, 1e-9),
             "async/admission_capacity": float(feed.admission.capacity),
             "async/running": float(feed.admission.running),
             "trainer/version": float(state.version),

@@ -32,7 +32,7 @@ from agentrl.tracking import (
     make_tracker,
 )
 from agentrl.training.build import Run, build_run, build_serving
-from agentrl.training.loop import TrainResult, push_weights, train, validate
+from agentrl.training.loop import TrainResult, push_weights, train
 from agentrl.training.resolve import build_tasks, build_toolset, resolve_experiment
 from agentrl.training.state import RunState, seed_everything
 
@@ -206,14 +206,24 @@ class Trainer:
         tracker.log_artifact(final, "final_model")
 
 
-async def evaluate_checkpoint(cfg: ExperimentConfig) -> dict[str, float]:
-    """Serve ``cfg.model.path`` with the configured backend and report held-out metrics."""
+async def evaluate_checkpoint(cfg: ExperimentConfig) -> Any:
+    """Serve ``cfg.model.path`` with the configured backend and evaluate it on the held-out
+    tasks, as periodic validation does (``trainer.val_*``); returns the ``EvalReport``."""
+    from agentrl.evaluation import evaluate
+
     if not cfg.model.path:
         raise ValueError("model.path is empty: pass the model directory to evaluate")
     resolved = resolve_experiment(cfg)
+    if not resolved.val_tasks:
+        raise ValueError("no held-out tasks: set data.val_files (or data.generator_val_size)")
+    t = cfg.trainer
     async with build_serving(cfg) as serving:
-        run = Run(
-            **{f: getattr(serving, f) for f in serving.__dataclass_fields__},
-            resolved=resolved,
+        return await evaluate(
+            serving.make_manager(temperature=t.val_temperature),
+            resolved.val_tasks,
+            n=t.val_n,
+            temperature=t.val_temperature,
+            ks=t.val_k,
+            n_bootstrap=t.val_bootstrap_samples,
+            seed=t.val_seed,
         )
-        return await validate(run, 0, ())
