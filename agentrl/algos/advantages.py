@@ -7,24 +7,32 @@ values=None, **options) -> (advantages [B, T], returns [B, T])`` and is looked u
 - returned in float32 and computed under ``torch.no_grad()`` (advantages are targets, not graph
   nodes); group statistics are taken in float64 so a group of equal scores gives exactly 0;
 - advantages are 0 wherever ``response_mask`` is 0 (padding, tool and user tokens);
-- group estimators (``grpo``, ``rloo``, ``opo``, ``gpg``, ``reinforce_plus_plus_baseline``)
-  need ``index`` (one group id per row, e.g. the batch's ``uid``) and give a group of one
-  sequence advantage 0: with nothing to compare against there is no learning signal
-  (verl instead lets such a row keep its raw score);
+- group estimators (``grpo``, ``rloo``, ``opo``, ``gpg``, ``reinforce_plus_plus_baseline``,
+  ``gdpo``, ``optimal_token_baseline``) need ``index`` (one group id per row, e.g. the batch's
+  ``uid``) and give a group of one sequence advantage 0: with nothing to compare against there
+  is no learning signal (verl instead lets such a row keep its raw score);
 - outcome estimators use the sequence score ``Σ_t token_level_rewards`` and spread it over
   every sampled token.
 
 Multi-turn responses contain tool/user tokens (mask 0) between model turns. The
 token-level estimators (``gae``, ``reinforce_plus_plus``, ``remax``) skip those tokens: values
 and TD errors of masked tokens are ignored and returns flow through them undiscounted, so a
-reward on the last turn reaches the first turn.
+reward on the last turn reaches the first turn. ``optimal_token_baseline`` aligns the tokens of a
+group by their rank among the *sampled* tokens (the k-th model token of every response shares a
+baseline), so tool/user tokens never shift the comparison.
+
+Some estimators take run inputs beyond rewards and groups, declared by flags of
+:func:`register_advantage` and passed as reserved keywords (never knobs): ``reward_info`` (the
+per-row ``Trajectory.reward_info`` dicts, for ``gdpo``'s reward components) and
+``old_log_probs`` / ``sum_pi_squared`` / ``rollout_is_weights`` (for ``optimal_token_baseline``).
 
 Register your own with :func:`register_advantage`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,7 +55,15 @@ ADVANTAGE_ESTIMATORS: Registry[AdvantageFn] = Registry(
     how_to_register="decorate a function with @register_advantage('name') in a module listed "
     "under `imports:`, or give 'module:function'",
 )
-ADVANTAGE_RESERVED = ("index", "values", "reward_baselines")
+ADVANTAGE_RESERVED = (
+    "index",
+    "values",
+    "reward_baselines",
+    "reward_info",
+    "old_log_probs",
+    "sum_pi_squared",
+    "rollout_is_weights",
+)
 """Keyword arguments the run passes itself; every other keyword with a default is a knob."""
 GroupIndex = Sequence[Any] | torch.Tensor
 
@@ -58,13 +74,19 @@ def register_advantage(
     needs_critic: bool = False,
     needs_index: bool = False,
     needs_greedy_baseline: bool = False,
+    needs_reward_info: bool = False,
+    needs_sum_pi_squared: bool = False,
 ) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator registering a user estimator under ``name``.
 
     The flags tell the run what the estimator needs: ``needs_critic`` (``values`` from a value
     model), ``needs_index`` (group ids), ``needs_greedy_baseline`` (``reward_baselines``: the
-    reward of one greedy response per prompt). Its other keyword parameters with defaults are
-    its knobs (``algorithm.advantage: {name: ..., knob: value}``).
+    reward of one greedy response per prompt), ``needs_reward_info`` (``reward_info``: one
+    ``Trajectory.reward_info`` dict per row), ``needs_sum_pi_squared`` (``sum_pi_squared``
+    ``[B, T]``: Σ_v π_old(v)² at every response position, computed in the π_old forward pass,
+    together with ``old_log_probs`` and, when present, ``rollout_is_weights``). Its other
+    keyword parameters with defaults are its knobs (``algorithm.advantage: {name: ..., knob:
+    value}``); the names in :data:`ADVANTAGE_RESERVED` are inputs, never knobs.
 
     The function takes ``(token_level_rewards, response_mask, **options)`` plus ``index`` and/or
     ``values`` keywords if it uses them (they are passed only when the caller gives them), and
@@ -84,6 +106,8 @@ def register_advantage(
             needs_critic=needs_critic,
             needs_index=needs_index,
             needs_greedy_baseline=needs_greedy_baseline,
+            needs_reward_info=needs_reward_info,
+            needs_sum_pi_squared=needs_sum_pi_squared,
         )
         return ADVANTAGE_ESTIMATORS.register(name, *aliases)(fn)
 
@@ -102,13 +126,16 @@ def compute_advantage(
 
     Args:
         name: a registered name (``gae``, ``grpo``, ``rloo``, ``reinforce_plus_plus``,
-            ``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``gpg`` or your own).
+            ``reinforce_plus_plus_baseline``, ``remax``, ``opo``, ``gpg``, ``gdpo``,
+            ``optimal_token_baseline`` (alias ``tir_optimal_token_baseline``) or your own).
         token_level_rewards: ``[B, T]`` rewards (outcome rewards sit on the last sampled token).
         response_mask: ``[B, T]`` 1 for policy-sampled tokens.
         index: length-B group ids (the prompt ``uid``) for group estimators.
         values: ``[B, T]`` critic values, for ``gae``.
-        **cfg: the estimator's own options (e.g. ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``);
-            an option the estimator does not take raises ``ValueError`` naming it.
+        **cfg: the estimator's own options (e.g. ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``)
+            and the run inputs it declares (``reward_baselines``, ``reward_info``,
+            ``old_log_probs``, ``sum_pi_squared``, ``rollout_is_weights``); a keyword the
+            estimator does not take raises ``ValueError`` naming it.
 
     Returns:
         ``(advantages [B, T], returns [B, T])`` in float32.
@@ -386,3 +413,217 @@ def gpg_advantage(
     adv = alpha * (scores - mean) / f_norm
     adv = torch.where(count > 1, adv, torch.zeros_like(adv))
     return _outcome(adv, response_mask)
+
+
+def _reward_components(
+    reward_info: Sequence[Mapping[str, Any]] | None, keys: Sequence[str], batch_size: int
+) -> torch.Tensor:
+    """``[B, K]`` float64: ``reward_info[row][key]`` for every row and every key in ``keys``."""
+    if reward_info is None:
+        raise ValueError(
+            f"advantage estimator 'gdpo' with gdpo_reward_keys={list(keys)} needs `reward_info`: "
+            "one Trajectory.reward_info dict per row, passed by the run because 'gdpo' is "
+            "registered with needs_reward_info (or drop gdpo_reward_keys to normalize the score)"
+        )
+    if len(reward_info) != batch_size:
+        raise ValueError(
+            f"reward_info has {len(reward_info)} rows but the batch has {batch_size}; pass one "
+            "Trajectory.reward_info dict per row, in batch order"
+        )
+    out = torch.zeros(batch_size, len(keys), dtype=torch.float64)
+    for row, info in enumerate(reward_info):
+        for k, key in enumerate(keys):
+            if key not in info:
+                raise ValueError(
+                    f"gdpo_reward_keys: row {row} has no reward_info[{key!r}] (it has "
+                    f"{sorted(info)}); the reward function must report every listed component "
+                    "for every trajectory"
+                )
+            value = info[key]
+            if not isinstance(value, numbers.Real) or not torch.isfinite(
+                torch.tensor(float(value))
+            ):
+                raise ValueError(
+                    f"gdpo_reward_keys: reward_info[{key!r}] of row {row} must be a finite "
+                    f"number, got {value!r}"
+                )
+            out[row, k] = float(value)
+    return out
+
+
+@register_advantage("gdpo", needs_index=True, needs_reward_info=True)
+@torch.no_grad()
+def gdpo_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    reward_info: Sequence[Mapping[str, Any]] | None = None,
+    gdpo_reward_keys: tuple[str, ...] = (),
+    gdpo_reward_weights: tuple[float, ...] | None = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (NVIDIA 2026, Group reward-Decoupled normalization Policy Optimization, arXiv:2601.05242).
+
+    With K reward components c_{i,k} (``reward_info[i][key]`` for each of ``gdpo_reward_keys``),
+    each is normalized within its group *separately*, then combined and whitened over the batch:
+
+        Â_{i,k} = (c_{i,k} − mean_g c_k) / (std_g c_k + ε)      (GRPO per component)
+        A_i = whiten_batch(Σ_k w_k Â_{i,k})                      (w = ``gdpo_reward_weights``, default 1)
+
+    Summing first (GRPO on Σ_k c_k) lets the component with the largest spread decide the sign
+    and the scale of every advantage; normalizing first gives each component an equal say.
+    ``norm_adv_by_std_in_grpo=False`` drops the per-component std (Dr.GRPO style).
+
+    Without ``gdpo_reward_keys`` the one component is the sequence score Σ_t r_t (GDPO of one
+    reward is GRPO followed by batch whitening). Components replace the score: a KL-in-reward
+    penalty in ``token_level_rewards`` is not seen when keys are given (as in verl). Rows of a
+    group of one get 0 and stay out of the whitening statistics (verl whitens their raw score).
+    """
+    batch_size = token_level_rewards.shape[0]
+    ids, n = _require_index("gdpo", index, batch_size)
+    if gdpo_reward_keys:
+        comps = _reward_components(reward_info, gdpo_reward_keys, batch_size)
+        comps = comps.to(token_level_rewards.device)
+    else:
+        comps = token_level_rewards.double().sum(dim=-1, keepdim=True)
+    weights = [1.0] * comps.shape[1] if gdpo_reward_weights is None else gdpo_reward_weights
+    if len(weights) != comps.shape[1]:
+        raise ValueError(
+            f"gdpo_reward_weights has {len(weights)} entries but there are {comps.shape[1]} "
+            f"reward components (gdpo_reward_keys={list(gdpo_reward_keys)}); give one weight each"
+        )
+    combined = torch.zeros(batch_size, dtype=torch.float64, device=comps.device)
+    count = torch.ones_like(combined)
+    for k, weight in enumerate(weights):
+        count, mean, std = group_stats(comps[:, k], ids, n)
+        normalized = comps[:, k] - mean
+        if norm_adv_by_std_in_grpo:
+            normalized = normalized / (std + epsilon)
+        combined = combined + float(weight) * normalized
+    in_group = (count > 1).unsqueeze(-1)
+    mask = response_mask.float() * in_group.to(response_mask.device).float()
+    adv = masked_whiten(combined.float().unsqueeze(-1).to(mask.device) * mask, mask)
+    return adv, adv
+
+
+def _require_policy_stats(
+    name: str,
+    shape: tuple[int, ...],
+    old_log_probs: torch.Tensor | None,
+    sum_pi_squared: torch.Tensor | None,
+    rollout_is_weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The π_old statistics an estimator registered with ``needs_sum_pi_squared`` must get."""
+    if old_log_probs is None or sum_pi_squared is None:
+        missing = [
+            k
+            for k, v in (("old_log_probs", old_log_probs), ("sum_pi_squared", sum_pi_squared))
+            if v is None
+        ]
+        raise ValueError(
+            f"advantage estimator {name!r} needs {' and '.join(missing)} [B, T]: log π_old of "
+            "each sampled token and Σ_v π_old(v)² at each response position, both from the "
+            "π_old forward pass (Σπ² = exp(logsumexp(2z) − 2·logsumexp(z)) of the logits z)"
+        )
+    for key, t in (
+        ("old_log_probs", old_log_probs),
+        ("sum_pi_squared", sum_pi_squared),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
+        if t is not None and tuple(t.shape) != shape:
+            raise ValueError(f"{key} {tuple(t.shape)} must match the [B, T] rewards {shape}")
+    return old_log_probs, sum_pi_squared
+
+
+def _realized_energy(
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: torch.Tensor | None,
+    mask: torch.Tensor,
+) -> torch.Tensor:
+    """W_t = Σ_{j≤t} m_j ρ̄_j² (1 − 2π_j + Σ_v π_j(v)²), float64 ``[B, T]``.
+
+    1 − 2π + Σπ² = ‖e_y − π‖² is the squared norm of ∇_z log π(y) in logit space (the
+    "logit-gradient proxy"); it is ≥ 0, so rounding below 0 is clamped away.
+    """
+    pi = torch.exp(old_log_probs.double().clamp(max=0.0))
+    energy = (1.0 - 2.0 * pi + sum_pi_squared.double()).clamp(min=0.0)
+    if rollout_is_weights is not None:
+        energy = energy * rollout_is_weights.double().detach() ** 2
+    return (energy * mask).cumsum(dim=-1)
+
+
+@register_advantage(
+    "optimal_token_baseline",
+    "tir_optimal_token_baseline",
+    needs_index=True,
+    needs_sum_pi_squared=True,
+)
+@torch.no_grad()
+def optimal_token_baseline_advantage(
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    index: GroupIndex | None = None,
+    values: torch.Tensor | None = None,
+    old_log_probs: torch.Tensor | None = None,
+    sum_pi_squared: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal Token Baseline (OTB; Li et al. 2026, arXiv:2602.07078), single- and multi-turn.
+
+    A per-token baseline that minimizes the variance of the policy gradient. With G_{i,k} the
+    reward-to-go at the k-th *sampled* token of response i and W_{i,k} its realized energy
+    (cumulative squared logit-gradient norm, :func:`_realized_energy`), within a group:
+
+        B_k* = Σ_i G_{i,k} W_{i,k} / (Σ_i W_{i,k} + ε)      A_{i,k} = G_{i,k} − B_k*
+
+    summing over the responses that have a k-th sampled token. Paths that accumulated more
+    gradient energy weigh more in the baseline. With ``rollout_is_weights`` ρ̄, W uses ρ̄² (the
+    MSE-optimal baseline under truncated IS). ``handle_zero_tail``: where only one response of
+    the group reaches position k (the tail of a unique longest response), B_k* would equal its
+    own return and cancel its signal; its baseline is set to 0 there instead (A = G).
+
+    Tokens are aligned by their rank among sampled tokens, so tool/user tokens of multi-turn
+    responses never shift the comparison: this is verl's ``tir_optimal_token_baseline``, and on
+    single-turn responses (mask = a prefix) it equals verl's ``optimal_token_baseline``; both
+    names are registered. Needs ``old_log_probs`` and ``sum_pi_squared`` ``[B, T]`` (see
+    :func:`register_advantage`). ``returns`` is G on sampled tokens. A group of one gets 0 (verl
+    gives it its raw return).
+    """
+    shape = tuple(token_level_rewards.shape)
+    ids, n = _require_index("optimal_token_baseline", index, shape[0])
+    old, spsq = _require_policy_stats(
+        "optimal_token_baseline", shape, old_log_probs, sum_pi_squared, rollout_is_weights
+    )
+    mask = response_mask.double()
+    returns = (token_level_rewards.double() * mask).flip(-1).cumsum(-1).flip(-1) * mask
+    energy = _realized_energy(old, spsq, rollout_is_weights, mask)
+    sampled = mask > 0
+    rows, cols = sampled.nonzero(as_tuple=True)
+    rank = (sampled.long().cumsum(dim=-1) - 1)[rows, cols]  # k of each sampled token
+    width = int(rank.max().item()) + 1 if rank.numel() else 0
+    g_k = mask.new_zeros(shape[0], width)
+    w_k = torch.zeros_like(g_k)
+    present = torch.zeros_like(g_k)
+    g_k[rows, rank] = returns[rows, cols]
+    w_k[rows, rank] = energy[rows, cols]
+    present[rows, rank] = 1.0
+    ids = ids.to(mask.device)
+    per_group = mask.new_zeros(n, width)
+    numerator = per_group.clone().index_add_(0, ids, g_k * w_k)
+    denominator = per_group.clone().index_add_(0, ids, w_k)
+    baseline = (numerator / (denominator + epsilon))[ids]
+    if handle_zero_tail:
+        reached = per_group.clone().index_add_(0, ids, present)[ids]
+        baseline = torch.where(reached == 1, torch.zeros_like(baseline), baseline)
+    group_size = mask.new_zeros(n).index_add_(0, ids, mask.new_ones(shape[0]))[ids]
+    adv_k = (g_k - baseline) * present * (group_size > 1).double().unsqueeze(-1)
+    advantages = torch.zeros_like(mask)
+    advantages[rows, cols] = adv_k[rows, rank]
+    return advantages.float(), returns.float()

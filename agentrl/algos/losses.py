@@ -7,19 +7,26 @@ loss_scale_factor=None, **options) -> (scalar loss, dict[str, float])`` and is c
 
 - math in float32 whatever the input dtype; the scalar is aggregated by
   :func:`agentrl.algos.agg_loss`, so global token/sequence counts make micro-batch losses add
-  up to the mini-batch loss (gradient accumulation);
+  up to the mini-batch loss (gradient accumulation) — except ``clip_cov`` and ``kl_cov``, which
+  pick their tokens within each call (a micro-batch), as verl does;
 - log-ratios are clamped to [−20, 20] before ``exp`` (GSPO: ≤ 10), so gradients stay finite
-  for any finite input;
+  for any finite input (``dro`` has no ``exp`` and keeps the raw log-ratio in its penalty);
 - ``rollout_is_weights`` ``[B, T]`` (decoupled off-policy correction) multiplies the per-token
-  loss and is always detached; the ``bypass`` loss refuses it (its ratio already is π_θ/π_rollout,
-  a second weight would count the correction twice);
-- metrics: ``pg_clipfrac`` (fraction of tokens where clipping is active), ``pg_clipfrac_lower``
-  (dual-clip active), ``ppo_kl`` (masked mean of log π_old − log π_θ); 0.0 where not
-  applicable, so every loss logs the same keys.
+  loss and is always detached (``geo_mean``: their per-sequence geometric mean); the ``bypass``
+  loss refuses it (its ratio already is π_θ/π_rollout, a second weight would count the
+  correction twice);
+- metrics: ``pg_clipfrac`` (fraction of tokens where clipping or the trust-region mask is
+  active), ``pg_clipfrac_lower`` (dual clip, or DPPO's IS truncation, active), ``ppo_kl``
+  (masked mean of log π_old − log π_θ); 0.0 where not applicable, so every loss logs these keys
+  (``clip_cov`` and ``kl_cov`` add ``cov_fraction``).
 
-The PPO clip knobs (``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``, ``clip_ratio_c``)
-are accepted by every built-in loss so one trainer config can drive them all; losses that do
-not clip ignore them.
+Each loss's knobs are its keyword options with defaults and nothing else (the typed config
+variant is built from the signature): the PPO family (``vanilla``, ``bypass``, ``gspo``,
+``cispo``, ``reinforce``) shares ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
+``clip_ratio_c`` (``reinforce`` ignores them); ``dppo_tv``/``dppo_kl`` read the first three as
+divergence thresholds, as verl does; ``geo_mean`` and ``clip_cov`` clip with the first three;
+``sapo`` (``tau_pos``, ``tau_neg``), ``dro`` (``dro_beta``) and ``kl_cov`` (``kl_cov_ratio``,
+``ppo_kl_coef``) have their own.
 """
 
 from __future__ import annotations
@@ -85,7 +92,9 @@ def policy_loss(
     """Compute the policy loss registered as ``name``.
 
     Args:
-        name: ``vanilla``, ``gspo``, ``cispo``, ``bypass``, ``reinforce`` (alias ``gpg``) or your own.
+        name: ``vanilla``, ``gspo``, ``cispo``, ``bypass``, ``reinforce`` (alias ``gpg``),
+            ``dppo_tv``, ``dppo_kl``, ``sapo``, ``geo_mean``, ``dro``, ``clip_cov``,
+            ``kl_cov`` or your own.
         old_log_prob: ``[B, T]`` the anchor policy's logprobs: π_old recomputed by the trainer
             (decoupled mode) or π_rollout from the inference server (``bypass``).
         log_prob: ``[B, T]`` current policy logprobs π_θ (carries the gradient).
@@ -398,6 +407,458 @@ def reinforce_loss(
             "pg_clipfrac_lower": 0.0,
             "ppo_kl": masked_mean(old_log_prob.float() - lp, response_mask).item(),
         }
+    return loss, metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# Trust-region variants (verl's loss modes): shared plumbing
+# ---------------------------------------------------------------------------------------------
+
+
+def _log_ratio(old_log_prob: torch.Tensor, log_prob: torch.Tensor) -> torch.Tensor:
+    """log(π_θ/π_old) in float32, clamped to [−20, 20] so ``exp`` stays finite."""
+    return (log_prob.float() - old_log_prob.float()).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+
+
+def _aggregate(
+    losses: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str,
+    rollout_is_weights: torch.Tensor | None,
+    global_tokens: Any,
+    global_seqs: Any,
+    loss_scale_factor: Any,
+) -> torch.Tensor:
+    """IS-weight the per-token losses ``[B, T]`` and aggregate them (see module docstring)."""
+    losses = _apply_is_weights(losses, rollout_is_weights)
+    return agg_loss(
+        losses, response_mask, loss_agg_mode, global_tokens, global_seqs, loss_scale_factor
+    )
+
+
+def _metrics(
+    response_mask: torch.Tensor,
+    log_ratio: torch.Tensor,
+    clipped: torch.Tensor | None = None,
+    clipped_lower: torch.Tensor | None = None,
+) -> dict[str, float]:
+    """The three keys every loss logs; ``clipped*`` are 0/1 ``[B, T]`` masks (None = 0.0)."""
+    with torch.no_grad():
+        return {
+            "pg_clipfrac": _fraction(clipped, response_mask),
+            "pg_clipfrac_lower": _fraction(clipped_lower, response_mask),
+            "ppo_kl": masked_mean(-log_ratio.float(), response_mask).item(),
+        }
+
+
+def _fraction(flags: torch.Tensor | None, response_mask: torch.Tensor) -> float:
+    """Share of sampled tokens where ``flags`` (0/1 ``[B, T]``) is set; 0.0 for None."""
+    return 0.0 if flags is None else masked_mean(flags.float(), response_mask).item()
+
+
+def _dppo(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    valid: torch.Tensor,
+    clip_ratio_c: float,
+    agg: dict[str, Any],
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """ℓ = −A · sg(min(ρ, C)) · log π_θ · M, with M the 0/1 trust-region mask ``valid``."""
+    if clip_ratio_c <= 0:
+        raise ValueError(
+            f"clip_ratio_c (the truncated-IS bound C of DPPO) must be > 0, got {clip_ratio_c}; "
+            "use a large value such as 20.0"
+        )
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(log_ratio).detach()
+    weight = ratio.clamp(max=clip_ratio_c) * valid
+    losses = -advantages.float() * weight * log_prob.float()
+    loss = _aggregate(losses, response_mask, **agg)
+    return loss, _metrics(response_mask, log_ratio, 1.0 - valid, (ratio > clip_ratio_c) * valid)
+
+
+def _token_log_probs(
+    old_log_prob: torch.Tensor, log_prob: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log π_θ(y_t), log π_old(y_t)) in float32, detached, capped at 0 (probabilities ≤ 1)."""
+    return log_prob.detach().float().clamp(max=0.0), old_log_prob.detach().float().clamp(max=0.0)
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: Any = None,
+    clip_ratio: float | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO-Binary-TV (Qi et al. 2026, Rethinking the Trust Region in LLM RL, arXiv:2602.04879).
+
+    PPO's ratio clip is a noisy one-sample estimate of the policy divergence: it over-constrains
+    rare tokens (a ratio of 2 on p = 0.001) and under-constrains likely ones. DPPO masks a token
+    out when the *probability* moved too far in the direction the advantage pushes it, measured
+    by the total variation of the binary (token vs rest) distribution, D = |π_θ(y) − π_old(y)|:
+
+        M = 0 if A > 0 and π_θ − π_old > δ_high,  or  A ≤ 0 and π_old − π_θ > δ_low;  else 1
+        ℓ = −A · sg(min(ρ, C)) · log π_θ · M
+
+    whose gradient is PPO's unclipped −A∇ρ (truncated IS at C) inside the trust region and 0
+    outside. The knobs keep verl's names but are TV thresholds δ: ``clip_ratio`` sets both,
+    default δ = 0.15 (verl's DPPO example); ``clip_ratio_c`` = C = 20 (paper §5.4: large, to
+    keep the truncation bias small). Metrics: ``pg_clipfrac`` = masked-out fraction,
+    ``pg_clipfrac_lower`` = fraction where the truncation at C is active.
+    """
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, 0.15, 0.15)
+    log_p, log_p_old = _token_log_probs(old_log_prob, log_prob)
+    moved = torch.exp(log_p) - torch.exp(log_p_old)  # π_θ − π_old
+    valid = torch.where(advantages > 0, moved <= high, moved >= -low).float()
+    agg = dict(
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, valid, clip_ratio_c, agg)
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: Any = None,
+    clip_ratio: float | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_ratio_c: float = 20.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DPPO-Binary-KL (Qi et al. 2026, arXiv:2602.04879): ``dppo_tv`` with a binary KL trust region.
+
+    D = π_old log(π_old/π_θ) + (1 − π_old) log((1 − π_old)/(1 − π_θ)), the KL between the
+    Bernoulli(π_old(y)) and Bernoulli(π_θ(y)) distributions of the sampled token (1e-8 guards
+    the logs as in verl):
+
+        M = 0 if A > 0, π_θ > π_old and D > δ_high,  or  A ≤ 0, π_θ < π_old and D > δ_low;  else 1
+        ℓ = −A · sg(min(ρ, C)) · log π_θ · M
+
+    Knobs as ``dppo_tv`` (KL thresholds δ under verl's clip names), default δ = 0.05 (verl's
+    DPPO example), C = 20.
+    """
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, 0.05, 0.05)
+    log_p, log_p_old = _token_log_probs(old_log_prob, log_prob)
+    p, p_old = torch.exp(log_p), torch.exp(log_p_old)
+    binary_kl = p_old * (log_p_old - log_p) + (1.0 - p_old) * torch.log(
+        (1.0 - p_old + 1e-8) / (1.0 - p + 1e-8)
+    )
+    up_ok = (binary_kl <= high) | (p <= p_old)
+    down_ok = (binary_kl <= low) | (p >= p_old)
+    valid = torch.where(advantages > 0, up_ok, down_ok).float()
+    agg = dict(
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return _dppo(old_log_prob, log_prob, advantages, response_mask, valid, clip_ratio_c, agg)
+
+
+@register_policy_loss("sapo")
+def sapo_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: Any = None,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO (Qwen team 2025, Soft Adaptive Policy Optimization, arXiv:2511.20347).
+
+    Replaces the hard clip by a smooth gate of the ratio, ℓ = −f_τ(ρ) · A with
+
+        f_τ(ρ) = σ(τ (ρ − 1)) · 4/τ,    τ = ``tau_pos`` if A > 0 else ``tau_neg``
+
+    so dℓ/dlog π_θ = −A · 4σ(1 − σ) · ρ: exactly the policy gradient −A at ρ = 1, fading
+    smoothly (never to a cliff) as ρ leaves 1. A larger τ fades faster; ``tau_neg`` > ``tau_pos``
+    damps negative updates more, which the paper finds stabilizes training. Defaults τ+ = 1.0,
+    τ− = 1.05 (verl's). verl forces ``seq-mean-token-mean`` for SAPO; we honour the
+    ``loss_agg_mode`` you pass (use that mode to match). Clip metrics are 0.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"tau_pos and tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    adv = advantages.float()
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    tau = torch.where(adv > 0, torch.full_like(adv, tau_pos), torch.full_like(adv, tau_neg))
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    losses = -gate * adv
+    loss = _aggregate(
+        losses,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return loss, _metrics(response_mask, log_ratio)
+
+
+@register_policy_loss("geo_mean")
+def geo_mean_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: Any = None,
+    clip_ratio: float | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO (Zhao et al. 2025, Geometric-Mean Policy Optimization, arXiv:2507.20673).
+
+    GRPO averages token ratios arithmetically, so one outlier ratio dominates; GMPO takes their
+    geometric mean, clipping each token's log-ratio pessimistically first:
+
+        x̃_t = sign(A) · min(sign(A) · x_t, sign(A) · clip(x_t, −ε_low, ε_high)),  x_t = log ρ_t
+        ℓ_i = −Ā_i · exp(mean_t m_t x̃_t),   Ā_i = mean_t m_t A_t (a sequence advantage)
+
+    The range is in log space and wide: default ε_low = ε_high = 0.4 (paper; verl's example).
+    ℓ_i is written on every token of sequence i and aggregated with ``loss_agg_mode``: use
+    ``seq-mean-token-mean`` to get the paper's mean over sequences (verl always does that;
+    ``token-mean`` weights sequences by length). ``rollout_is_weights`` enter per sequence, as
+    their geometric mean (as in verl). ``pg_clipfrac`` / ``pg_clipfrac_lower``: fraction of
+    tokens whose clip is active with A > 0 / A < 0.
+    """
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, 0.4, 0.4)
+    mask = response_mask.float()
+    adv = advantages.float()
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    sign = torch.sign(adv)
+    clipped_lr = log_ratio.clamp(-low, high)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_lr)
+    lengths = mask.sum(dim=-1).clamp(min=1.0)
+    seq_ratio = torch.exp((pessimistic * mask).sum(dim=-1) / lengths)
+    seq_adv = (adv * mask).sum(dim=-1) / lengths
+    seq_loss = -seq_adv * seq_ratio
+    if rollout_is_weights is not None:
+        if rollout_is_weights.shape != mask.shape:
+            raise ValueError(
+                f"rollout_is_weights {tuple(rollout_is_weights.shape)} must match the [B, T] "
+                f"mask shape {tuple(mask.shape)}"
+            )
+        log_w = torch.log(rollout_is_weights.detach().float() + 1e-10)
+        seq_loss = seq_loss * torch.exp((log_w * mask).sum(dim=-1) / lengths)
+    losses = seq_loss.unsqueeze(-1).expand_as(mask)
+    loss = agg_loss(
+        losses, response_mask, loss_agg_mode, global_tokens, global_seqs, loss_scale_factor
+    )
+    active = (pessimistic != log_ratio).float()
+    return loss, _metrics(response_mask, log_ratio, active * (adv > 0), active * (adv < 0))
+
+
+@register_policy_loss("dro")
+def dro_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: Any = None,
+    dro_beta: float = 1.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """DRO (Richemond et al. 2024, Direct Reward Optimization, arXiv:2405.19107; Kimi k1.5).
+
+    A policy gradient with a quadratic proximal penalty instead of a clip:
+
+        ℓ = −(A · log π_θ − ½ β (log π_θ − log π_old)²)
+
+    so dℓ/dlog π_θ = −(A − β · log ρ): each token's log-probability is pulled toward
+    log ρ* = A/β and no further, a soft trust region whose width is set by β (``dro_beta``,
+    which must be > 0). Works off-policy (π_old may be a stale or the rollout policy). verl
+    requires ``dro_beta`` to be set; our default 1.0 puts log ρ* at the scale of whitened
+    advantages (|A| ≈ 1); raise it for a tighter region. The log-ratio is not clamped (the
+    penalty must keep pulling back however far it went). Clip metrics are 0.
+    """
+    if dro_beta <= 0:
+        raise ValueError(
+            f"dro_beta must be > 0 (the weight of the quadratic log-ratio penalty), got {dro_beta}"
+        )
+    lp = log_prob.float()
+    log_ratio = lp - old_log_prob.float()
+    losses = -(advantages.float() * lp - 0.5 * dro_beta * log_ratio.square())
+    loss = _aggregate(
+        losses,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
+    return loss, _metrics(response_mask, log_ratio)
+
+
+def _centered_product(
+    advantages: torch.Tensor, log_prob: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """Per-token Cov term (A − mean A)(log π − mean log π) over the ``valid`` tokens (detached)."""
+    adv = advantages.detach().float()
+    lp = log_prob.detach().float()
+    return (adv - masked_mean(adv, valid)) * (lp - masked_mean(lp, valid))
+
+
+@register_policy_loss("clip_cov")
+def clip_cov_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: Any = None,
+    clip_ratio: float | None = None,
+    clip_ratio_low: float | None = None,
+    clip_ratio_high: float | None = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al. 2025, The Entropy Mechanism of RL for Reasoning LMs, arXiv:2505.22617).
+
+    Entropy falls when the policy raises tokens whose log-probability and advantage covary; a
+    few tokens with a large covariance drive the collapse. Clip-Cov takes PPO's clipped loss
+    (no dual clip) and cuts the gradient of a random few of them:
+
+        C_t = (A_t − mean A)(log π_θ(y_t) − mean log π_θ)          (means over sampled tokens)
+        ℓ_t = max(−Aρ, −A clip(ρ, 1−ε_low, 1+ε_high)) · (1 − D_t)
+
+    D_t = 1 for ⌊r·N⌋ (at least 1) tokens drawn uniformly (torch's global RNG) among those not
+    already ratio-clipped with ``clip_cov_lb`` < C_t < ``clip_cov_ub``; r = ``clip_cov_ratio``,
+    N the sampled tokens of this call (a micro-batch, as in verl). Defaults verl's: ε = 0.2,
+    r = 2e-4, bounds (1, 5). ``pg_clipfrac`` = ratio-clipped fraction; ``cov_fraction`` = the
+    fraction cut by covariance (what verl logs as ``pg_clipfrac``).
+    """
+    if clip_cov_ratio <= 0:
+        raise ValueError(f"clip_cov_ratio must be > 0, got {clip_cov_ratio}")
+    low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, 0.2, 0.2)
+    adv = advantages.float()
+    valid = response_mask > 0
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    ratio = torch.exp(log_ratio)
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - low, 1.0 + high)
+    ratio_clipped = (loss_clipped > loss_unclipped) & valid
+    with torch.no_grad():
+        cov = _centered_product(adv, log_prob, valid.float())
+        candidates = (valid & ~ratio_clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)).nonzero()
+        n_cut = max(int(clip_cov_ratio * int(valid.sum().item())), 1)
+        picked = candidates[torch.randperm(len(candidates), device=candidates.device)[:n_cut]]
+        cut = torch.zeros_like(adv)
+        cut[picked[:, 0], picked[:, 1]] = 1.0
+    losses = torch.maximum(loss_unclipped, loss_clipped) * (1.0 - cut)
+    loss = _aggregate(
+        losses,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
+    metrics = _metrics(response_mask, log_ratio, ratio_clipped)
+    metrics["cov_fraction"] = _fraction(cut, response_mask)
+    return loss, metrics
+
+
+@register_policy_loss("kl_cov")
+def kl_cov_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: torch.Tensor | None = None,
+    global_tokens: Any = None,
+    global_seqs: Any = None,
+    loss_scale_factor: Any = None,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al. 2025, arXiv:2505.22617): a KL penalty on the highest-covariance tokens.
+
+    With C_t as in ``clip_cov``, the ⌊r·N⌋ (at least 1) sampled tokens of largest C_t get a
+    penalty on their log-ratio; every other token keeps the plain, unclipped surrogate:
+
+        ℓ_t = −A ρ + k · |log ρ| · P_t,    P_t = 1 on the top-r covariance tokens
+
+    r = ``kl_cov_ratio`` (default 2e-4), k = ``ppo_kl_coef`` (default 0.1; verl's config
+    defaults). N counts the sampled tokens of this call (a micro-batch, as in verl). No clip
+    metrics; ``cov_fraction`` = the penalized fraction. ``ppo_kl`` is the signed mean of
+    log π_old − log π_θ like every loss (verl logs the mean of |log ρ| here).
+    """
+    if kl_cov_ratio <= 0:
+        raise ValueError(f"kl_cov_ratio must be > 0, got {kl_cov_ratio}")
+    adv = advantages.float()
+    valid = response_mask > 0
+    log_ratio = _log_ratio(old_log_prob, log_prob)
+    with torch.no_grad():
+        penalized = torch.zeros_like(adv)
+        n_valid = int(valid.sum().item())
+        if n_valid:
+            cov = _centered_product(adv, log_prob, valid.float())[valid]
+            top = torch.topk(cov, max(int(n_valid * kl_cov_ratio), 1)).indices
+            rows, cols = valid.nonzero(as_tuple=True)
+            penalized[rows[top], cols[top]] = 1.0
+    losses = -adv * torch.exp(log_ratio) + ppo_kl_coef * log_ratio.abs() * penalized
+    loss = _aggregate(
+        losses,
+        response_mask,
+        loss_agg_mode=loss_agg_mode,
+        rollout_is_weights=rollout_is_weights,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        loss_scale_factor=loss_scale_factor,
+    )
+    metrics = _metrics(response_mask, log_ratio)
+    metrics["cov_fraction"] = _fraction(penalized, response_mask)
     return loss, metrics
 
 
