@@ -182,9 +182,10 @@ class FrozenPolicy:
 
     # ---- forward ------------------------------------------------------------------------
     def _forward(
-        self, mb: TensorDict, *, with_entropy: bool
+        self, mb: TensorDict, *, with_entropy: bool, with_sum_pi_squared: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs ``[b, R]`` (and entropy ``[b, R]``) of the micro-batch's response tokens."""
+        """Log-probs ``[b, R]`` of the micro-batch's response tokens, and the entropy (or, with
+        ``with_sum_pi_squared``, Σ_v π(v)²) ``[b, R]`` at each position."""
         input_ids = mb["input_ids"].to(self.device)
         attention_mask = mb["attention_mask"].to(self.device)
         position_ids = mb["position_ids"].to(self.device)
@@ -199,10 +200,13 @@ class FrozenPolicy:
         ).logits
         logits = logits[:, prompt_len - 1 : prompt_len - 1 + resp_len].float()
         logp = logprobs_from_logits(logits, responses, temperature=self.temperature)
-        entropy = None
-        if with_entropy:
-            entropy = entropy_from_logits(logits / self.temperature)
-        return logp, entropy
+        extra = None
+        if with_sum_pi_squared:
+            z = logits / self.temperature
+            extra = torch.exp(torch.logsumexp(2 * z, dim=-1) - 2 * torch.logsumexp(z, dim=-1))
+        elif with_entropy:
+            extra = entropy_from_logits(logits / self.temperature)
+        return logp, extra
 
     def _micro_batches(self, batch: TensorDict) -> tuple[list[TensorDict], list[list[int]]]:
         return split_by_token_budget(batch, max(1, self.micro_batch_max_tokens))
@@ -220,6 +224,23 @@ class FrozenPolicy:
             return torch.zeros(0, resp_len)
         out = merge_micro_batches(outputs, indices, width=resp_len)
         return out * batch["response_mask"].float()
+
+    @torch.no_grad()
+    def compute_log_probs_and_sum_pi_squared(
+        self, batch: TensorDict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`compute_log_probs` and Σ_v π(v)² at every response position (``[B, R]``
+        each; 0 on padding), in one forward pass (the optimal token baseline needs both)."""
+        was_training = self.model.training
+        self.model.eval()
+        resp_len = batch["responses"].shape[1]
+        micro, indices = self._micro_batches(batch)
+        pairs = [self._forward(mb, with_entropy=False, with_sum_pi_squared=True) for mb in micro]
+        self.model.train(was_training)
+        mask = batch["response_mask"].float()
+        logp = merge_micro_batches([p[0].cpu() for p in pairs], indices, width=resp_len)
+        spp = merge_micro_batches([p[1].cpu() for p in pairs], indices, width=resp_len)  # type: ignore[union-attr]  # requested above
+        return logp * mask, spp * mask
 
 
 class _Stats:

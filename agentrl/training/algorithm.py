@@ -121,22 +121,23 @@ class AdvantageVariant(_Variant):
         """True when the estimator needs one greedy response's reward per prompt (ReMax)."""
         return self.flag("needs_greedy_baseline")
 
+    @property
+    def needs_reward_info(self) -> bool:
+        """True when the estimator reads the rows' ``reward_info`` (reward components, GDPO)."""
+        return self.flag("needs_reward_info")
+
+    @property
+    def needs_sum_pi_squared(self) -> bool:
+        """True when the estimator needs Σπ² and π_old of every position (optimal token baseline)."""
+        return self.flag("needs_sum_pi_squared")
+
     def __call__(
-        self,
-        token_level_rewards: torch.Tensor,
-        response_mask: torch.Tensor,
-        *,
-        index: Any = None,
-        values: torch.Tensor | None = None,
-        reward_baselines: torch.Tensor | None = None,
+        self, token_level_rewards: torch.Tensor, response_mask: torch.Tensor, **inputs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        extra: dict[str, Any] = {}
-        if index is not None:
-            extra["index"] = index
-        if values is not None:
-            extra["values"] = values
-        if reward_baselines is not None:
-            extra["reward_baselines"] = reward_baselines
+        """The estimator on ``[B, T]`` rewards; ``inputs`` are the run-provided keywords it takes
+        (``index``, ``values``, ``reward_baselines``, ``reward_info``, ``old_log_probs``,
+        ``sum_pi_squared``, ``rollout_is_weights``); None values are not passed."""
+        extra = {k: v for k, v in inputs.items() if v is not None}
         return self.fn(token_level_rewards, response_mask, **extra, **self.options)
 
 

@@ -84,6 +84,17 @@ async def anchor_log_probs(
     plan computes it before the update (decoupled mode, or bypass with IS/RS rules)."""
     t0 = time.perf_counter()
     train_lp: torch.Tensor | None = None
+    if plan.advantage.needs_sum_pi_squared:
+        lp, batch["sum_pi_squared"] = await _off_loop(
+            actor.compute_log_probs_and_sum_pi_squared, batch
+        )
+        batch["train_log_probs"] = lp  # the π the baseline's Σπ² belongs to (also in bypass)
+        train_lp = lp if (plan.needs_old_log_probs or plan.needs_train_log_probs) else None
+        batch["old_log_probs"] = (
+            lp if plan.needs_old_log_probs else batch["rollout_log_probs"].clone()
+        )
+        m["timing_s/old_log_prob"] = time.perf_counter() - t0
+        return train_lp
     if plan.needs_old_log_probs or plan.needs_train_log_probs:
         train_lp = await _off_loop(actor.compute_log_probs, batch)
     batch["old_log_probs"] = (
@@ -124,15 +135,24 @@ def compute_rewards(batch: TensorDict, plan: AlgorithmPlan, m: dict[str, float])
 
 
 def compute_advantages(
-    batch: TensorDict, plan: AlgorithmPlan, reward_baselines: torch.Tensor | None = None
+    batch: TensorDict,
+    plan: AlgorithmPlan,
+    reward_baselines: torch.Tensor | None = None,
+    reward_info: Sequence[dict[str, Any]] | None = None,
 ) -> None:
-    """``advantages`` and ``returns`` by the plan's estimator (values, group ids, baselines as needed)."""
-    adv, returns = plan.advantage(
+    """``advantages`` and ``returns`` by the plan's estimator, given what it says it needs
+    (group ids, values, greedy baselines, reward components, Σπ² with π_old)."""
+    est = plan.advantage
+    adv, returns = est(
         batch["token_level_rewards"],
         batch["response_mask"].float(),
-        index=non_tensor_list(batch, "uid") if plan.advantage.needs_index else None,
-        values=batch.get("values") if plan.advantage.needs_critic else None,
-        reward_baselines=reward_baselines if plan.advantage.needs_greedy_baseline else None,
+        index=non_tensor_list(batch, "uid") if est.needs_index else None,
+        values=batch.get("values") if est.needs_critic else None,
+        reward_baselines=reward_baselines if est.needs_greedy_baseline else None,
+        reward_info=list(reward_info) if est.needs_reward_info and reward_info else None,
+        old_log_probs=batch.get("train_log_probs") if est.needs_sum_pi_squared else None,
+        sum_pi_squared=batch.get("sum_pi_squared") if est.needs_sum_pi_squared else None,
+        rollout_is_weights=batch.get("rollout_is_weights") if est.needs_sum_pi_squared else None,
     )
     batch["advantages"] = adv
     batch["returns"] = returns
@@ -181,7 +201,7 @@ async def train_step(
         t0 = time.perf_counter()
         batch["values"] = await _off_loop(policies.critic.compute_values, batch)
         m["timing_s/values"] = time.perf_counter() - t0
-    compute_advantages(batch, plan, reward_baselines)
+    compute_advantages(batch, plan, reward_baselines, [t.reward_info for t in trajs])
     first_lp = await _update_models(batch, policies, train_actor, m)
     if train_lp is None:
         # Bypass without IS/RS: the diagnostics come from the update's first pass (π_θ before

@@ -40,6 +40,11 @@ class FakeActor:
         self.updated = batch.clone()
         return {"actor/pg_loss": 0.5}, self.compute_log_probs(batch)
 
+    def compute_log_probs_and_sum_pi_squared(
+        self, batch: TensorDict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.compute_log_probs(batch), torch.full_like(batch["rollout_log_probs"], 0.25)
+
 
 class FakeReference(FakeActor):
     def __init__(self) -> None:
@@ -181,3 +186,35 @@ def test_the_greedy_sample_is_the_baseline_not_a_training_row() -> None:
     rows, baselines = feed.split(groups)
     assert [(t.uid, t.index) for t in rows] == [("g0", 0), ("g0", 1), ("g1", 0), ("g1", 1)]
     assert baselines is not None and baselines.tolist() == [2.0, 2.0, 3.0, 3.0]
+
+
+async def test_the_optimal_token_baseline_gets_sum_pi_squared_from_the_pi_old_pass() -> None:
+    from agentrl.algos import compute_advantage
+
+    actor = FakeActor()
+    await run(plan_of("algorithm.advantage=optimal_token_baseline"), Policies(actor))
+    assert actor.forward_calls == 2  # one forward gave π_old and Σπ² together, + the update's
+    b = actor.updated
+    assert float(b["sum_pi_squared"].max()) == 0.25
+    want, _ = compute_advantage(
+        "optimal_token_baseline",
+        b["token_level_rewards"],
+        b["response_mask"].float(),
+        index=[f"g{i // 2}" for i in range(6)],
+        old_log_probs=b["train_log_probs"],
+        sum_pi_squared=b["sum_pi_squared"],
+        rollout_is_weights=b.get("rollout_is_weights"),
+    )
+    torch.testing.assert_close(b["advantages"], want)
+
+
+async def test_gdpo_reads_reward_components_from_reward_info() -> None:
+    actor = FakeActor()
+    trajs = random_trajectories(4)
+    trajs = [
+        t.model_copy(update={"reward_info": {"fmt": float(i % 2), "acc": float(i // 2)}})
+        for i, t in enumerate(trajs)
+    ]
+    plan = plan_of("algorithm.advantage={name: gdpo, gdpo_reward_keys: [fmt, acc]}")
+    out = await train_step(trajs, Policies(actor), plan, pad_token_id=0)
+    assert out.batch["advantages"].abs().sum() > 0
