@@ -251,10 +251,8 @@ class MetricsReporter(Reporter):
     def on_validation(self, step: int, metrics: dict[str, float], report: Any = None) -> None:
         if report is None:
             self.tracker.log_metrics(metrics, step=step)
-            return
-        from agentrl.evaluation import log_report
-
-        log_report(self.tracker, report, step=step)  # metrics, a table and the JSON report
+        else:
+            report.log(self.tracker, step=step)  # metrics, a table and the JSON report
 
 
 class SampleReporter(Reporter):

@@ -131,6 +131,10 @@ class EvalReport(BaseModel):
     """``{data_source: {key: value}}`` from :func:`~agentrl.evaluation.stats.validation_statistics`."""
     tasks: list[TaskResult] = Field(default_factory=list)
 
+    def log(self, tracker: Tracker, *, step: int, artifact_dir: str = "eval") -> None:
+        """:func:`log_report` of this report (reporters call it without importing this module)."""
+        log_report(tracker, self, step=step, artifact_dir=artifact_dir)
+
     def to_json(self, indent: int | None = 2) -> str:
         return self.model_dump_json(indent=indent)
 
