@@ -547,6 +547,8 @@ class CheckpointConfig(Section):
     """Time limit of one push on one server (pause, transfer, verify, resume)."""
     pause_mode: Literal["keep", "abort"] = "keep"
     """On pause: `keep` in-flight requests (they finish on new weights) or `abort` them."""
+    push_every: int = Field(default=1, ge=1)
+    """Push to the servers every N steps (1 = every step); > 1 makes rollouts lag the trainer on purpose (staleness experiments, or amortizing slow pushes); staler trajectories than `trainer.max_staleness` are still dropped."""
     push_retries: int = Field(default=1, ge=0)
     """Extra attempts of a failed push before training stops with the push report as error."""
 

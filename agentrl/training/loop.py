@@ -325,8 +325,10 @@ async def _one_step(
         state.trained(g[0].task_id)
     state.step += 1
     t1 = time.perf_counter()
-    report = await push(state.version + 1)
     state.version += 1
+    report = None
+    if state.step % cfg.checkpoint.push_every == 0 or state.step >= cfg.trainer.total_steps:
+        report = await push(state.version)
     feed.admission.set_version(state.version)
     feed.last_trajs = trajs
     m = out.metrics
@@ -340,7 +342,8 @@ async def _one_step(
         )
     )
     m.update(compute_rollout_timing_metrics(trajs))
-    m.update(report.metrics())
+    if report is not None:
+        m.update(report.metrics())
     m.update(feed.buffer.metrics())
     m.update(feed.manager.stats())
     m.update(run.rewards.metrics())
