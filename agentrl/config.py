@@ -256,6 +256,8 @@ class InferenceConfig(Section):
     """Retries of a failed request on another healthy server."""
     max_batch_size: int = Field(default=32, ge=1)
     """Most sequences a server decodes at once (embedded: batch slots; vLLM: --max-num-seqs)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the embedded servers (auto = cuda when available); their dtype is `model.dtype`."""
     vllm_python: str | None = None
     """Python interpreter that has vLLM; None = $AGENTRL_VLLM_PYTHON or `.venv-vllm/bin/python`."""
     vllm_extra_args: list[str] = Field(default_factory=list)

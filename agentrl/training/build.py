@@ -174,11 +174,15 @@ def server_launch(
     if inf.backend == "embedded":
         from agentrl.inference.server import launch_embedded_server
 
+        device, dtype = embedded_device(cfg)
         return launch_embedded_server, {
             "model_dir": path,
             "log_path": logs / f"server-{i}.log",
             "env": plan.servers[i].env() if i < len(plan.servers) else None,
-            "extra_args": ["--max-batch-size", str(inf.max_batch_size), "--seed", str(seed)],
+            "extra_args": [
+                *("--max-batch-size", str(inf.max_batch_size), "--seed", str(seed)),
+                *("--device", device, "--dtype", dtype),
+            ],
         }
     from agentrl.inference.vllm_backend import launch_vllm_server
 
@@ -190,6 +194,20 @@ def server_launch(
         "seed": seed,
         "extra_args": ["--max-num-seqs", str(inf.max_batch_size), *trust, *inf.vllm_extra_args],
     }
+
+
+def embedded_device(cfg: ExperimentConfig) -> tuple[str, str]:
+    """(device, dtype) of the embedded servers: ``inference.device`` and ``model.dtype``
+    (auto = cuda with bfloat16 when a GPU is visible, else cpu with float32)."""
+    import torch
+
+    device = cfg.inference.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype
 
 
 def _launch_one(cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path) -> Any:
