@@ -235,6 +235,7 @@ class TaskDataset:
 
     @classmethod
     def from_file(cls, path: str | Path, *, seed: int = 0, shuffle: bool = True) -> TaskDataset:
+        """A dataset of the tasks in the ``.jsonl`` or ``.parquet`` file ``path`` (:func:`load_tasks`)."""
         return cls(load_tasks(path), seed=seed, shuffle=shuffle)
 
     def __len__(self) -> int:
@@ -278,6 +279,7 @@ class TaskDataset:
             yield self.next_task()
 
     def state_dict(self) -> dict[str, int | bool]:
+        """The position to save with a checkpoint (epoch, position, seed, shuffle, task count)."""
         return {
             "epoch": self.epoch,
             "position": self.position,
