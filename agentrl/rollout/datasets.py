@@ -235,7 +235,7 @@ class TaskDataset:
 
     @classmethod
     def from_file(cls, path: str | Path, *, seed: int = 0, shuffle: bool = True) -> TaskDataset:
-        """A dataset of the tasks in the ``.jsonl`` or ``.parquet`` file ``path`` (:func:`load_tasks`)."""
+        """A dataset of the tasks in the ``.jsonl`` or ``.parquet`` file ``path``."""
         return cls(load_tasks(path), seed=seed, shuffle=shuffle)
 
     def __len__(self) -> int:
