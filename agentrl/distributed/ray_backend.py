@@ -342,7 +342,7 @@ class AgentLoopWorkerActor:
         return self._worker
 
     async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
-        """One episode on this actor's worker (built on first use): ``AgentLoopWorker.run_episode``."""
+        """``AgentLoopWorker.run_episode`` on this actor's worker (built on first use)."""
         traj = await self._build().run_episode(task, uid, index)
         self.episodes += 1
         return traj
