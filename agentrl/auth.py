@@ -172,6 +172,7 @@ class BodyLimit:
         self.limits = sorted((limits or {}).items(), key=lambda kv: -len(kv[0]))
 
     def limit_for(self, path: str) -> int:
+        """The body limit of ``path``: the longest matching prefix's, else the default."""
         for prefix, limit in self.limits:
             if path.startswith(prefix):
                 return limit
@@ -218,6 +219,7 @@ class BodyLimit:
         replay = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
 
         async def replay_receive() -> Message:
+            """The buffered body first, then the app's further ``receive`` calls."""
             return replay.pop() if replay else await receive()
 
         await self.app(scope, replay_receive, send)

@@ -113,88 +113,127 @@ def trajectories_to_batch(
     """
     if not trajs:
         raise BatchError("trajectories_to_batch got no trajectories; a batch needs at least one")
-    prompts: list[list[int]] = []
-    spans: list[tuple[int, int]] = []  # (prompt start, response end) within each trajectory
-    for row, traj in enumerate(trajs):
-        p_ids = traj.prompt_ids
-        r_len = traj.response_length
-        if max_prompt_len is not None and len(p_ids) > max_prompt_len:
-            if not truncate:
-                raise BatchError(
-                    f"{_name(traj, row)} has a {len(p_ids)}-token prompt, over max_prompt_len="
-                    f"{max_prompt_len}; raise the limit or pass truncate=True"
-                )
-            p_ids = p_ids[len(p_ids) - max_prompt_len :]
-        if max_response_len is not None and r_len > max_response_len:
-            if not truncate:
-                raise BatchError(
-                    f"{_name(traj, row)} has a {r_len}-token response, over max_response_len="
-                    f"{max_response_len}; raise the limit or pass truncate=True"
-                )
-            r_len = max_response_len
-        prompts.append(p_ids)
-        spans.append((len(traj.prompt_ids) - len(p_ids), r_len))
-
-    batch_size = len(trajs)
-    p_max = max(1, max(len(p) for p in prompts))
-    r_max = max(1, max(r for _, r in spans))
-
-    prompt_t = torch.full((batch_size, p_max), pad_token_id, dtype=torch.long)
-    prompt_attn = torch.zeros((batch_size, p_max), dtype=torch.long)
-    resp_t = torch.full((batch_size, r_max), pad_token_id, dtype=torch.long)
-    resp_attn = torch.zeros((batch_size, r_max), dtype=torch.long)
-    loss_mask = torch.zeros((batch_size, r_max), dtype=torch.long)
-    logprobs = torch.zeros((batch_size, r_max), dtype=torch.float32)
-    versions = torch.full((batch_size, r_max), -1, dtype=torch.long)
-    scores = torch.zeros((batch_size, r_max), dtype=torch.float32)
-
-    for row, (traj, p_ids, (_, r_len)) in enumerate(zip(trajs, prompts, spans, strict=True)):
-        if p_ids:
-            prompt_t[row, p_max - len(p_ids) :] = torch.tensor(p_ids, dtype=torch.long)
-            prompt_attn[row, p_max - len(p_ids) :] = 1
-        if r_len == 0:
-            # nothing to train on, but the score still counts in its group's statistics
-            scores[row, 0] = float(traj.reward) + float(sum(traj.turn_rewards))
-            continue
-        resp_t[row, :r_len] = torch.tensor(traj.response_ids[:r_len], dtype=torch.long)
-        resp_attn[row, :r_len] = 1
-        mask = traj.loss_mask[:r_len]
-        loss_mask[row, :r_len] = torch.tensor(mask, dtype=torch.long)
-        logprobs[row, :r_len] = torch.tensor(traj.rollout_logprobs[:r_len], dtype=torch.float32)
-        versions[row, :r_len] = torch.tensor(traj.policy_version[:r_len], dtype=torch.long)
-        ends = _model_turn_ends(mask)
-        if traj.turn_rewards:
-            full_ends = _model_turn_ends(traj.loss_mask)
-            if len(traj.turn_rewards) != len(full_ends):
-                raise BatchError(
-                    f"{_name(traj, row)} has {len(traj.turn_rewards)} turn_rewards but "
-                    f"{len(full_ends)} model turns (runs of loss_mask 1); give one reward per turn"
-                )
-            # turns cut away by truncation lose their reward
-            for pos, turn_reward in zip(ends, traj.turn_rewards, strict=False):
-                scores[row, pos] += float(turn_reward)
-        scores[row, ends[-1] if ends else r_len - 1] += float(traj.reward)
-
+    fitted = [
+        _fit(traj, row, max_prompt_len, max_response_len, truncate)
+        for row, traj in enumerate(trajs)
+    ]
+    p_max = max(1, max(len(p_ids) for p_ids, _ in fitted))
+    r_max = max(1, max(r_len for _, r_len in fitted))
+    cols = _padded_columns(len(trajs), p_max, r_max, pad_token_id)
+    for row, (traj, (p_ids, r_len)) in enumerate(zip(trajs, fitted, strict=True)):
+        _fill_row(cols, row, traj, p_ids, r_len)
+    prompt_attn, resp_attn = cols.pop("prompt_attention"), cols.pop("response_attention")
     attention_mask = torch.cat([prompt_attn, resp_attn], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     batch = TensorDict(
         {
-            "prompts": prompt_t,
-            "responses": resp_t,
-            "input_ids": torch.cat([prompt_t, resp_t], dim=1),
+            "prompts": cols["prompts"],
+            "responses": cols["responses"],
+            "input_ids": torch.cat([cols["prompts"], cols["responses"]], dim=1),
             "attention_mask": attention_mask,
             "position_ids": position_ids,
-            "response_mask": loss_mask,
-            "rollout_log_probs": logprobs,
-            "policy_version": versions,
-            "token_level_scores": scores,
+            "response_mask": cols["response_mask"],
+            "rollout_log_probs": cols["rollout_log_probs"],
+            "policy_version": cols["policy_version"],
+            "token_level_scores": cols["token_level_scores"],
         },
-        batch_size=[batch_size],
+        batch_size=[len(trajs)],
     )
     batch["uid"] = _string_stack([t.uid for t in trajs])
     batch["agent"] = _string_stack([t.agent for t in trajs])
     batch["data_source"] = _string_stack([t.data_source for t in trajs])
     return batch
+
+
+def _fit(
+    traj: Trajectory,
+    row: int,
+    max_prompt_len: int | None,
+    max_response_len: int | None,
+    truncate: bool,
+) -> tuple[list[int], int]:
+    """The prompt ids and response length of ``traj`` within the limits (cut when ``truncate``:
+    the prompt keeps its last tokens, the response its first); an over-long one is an error."""
+    p_ids = traj.prompt_ids
+    r_len = traj.response_length
+    if max_prompt_len is not None and len(p_ids) > max_prompt_len:
+        if not truncate:
+            raise BatchError(
+                f"{_name(traj, row)} has a {len(p_ids)}-token prompt, over max_prompt_len="
+                f"{max_prompt_len}; raise the limit or pass truncate=True"
+            )
+        p_ids = p_ids[len(p_ids) - max_prompt_len :]
+    if max_response_len is not None and r_len > max_response_len:
+        if not truncate:
+            raise BatchError(
+                f"{_name(traj, row)} has a {r_len}-token response, over max_response_len="
+                f"{max_response_len}; raise the limit or pass truncate=True"
+            )
+        r_len = max_response_len
+    return p_ids, r_len
+
+
+def _padded_columns(
+    batch_size: int, p_max: int, r_max: int, pad_token_id: int
+) -> dict[str, torch.Tensor]:
+    """The batch's columns filled with their padding values (prompt ``[B, P]``, others
+    ``[B, R]``), plus the prompt and response halves of the attention mask."""
+    return {
+        "prompts": torch.full((batch_size, p_max), pad_token_id, dtype=torch.long),
+        "prompt_attention": torch.zeros((batch_size, p_max), dtype=torch.long),
+        "responses": torch.full((batch_size, r_max), pad_token_id, dtype=torch.long),
+        "response_attention": torch.zeros((batch_size, r_max), dtype=torch.long),
+        "response_mask": torch.zeros((batch_size, r_max), dtype=torch.long),
+        "rollout_log_probs": torch.zeros((batch_size, r_max), dtype=torch.float32),
+        "policy_version": torch.full((batch_size, r_max), -1, dtype=torch.long),
+        "token_level_scores": torch.zeros((batch_size, r_max), dtype=torch.float32),
+    }
+
+
+def _fill_row(
+    cols: dict[str, torch.Tensor], row: int, traj: Trajectory, p_ids: list[int], r_len: int
+) -> None:
+    """Write ``traj`` (prompt ``p_ids``, first ``r_len`` response tokens) into row ``row``:
+    the prompt left-padded, the response fields right-padded, the rewards on their tokens."""
+    p_max = cols["prompts"].shape[1]
+    if p_ids:
+        cols["prompts"][row, p_max - len(p_ids) :] = torch.tensor(p_ids, dtype=torch.long)
+        cols["prompt_attention"][row, p_max - len(p_ids) :] = 1
+    scores = cols["token_level_scores"]
+    if r_len == 0:
+        # nothing to train on, but the score still counts in its group's statistics
+        scores[row, 0] = float(traj.reward) + float(sum(traj.turn_rewards))
+        return
+    cols["responses"][row, :r_len] = torch.tensor(traj.response_ids[:r_len], dtype=torch.long)
+    cols["response_attention"][row, :r_len] = 1
+    mask = traj.loss_mask[:r_len]
+    cols["response_mask"][row, :r_len] = torch.tensor(mask, dtype=torch.long)
+    cols["rollout_log_probs"][row, :r_len] = torch.tensor(
+        traj.rollout_logprobs[:r_len], dtype=torch.float32
+    )
+    cols["policy_version"][row, :r_len] = torch.tensor(
+        traj.policy_version[:r_len], dtype=torch.long
+    )
+    _place_rewards(scores[row], row, traj, mask, r_len)
+
+
+def _place_rewards(
+    scores: torch.Tensor, row: int, traj: Trajectory, mask: list[int], r_len: int
+) -> None:
+    """Add the rewards of ``traj`` to its ``[R]`` score row: turn reward k on the last token of
+    model turn k (turns cut away by truncation lose theirs), the episode reward on the last
+    sampled token (or on the last kept token when none was sampled)."""
+    ends = _model_turn_ends(mask)
+    if traj.turn_rewards:
+        full_ends = _model_turn_ends(traj.loss_mask)
+        if len(traj.turn_rewards) != len(full_ends):
+            raise BatchError(
+                f"{_name(traj, row)} has {len(traj.turn_rewards)} turn_rewards but "
+                f"{len(full_ends)} model turns (runs of loss_mask 1); give one reward per turn"
+            )
+        for pos, turn_reward in zip(ends, traj.turn_rewards, strict=False):
+            scores[pos] += float(turn_reward)
+    scores[ends[-1] if ends else r_len - 1] += float(traj.reward)
 
 
 def _string_stack(values: list[str]) -> NonTensorStack:

@@ -91,6 +91,7 @@ class Job:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Job:
+        """A :class:`Job` from the service's ``JobStatus`` JSON (kept whole in ``raw``)."""
         return cls(
             id=data["id"],
             status=data["status"],
@@ -101,6 +102,7 @@ class Job:
 
     @property
     def done(self) -> bool:
+        """The job reached a final status (``finished``, ``cancelled`` or ``failed``)."""
         return self.status in ("finished", "cancelled", "failed")
 
 
@@ -179,6 +181,7 @@ class _SSEParser:
         self.data: list[str] = []
 
     def feed(self, line: str) -> tuple[str, str | None, str] | None:
+        """The ``(event, id, data)`` a blank ``line`` completes, else None (comments ignored)."""
         if line == "":
             if not self.data and not self.event:
                 return None
@@ -215,11 +218,13 @@ class _Reader:
         self._failures = 0
 
     def params(self) -> dict[str, Any]:
+        """Query parameters of the next (re)connect: ``after`` = where to resume."""
         # In manual mode a reconnect must not acknowledge what the user has not acked.
         after = self.cursor if self.ack_mode == "auto" else self.acked
         return {} if after is None else {"after": after}
 
     def handle(self, event: tuple[str, str | None, str]) -> Trajectory | None:
+        """The trajectory an SSE event carries (None for other events, replays); records ``end``."""
         kind, _, data = event
         if kind == "end":
             self.end = json.loads(data)
@@ -236,6 +241,7 @@ class _Reader:
         return Trajectory.model_validate(payload["trajectory"])
 
     def want_ack(self) -> bool:
+        """In auto mode: ``ack_every`` trajectories were yielded since the last ack."""
         return (
             self.ack_mode == "auto"
             and self.cursor is not None
@@ -286,6 +292,7 @@ class AsyncRolloutClient:
         )
 
     async def aclose(self) -> None:
+        """Close the HTTP connections."""
         await self._http.aclose()
 
     async def __aenter__(self) -> AsyncRolloutClient:
@@ -326,12 +333,15 @@ class AsyncRolloutClient:
         return Job.from_json(await self._json("POST", "/v1/rollouts", json=body))
 
     async def job(self, job_id: str) -> Job:
+        """The job's current status and counts."""
         return Job.from_json(await self._json("GET", f"/v1/rollouts/{job_id}"))
 
     async def cancel(self, job_id: str) -> Job:
+        """Cancel the job (its running episodes are dropped); returns its status."""
         return Job.from_json(await self._json("DELETE", f"/v1/rollouts/{job_id}"))
 
     async def ack(self, job_id: str, cursor: int) -> int:
+        """Acknowledge every trajectory up to ``cursor``; returns the acked cursor."""
         out = await self._json("POST", f"/v1/rollouts/{job_id}/ack", json={"cursor": cursor})
         return int(out["acked"])
 
@@ -410,12 +420,15 @@ class AsyncRolloutClient:
         return resp.json()
 
     async def weights(self) -> dict[str, Any]:
+        """The service's weight version and each server's (``GET /v1/weights``)."""
         return await self._json("GET", "/v1/weights")
 
     async def status(self) -> dict[str, Any]:
+        """Servers, versions, jobs, sessions, pushes and the store (``GET /v1/status``)."""
         return await self._json("GET", "/v1/status")
 
     async def health(self) -> bool:
+        """True when the service answers ``/health`` (False when it cannot be reached)."""
         try:
             return (await self._http.get("/health", timeout=5.0)).status_code == 200
         except httpx.TransportError:
@@ -425,6 +438,7 @@ class AsyncRolloutClient:
     async def open_session(
         self, task: Task | Mapping[str, Any], *, ttl_s: float | None = None
     ) -> Session:
+        """Open a recording session for ``task``: point an OpenAI client at its ``base_url``."""
         body: dict[str, Any] = {
             "task": task.model_dump(mode="json") if isinstance(task, Task) else dict(task)
         }
@@ -434,6 +448,7 @@ class AsyncRolloutClient:
         return Session(info["id"], self.base_url + info["base_url"], self.api_key or "none")
 
     async def finish_session(self, session_id: str) -> list[Trajectory]:
+        """End the session: its scored trajectories (one per segment)."""
         out = await self._json("POST", f"/v1/sessions/{session_id}/finish", json={})
         return [Trajectory.model_validate(t) for t in out["trajectories"]]
 
@@ -459,6 +474,7 @@ class RolloutClient:
         )
 
     def close(self) -> None:
+        """Close the HTTP connections."""
         self._http.close()
 
     def __enter__(self) -> RolloutClient:
@@ -498,12 +514,15 @@ class RolloutClient:
         return Job.from_json(self._json("POST", "/v1/rollouts", json=body))
 
     def job(self, job_id: str) -> Job:
+        """See :meth:`AsyncRolloutClient.job`."""
         return Job.from_json(self._json("GET", f"/v1/rollouts/{job_id}"))
 
     def cancel(self, job_id: str) -> Job:
+        """See :meth:`AsyncRolloutClient.cancel`."""
         return Job.from_json(self._json("DELETE", f"/v1/rollouts/{job_id}"))
 
     def ack(self, job_id: str, cursor: int) -> int:
+        """See :meth:`AsyncRolloutClient.ack`."""
         return int(
             self._json("POST", f"/v1/rollouts/{job_id}/ack", json={"cursor": cursor})["acked"]
         )
@@ -555,9 +574,11 @@ class RolloutClient:
         raise httpx.ReadError("the stream ended before the job's end event")
 
     def collect(self, job_id: str, **kwargs: Any) -> list[Trajectory]:
+        """See :meth:`AsyncRolloutClient.collect`."""
         return list(self.trajectories(job_id, **kwargs))
 
     def groups(self, job_id: str, **kwargs: Any) -> Iterator[list[Trajectory]]:
+        """See :meth:`AsyncRolloutClient.groups`."""
         current: list[Trajectory] = []
         for traj in self.trajectories(job_id, **kwargs):
             if current and traj.uid != current[0].uid:
@@ -577,12 +598,15 @@ class RolloutClient:
         return resp.json()
 
     def weights(self) -> dict[str, Any]:
+        """See :meth:`AsyncRolloutClient.weights`."""
         return self._json("GET", "/v1/weights")
 
     def status(self) -> dict[str, Any]:
+        """See :meth:`AsyncRolloutClient.status`."""
         return self._json("GET", "/v1/status")
 
     def health(self) -> bool:
+        """See :meth:`AsyncRolloutClient.health`."""
         try:
             return self._http.get("/health", timeout=5.0).status_code == 200
         except httpx.TransportError:
@@ -591,6 +615,7 @@ class RolloutClient:
     def open_session(
         self, task: Task | Mapping[str, Any], *, ttl_s: float | None = None
     ) -> Session:
+        """See :meth:`AsyncRolloutClient.open_session`."""
         body: dict[str, Any] = {
             "task": task.model_dump(mode="json") if isinstance(task, Task) else dict(task)
         }
@@ -600,6 +625,7 @@ class RolloutClient:
         return Session(info["id"], self.base_url + info["base_url"], self.api_key or "none")
 
     def finish_session(self, session_id: str) -> list[Trajectory]:
+        """See :meth:`AsyncRolloutClient.finish_session`."""
         out = self._json("POST", f"/v1/sessions/{session_id}/finish", json={})
         return [Trajectory.model_validate(t) for t in out["trajectories"]]
 

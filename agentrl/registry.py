@@ -187,6 +187,7 @@ class Registry(Generic[T]):
         """Decorator form of :meth:`add`; ``name`` defaults to the object's ``name`` or ``__name__``."""
 
         def decorator(obj: T) -> T:
+            """Register ``obj`` under its name (see :meth:`add`); returns it unchanged."""
             key = name or getattr(obj, "name", None) or getattr(obj, "__name__", None)
             if not isinstance(key, str) or not key:
                 raise RegistryError(f"give the {self.kind} a name: register('my_name')")

@@ -50,13 +50,19 @@ class Tracker(ABC):
     run_id: str | None = None
 
     @abstractmethod
-    def log_params(self, params: dict[str, Any]) -> None: ...
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Record the run's parameters (flattened config keys -> values)."""
+        ...
 
     @abstractmethod
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Record ``metrics`` at training step ``step``."""
+        ...
 
     @abstractmethod
-    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Attach a file or folder to the run (under ``artifact_path`` when given)."""
+        ...
 
     def log_dict(self, data: Any, artifact_file: str) -> None:
         """Log JSON-able data as an artifact file (e.g. ``trajectories/step_10.json``)."""
@@ -67,7 +73,9 @@ class Tracker(ABC):
             self.log_artifact(path, None if parent == "." else parent)
 
     @abstractmethod
-    def finish(self, status: str = "FINISHED") -> None: ...
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the run with ``status`` (``FINISHED`` or ``FAILED``); later calls do nothing."""
+        ...
 
     @property
     def location(self) -> str:
@@ -83,16 +91,20 @@ class NullTracker(Tracker):
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Keep the params in :attr:`params`."""
         self.params.update(params)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Append each value to its key's :attr:`history`."""
         for k, v in metrics.items():
             self.history[k].append((step, float(v)))
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Nothing is stored."""
         return None
 
     def finish(self, status: str = "FINISHED") -> None:
+        """Nothing to end."""
         return None
 
 
@@ -133,6 +145,7 @@ class MlflowTracker(Tracker):
         self.history: dict[str, list[tuple[int, float]]] = defaultdict(list)
 
     def log_params(self, params: dict[str, Any]) -> None:
+        """Log the params the run does not hold yet (a resumed run keeps its first values)."""
         clean = {sanitize_key(k): str(v)[:6000] for k, v in params.items()}
         items = list(clean.items())
         client = self._mlflow.MlflowClient()
@@ -143,6 +156,7 @@ class MlflowTracker(Tracker):
             self._mlflow.log_params(dict(fresh[i : i + 100]))
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log the finite values (non-finite ones are counted in ``skipped_non_finite``)."""
         clean: dict[str, float] = {}
         for k, v in metrics.items():
             value = float(v)
@@ -155,6 +169,7 @@ class MlflowTracker(Tracker):
             self._mlflow.log_metrics(clean, step=step)
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file, or every file of a folder."""
         p = Path(path)
         if p.is_dir():
             self._mlflow.log_artifacts(str(p), artifact_path=artifact_path)
@@ -162,12 +177,14 @@ class MlflowTracker(Tracker):
             self._mlflow.log_artifact(str(p), artifact_path=artifact_path)
 
     def finish(self, status: str = "FINISHED") -> None:
+        """End the MLflow run with ``status`` (once)."""
         if not self._finished:
             self._finished = True
             self._mlflow.end_run(status=status)
 
     @property
     def location(self) -> str:
+        """The tracking URI, experiment and run id."""
         return f"{self.tracking_uri} (experiment {self.experiment!r}, run {self.run_id})"
 
 
@@ -245,10 +262,12 @@ class MetricsReporter(Reporter):
         self.log_every = log_every
 
     def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
+        """Log the step's metrics when ``step`` is a multiple of ``log_every``."""
         if step % self.log_every == 0:
             self.tracker.log_metrics(metrics, step=step)
 
     def on_validation(self, step: int, metrics: dict[str, float], report: Any = None) -> None:
+        """Log the validation metrics, or the whole report (metrics, table, JSON) when given."""
         if report is None:
             self.tracker.log_metrics(metrics, step=step)
         else:
@@ -264,6 +283,7 @@ class SampleReporter(Reporter):
         self.every = max(1, total_steps // 5)
 
     def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
+        """Log the first ``n`` trajectories of the step as a JSON table, on the reporting steps."""
         if not self.n or (step % self.every and step != 1):
             return
         rows = [
@@ -294,6 +314,7 @@ class ProgressReporter(Reporter):
         self._task: Any = None
 
     def on_step(self, step: int, version: int, metrics: dict[str, float], trajs: list[Any]) -> None:
+        """Advance the progress line (or print one line per step off a terminal)."""
         if not self.enabled:
             return
         info = (
@@ -325,6 +346,7 @@ class ProgressReporter(Reporter):
         self._progress.update(self._task, completed=step, info=info)
 
     def close(self) -> None:
+        """Stop the live progress display."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

@@ -204,7 +204,9 @@ class Policy(Protocol):
         prompt_ids: list[int],
         sampling: SamplingParams,
         session_id: str | None = None,
-    ) -> Generation: ...
+    ) -> Generation:
+        """Sample a continuation of ``prompt_ids`` (``session_id``: one episode, one server)."""
+        ...
 
 
 class Trajectory(BaseModel):
@@ -328,10 +330,12 @@ class Trajectory(BaseModel):
     # ---- derived quantities -------------------------------------------------------------
     @property
     def response_length(self) -> int:
+        """Tokens after the prompt (model turns and environment turns)."""
         return len(self.response_ids)
 
     @property
     def num_sampled_tokens(self) -> int:
+        """Tokens the policy sampled (``loss_mask == 1``)."""
         return sum(self.loss_mask)
 
     @property
@@ -342,6 +346,7 @@ class Trajectory(BaseModel):
 
     @property
     def max_version(self) -> int | None:
+        """Newest weight version among sampled tokens (None if nothing was sampled)."""
         versions = [v for v, m in zip(self.policy_version, self.loss_mask, strict=True) if m]
         return max(versions) if versions else None
 
@@ -352,8 +357,10 @@ class Trajectory(BaseModel):
 
     # ---- serialization ------------------------------------------------------------------
     def to_json(self) -> str:
+        """The trajectory as JSON (:meth:`from_json` reads it back)."""
         return self.model_dump_json()
 
     @classmethod
     def from_json(cls, data: str | bytes) -> Trajectory:
+        """A trajectory from :meth:`to_json` output (validated)."""
         return cls.model_validate_json(data)

@@ -306,6 +306,7 @@ class AgentContext:
             sem = asyncio.Semaphore(self.limits.max_parallel_calls)
 
             async def one(name: str, args: dict[str, Any]) -> ToolResult:
+                """Run one call while holding a ``max_parallel_calls`` slot."""
                 async with sem:
                     return await episode.call(name, args)
 
@@ -456,7 +457,9 @@ class AgentLoop(ABC):
     name: ClassVar[str] = ""
 
     @abstractmethod
-    async def run(self, task: Task, ctx: AgentContext) -> Trajectory: ...
+    async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
+        """Run one episode of ``task`` with ``ctx`` and return ``ctx.finish(stop_reason)``."""
+        ...
 
 
 def _check_agent(obj: Any) -> None:
@@ -480,6 +483,7 @@ def register_agent(name: str | None = None) -> Callable[[A], A]:
     """Class decorator: ``@register_agent("my_agent")`` makes tasks with ``agent="my_agent"`` use it."""
 
     def wrap(cls: A) -> A:
+        """Check and register ``cls`` under ``name`` (or its ``name``/class name)."""
         _check_agent(cls)
         key = name or cls.name or cls.__name__
         AGENTS.add(key, cls)

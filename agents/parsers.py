@@ -82,7 +82,9 @@ class ToolCallParser(ABC):
     name: str = ""
 
     @abstractmethod
-    def parse(self, text: str) -> ParseResult: ...
+    def parse(self, text: str) -> ParseResult:
+        """The content, tool calls and error messages of one model turn's ``text``."""
+        ...
 
 
 def _call_from_obj(obj: Any, raw: str, where: str) -> ToolCall | str:
@@ -136,6 +138,7 @@ class HermesParser(ToolCallParser):
     _OPEN = "<tool_call>"
 
     def parse(self, text: str) -> ParseResult:
+        """Every ``<tool_call>{json}</tool_call>`` block; the text outside them is the content."""
         calls: list[ToolCall] = []
         errors: list[str] = []
         pieces: list[str] = []
@@ -173,6 +176,7 @@ class JsonParser(ToolCallParser):
     _PYTHON_TAG = "<|python_tag|>"
 
     def parse(self, text: str) -> ParseResult:
+        """JSON call objects or lists (after an optional ``<|python_tag|>``), else plain content."""
         body = text.strip()
         if body.startswith(self._PYTHON_TAG):
             body = body[len(self._PYTHON_TAG) :].strip()
@@ -210,6 +214,7 @@ class MistralParser(ToolCallParser):
     _MARKER = "[TOOL_CALLS]"
 
     def parse(self, text: str) -> ParseResult:
+        """The JSON list after ``[TOOL_CALLS]``; the text before it is the content."""
         at = text.find(self._MARKER)
         if at < 0:
             return ParseResult(content=text.strip())

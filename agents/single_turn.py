@@ -17,6 +17,7 @@ class SingleTurnAgent(AgentLoop):
     """Answer the prompt in one model turn."""
 
     async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
+        """One generation; stop reason from it (``length`` when the budget cut it)."""
         rec = ctx.start_episode(task.initial_messages(ctx.system_prompt), tools=[])
         gen = await ctx.generate()
         ctx.parse(gen)

@@ -30,6 +30,7 @@ class ToolAgent(AgentLoop):
     """Generate, call tools, repeat, under the framework's stop policy (``AgentContext.turn``)."""
 
     async def run(self, task: Task, ctx: AgentContext) -> Trajectory:
+        """Turns of generate + tool calls until the stop policy ends the episode."""
         ctx.start_episode(task.initial_messages(ctx.system_prompt))
         async with ctx.tool_episode() as tools:
             while True:

@@ -183,6 +183,7 @@ class _Rows:
         return self.buffer[i : i + 2, self.r0 : self.r1]
 
     def as_float64(self) -> dict[str, torch.Tensor]:
+        """Every statistic as a float64 ``[B]`` vector, by key."""
         as64 = self.buffer.to(_F64)
         return {key: as64[i] for key, i in self.index.items()}
 
@@ -205,78 +206,98 @@ def correction_pass(
     ``log_ratio`` may be None when both ``train_log_probs`` and ``rollout_log_probs`` are given:
     ℓ is then formed block by block and never materialized as a ``[B, T]`` tensor.
     """
-    if rollout_log_probs is not None:
-        check_pair("rollout_log_probs", rollout_log_probs, response_mask)
-    if log_ratio is None:
-        if train_log_probs is None or rollout_log_probs is None:
-            raise ValueError(
-                "pass log_ratio, or both train_log_probs and rollout_log_probs to form it"
-            )
-        check_pair("train_log_probs", train_log_probs, response_mask)
-        first = train_log_probs
-    else:
-        check_pair(name, log_ratio, response_mask)
-        first = log_ratio
+    first = _checked_inputs(log_ratio, response_mask, rollout_log_probs, train_log_probs, name)
     dtype = compute_dtype(first)
-    batch, length = first.shape
-    device = first.device
-    token_rules = [r for r in rules or () if r.option.is_token]
-    seq_rules = [r for r in rules or () if not r.option.is_token]
-    options = {r.option for r in rules or ()}
-    diag = rollout_log_probs is not None
-    need_k3_rows = diag or bool(options & {RSOption.SEQ_SUM_K3, RSOption.SEQ_MEAN_K3})
-    need_k2_rows = bool(options & {RSOption.SEQ_SUM_K2, RSOption.SEQ_MEAN_K2})
-    need_minmax = bool(options & {RSOption.SEQ_MAX_K2, RSOption.SEQ_MAX_K3})
-    need_k3_tok = RSOption.TOKEN_K3 in options
-
-    weights = torch.empty((batch, length), dtype=dtype, device=device) if is_level else None
-    keep = torch.empty((batch, length), dtype=dtype, device=device) if rules else None
-    plan = _Plan(
-        is_level, threshold, token_rules, diag, need_k3_rows, need_k2_rows, need_minmax, need_k3_tok
-    )
+    shape = tuple(first.shape)
+    weights = torch.empty(shape, dtype=dtype, device=first.device) if is_level else None
+    keep = torch.empty(shape, dtype=dtype, device=first.device) if rules else None
+    plan = _Plan.of(is_level, threshold, rules, diag=rollout_log_probs is not None)
     tensors = (log_ratio, response_mask, rollout_log_probs, train_log_probs, weights, keep)
     native = _native_kernel(log_ratio, response_mask, rollout_log_probs, train_log_probs)
     found = _native_blocks(native, plan, *tensors) if native is not None else None
     if found is None:  # torch path (also when the kernel reported a non-finite value: it raises)
         found = _torch_blocks(plan, *tensors, name)
-    cat, totals, (w_max, w_min) = found
-    seq_len = cat["seq_len"]
+    cat, totals, extremes = found
     if keep is not None:
-        kept = cat.get("kept_token", seq_len)
-        if seq_rules:
-            # Sequence-scope rules need only [B] statistics: decide once, then zero just the rows
-            # that were dropped (index_fill touches those rows only).
-            seq_keep_all = torch.ones_like(seq_len, dtype=torch.bool)
-            for rule in seq_rules:
-                ok = _seq_keep(rule, cat)
-                cat[f"seq_keep/{rule.option.value}"] = ok
-                seq_keep_all &= ok
-            dropped = (~seq_keep_all).nonzero().view(-1)
-            if dropped.numel():
-                keep.index_fill_(0, dropped, 0.0)
-                if weights is not None:
-                    weights.index_fill_(0, dropped, 0.0)
-            kept = torch.where(seq_keep_all, kept, 0.0)
-        cat["kept"] = kept
+        seq_rules = [r for r in rules or () if not r.option.is_token]
+        cat["kept"] = _apply_sequence_rules(seq_rules, cat, keep, weights)
+    seq_len = cat["seq_len"]
     n_tok = seq_len.sum()
     valid = seq_len > 0
     n_seq = valid.sum().to(_F64)
     metrics: Metrics = {}
     if is_level is not None:
         assert weights is not None
-        extremes = (max(w_max), min(w_min)) if w_max else (0.0, 0.0)
-        metrics.update(_is_metrics(is_level, threshold, totals, extremes, cat, n_tok, n_seq, valid))
+        w_max, w_min = extremes
+        token_extremes = (max(w_max), min(w_min)) if w_max else (0.0, 0.0)
+        metrics.update(
+            _is_metrics(is_level, threshold, totals, token_extremes, cat, n_tok, n_seq, valid)
+        )
         if batch_normalize:
-            mean = metrics["is_weight_mean"]
-            assert isinstance(mean, torch.Tensor)
-            factor = torch.where(mean > 0, mean, 1.0)
-            weights.div_(factor.to(dtype))
-            metrics["is_batch_norm_factor"] = factor
+            metrics["is_batch_norm_factor"] = _batch_normalize(weights, metrics)
     if rules is not None:
         metrics.update(_rs_metrics(rules, cat, n_tok, n_seq, valid))
-    if diag:
+    if plan.diag:
         metrics.update(_diagnostics(totals, cat, n_tok, n_seq, valid))
     return PassResult(weights, keep, metrics)
+
+
+def _checked_inputs(
+    log_ratio: torch.Tensor | None,
+    response_mask: torch.Tensor,
+    rollout_log_probs: torch.Tensor | None,
+    train_log_probs: torch.Tensor | None,
+    name: str,
+) -> torch.Tensor:
+    """Check every given ``[B, T]`` input against the mask; return the one ℓ is read from."""
+    if rollout_log_probs is not None:
+        check_pair("rollout_log_probs", rollout_log_probs, response_mask)
+    if log_ratio is not None:
+        check_pair(name, log_ratio, response_mask)
+        return log_ratio
+    if train_log_probs is None or rollout_log_probs is None:
+        raise ValueError("pass log_ratio, or both train_log_probs and rollout_log_probs to form it")
+    check_pair("train_log_probs", train_log_probs, response_mask)
+    return train_log_probs
+
+
+def _apply_sequence_rules(
+    seq_rules: list[RejectionRule],
+    cat: dict[str, torch.Tensor],
+    keep: torch.Tensor,
+    weights: torch.Tensor | None,
+) -> torch.Tensor:
+    """Zero the rows of ``keep`` (and ``weights``) that a sequence-scope rule drops; return the
+    ``[B]`` count of kept tokens per sequence. Records ``seq_keep/<option>`` in ``cat``.
+
+    Sequence-scope rules need only ``[B]`` statistics: decide once, then zero just the rows that
+    were dropped (``index_fill`` touches those rows only).
+    """
+    seq_len = cat["seq_len"]
+    kept = cat.get("kept_token", seq_len)
+    if not seq_rules:
+        return kept
+    seq_keep_all = torch.ones_like(seq_len, dtype=torch.bool)
+    for rule in seq_rules:
+        ok = _seq_keep(rule, cat)
+        cat[f"seq_keep/{rule.option.value}"] = ok
+        seq_keep_all &= ok
+    dropped = (~seq_keep_all).nonzero().view(-1)
+    if dropped.numel():
+        keep.index_fill_(0, dropped, 0.0)
+        if weights is not None:
+            weights.index_fill_(0, dropped, 0.0)
+    return torch.where(seq_keep_all, kept, 0.0)
+
+
+def _batch_normalize(weights: torch.Tensor, metrics: Metrics) -> torch.Tensor:
+    """Divide ``weights`` in place by the batch mean IS weight (1 when that mean is 0); return
+    the factor used."""
+    mean = metrics["is_weight_mean"]
+    assert isinstance(mean, torch.Tensor)
+    factor = torch.where(mean > 0, mean, 1.0)
+    weights.div_(factor.to(weights.dtype))
+    return factor
 
 
 @dataclass
@@ -291,6 +312,28 @@ class _Plan:
     need_k2_rows: bool
     need_minmax: bool
     need_k3_tok: bool
+
+    @classmethod
+    def of(
+        cls,
+        is_level: ISLevel | None,
+        threshold: float,
+        rules: tuple[RejectionRule, ...] | None,
+        *,
+        diag: bool,
+    ) -> _Plan:
+        """The plan of a call: which per-row statistics its rules and diagnostics read."""
+        options = {r.option for r in rules or ()}
+        return cls(
+            is_level=is_level,
+            threshold=threshold,
+            token_rules=[r for r in rules or () if r.option.is_token],
+            diag=diag,
+            need_k3_rows=diag or bool(options & {RSOption.SEQ_SUM_K3, RSOption.SEQ_MEAN_K3}),
+            need_k2_rows=bool(options & {RSOption.SEQ_SUM_K2, RSOption.SEQ_MEAN_K2}),
+            need_minmax=bool(options & {RSOption.SEQ_MAX_K2, RSOption.SEQ_MAX_K3}),
+            need_k3_tok=RSOption.TOKEN_K3 in options,
+        )
 
 
 _Found = tuple[dict[str, torch.Tensor], torch.Tensor, tuple[list[float], list[float]]]
@@ -307,61 +350,116 @@ def _torch_blocks(
     keep: torch.Tensor | None,
     name: str,
 ) -> _Found:
-    """The eager torch pass over cache-sized row blocks (any device and dtype)."""
+    """The eager torch pass over cache-sized row blocks (any device and dtype).
+
+    Per block, in this order: −ℓ and the rollout sums; the block's range of ℓ (and the clamp);
+    ρ with the token IS weights; the per-row sums; the sequence IS weights; the token RS rules.
+    """
     first = train_log_probs if log_ratio is None else log_ratio
     assert first is not None
-    dtype = compute_dtype(first)
-    batch, length = first.shape
-    device = first.device
-    is_level, threshold, token_rules, diag = (
-        plan.is_level,
-        plan.threshold,
-        plan.token_rules,
-        plan.diag,
-    )
-    need_k3_rows, need_k2_rows, need_minmax = plan.need_k3_rows, plan.need_k2_rows, plan.need_minmax
-    token_is = is_level is ISLevel.TOKEN
-    need_em1 = token_is or need_k3_rows or plan.need_k3_tok
-    # "neg_sum" and "rollout_sum" are adjacent: one finiteness check covers both.
-    row_keys = ["neg_sum", "rollout_sum", "seq_len"]
-    row_keys += ["em1_sum", "neg_clamped_sum"] if need_k3_rows else []
-    row_keys += ["k2_sum"] if need_k2_rows else []
-    row_keys += ["neg_max", "neg_min"] if need_minmax else []
-    row_keys += [f"kept/{r.option.value}" for r in token_rules]
-    row_keys += ["kept_token"] if len(token_rules) > 1 else []
-    rows = _Rows(row_keys, batch, dtype, device)
-    blocks = list(_row_blocks(batch, length, device))
-    # Per-block scalars (compute dtype, like the per-block sums they are), summed in float64 after.
-    block_sums = torch.zeros((len(_BLOCK_SUMS), len(blocks)), dtype=dtype, device=device)
-    w_max: list[float] = []
-    w_min: list[float] = []
-    seq_w_rows: list[torch.Tensor] = []
-    seq_trunc_rows: list[torch.Tensor] = []
-    # Scratch buffers reused by every block (out= ops): fresh allocations per block cost more
-    # in page faults than the arithmetic they hold.
-    block_rows = max(r1 - r0 for r0, r1 in blocks)
-    ws_lr = _workspace(0, (block_rows, length), dtype, device)
-    ws_em1 = _workspace(1, (block_rows, length), dtype, device) if need_em1 else None
-    ws_tmp = _workspace(2, (block_rows, length), dtype, device)
+    run = _TorchPass(plan, first, weights, keep)
+    for j, (r0, r1) in enumerate(run.blocks):
+        run.rows.r0, run.rows.r1 = r0, r1
+        mask = response_mask[r0:r1].detach().to(run.dtype)
+        nlr = run.neg_log_ratio(r0, r1, mask, log_ratio, rollout_log_probs, train_log_probs, name)
+        lr_lo, lr_hi = _log_ratio_range(nlr)
+        clamped = lr_lo < -LOG_RATIO_BOUND or lr_hi > LOG_RATIO_BOUND
+        nlr_c = torch.clamp(nlr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) if clamped else nlr
+        em1 = run.rho_and_token_weights(j, r0, r1, mask, nlr_c, lr_lo, lr_hi)
+        run.row_sums(j, nlr, nlr_c, em1, clamped)
+        run.sequence_weights(r0, r1, mask)
+        run.token_rules(r0, r1, mask, nlr, nlr_c, em1)
+    return run.finish()
 
-    for j, (r0, r1) in enumerate(blocks):
-        rows.r0, rows.r1 = r0, r1
-        n_rows = r1 - r0
-        mask = response_mask[r0:r1].detach().to(dtype)
-        nlr = ws_lr[:n_rows]  # −ℓ, 0 on padding: the sign that makes exp a single multiply
-        # --- −ℓ and Σ_t m·log π_rollout; the rollout block is read once for both ---
+
+def _log_ratio_range(nlr: torch.Tensor) -> tuple[float, float]:
+    """(min ℓ, max ℓ) of a block from ``nlr = −ℓ`` (0 on padding; (0, 0) when empty)."""
+    if not nlr.numel():
+        return 0.0, 0.0
+    neg_lo, neg_hi = torch.aminmax(nlr)
+    return -float(neg_hi), -float(neg_lo)
+
+
+class _TorchPass:
+    """The state of one eager torch pass: per-row statistics, per-block sums and scratch buffers.
+
+    Each step method works on one row block ``[r0, r1)`` (``rows.r0``/``rows.r1`` are set by the
+    caller) and writes its slice of the outputs with ``out=`` ops; ``finish`` turns the per-row
+    buffer into the float64 statistics that every metric is computed from.
+    """
+
+    def __init__(
+        self,
+        plan: _Plan,
+        first: torch.Tensor,
+        weights: torch.Tensor | None,
+        keep: torch.Tensor | None,
+    ) -> None:
+        self.plan, self.weights, self.keep = plan, weights, keep
+        self.dtype = dtype = compute_dtype(first)
+        batch, self.length = first.shape
+        device = first.device
+        self.token_is = plan.is_level is ISLevel.TOKEN
+        self.rows = _Rows(self._row_keys(), batch, dtype, device)
+        self.blocks = list(_row_blocks(batch, self.length, device))
+        # Per-block scalars (compute dtype, like the per-block sums they are), summed in float64
+        # after.
+        self.block_sums = torch.zeros(
+            (len(_BLOCK_SUMS), len(self.blocks)), dtype=dtype, device=device
+        )
+        self.w_max: list[float] = []
+        self.w_min: list[float] = []
+        self.seq_w_rows: list[torch.Tensor] = []
+        self.seq_trunc_rows: list[torch.Tensor] = []
+        # Scratch buffers reused by every block (out= ops): fresh allocations per block cost more
+        # in page faults than the arithmetic they hold.
+        need_em1 = self.token_is or plan.need_k3_rows or plan.need_k3_tok
+        shape = (max(r1 - r0 for r0, r1 in self.blocks), self.length)
+        self.ws_lr = _workspace(0, shape, dtype, device)
+        self.ws_em1 = _workspace(1, shape, dtype, device) if need_em1 else None
+        self.ws_tmp = _workspace(2, shape, dtype, device)
+
+    def _row_keys(self) -> list[str]:
+        """The per-row statistics this plan needs, in buffer order."""
+        plan = self.plan
+        # "neg_sum" and "rollout_sum" are adjacent: one finiteness check covers both.
+        keys = ["neg_sum", "rollout_sum", "seq_len"]
+        keys += ["em1_sum", "neg_clamped_sum"] if plan.need_k3_rows else []
+        keys += ["k2_sum"] if plan.need_k2_rows else []
+        keys += ["neg_max", "neg_min"] if plan.need_minmax else []
+        keys += [f"kept/{r.option.value}" for r in plan.token_rules]
+        keys += ["kept_token"] if len(plan.token_rules) > 1 else []
+        return keys
+
+    def neg_log_ratio(
+        self,
+        r0: int,
+        r1: int,
+        mask: torch.Tensor,
+        log_ratio: torch.Tensor | None,
+        rollout_log_probs: torch.Tensor | None,
+        train_log_probs: torch.Tensor | None,
+        name: str,
+    ) -> torch.Tensor:
+        """``[rows, T]`` −ℓ of the block, 0 on padding (the sign that makes exp a single
+        multiply), with the row sums of −ℓ, of m·log π_rollout and of the mask.
+
+        The rollout block is read once for both of its uses.
+        """
+        rows, dtype, n_rows = self.rows, self.dtype, r1 - r0
+        nlr = self.ws_lr[:n_rows]
         rollout = (
             rollout_log_probs[r0:r1].detach().to(dtype) if rollout_log_probs is not None else None
         )
         train = values = None
         if rollout is not None:
-            rollout_masked = torch.mul(rollout, mask, out=ws_tmp[:n_rows])
+            rollout_masked = torch.mul(rollout, mask, out=self.ws_tmp[:n_rows])
             torch.sum(rollout_masked, dim=-1, out=rows("rollout_sum"))
         if log_ratio is None:
             assert train_log_probs is not None and rollout is not None
             train = train_log_probs[r0:r1].detach().to(dtype)
             # m·r − m·t: at response tokens exactly −(t − r); 0 on (finite) padding.
-            torch.addcmul(ws_tmp[:n_rows], train, mask, value=-1.0, out=nlr)
+            torch.addcmul(self.ws_tmp[:n_rows], train, mask, value=-1.0, out=nlr)
         else:
             values = log_ratio[r0:r1].detach().to(dtype)
             torch.mul(values, mask, out=nlr).neg_()
@@ -369,90 +467,134 @@ def _torch_blocks(
         if not math.isfinite(float(rows.pair("neg_sum").sum())):
             _mask_nonfinite_padding(nlr, rows, mask, r0, name, values, train, rollout)
         torch.sum(mask, dim=-1, out=rows("seq_len"))
+        return nlr
 
-        if nlr.numel():
-            neg_lo, neg_hi = torch.aminmax(nlr)
-            lr_lo, lr_hi = -float(neg_hi), -float(neg_lo)
-        else:
-            lr_lo = lr_hi = 0.0
-        clamped = lr_lo < -LOG_RATIO_BOUND or lr_hi > LOG_RATIO_BOUND
-        nlr_c = torch.clamp(nlr, -LOG_RATIO_BOUND, LOG_RATIO_BOUND) if clamped else nlr
-        em1 = None
-        if ws_em1 is not None:
-            rho = _exp_of_neg(nlr_c, out=ws_em1[:n_rows])  # ρ; exactly 1 on padding
-            if token_is:
-                # w = min(ρ, C) from ρ itself, not from ρ − 1 (which rounds tiny ρ to 0)
-                assert weights is not None
-                w = torch.clamp(rho, max=threshold, out=weights[r0:r1]).mul_(mask)
-                flat_w = w.view(-1)
-                torch.sum(flat_w, dim=0, out=block_sums[_W_SUM, j])
-                torch.dot(flat_w, flat_w, out=block_sums[_W_SQ, j])
-                if threshold < 1.0 or lr_hi > math.log(threshold) - _EXP_MARGIN:
-                    # float compare into scratch + sum: bool tensors are slow on CPU
-                    truncated = torch.gt(rho, threshold, out=ws_tmp[:n_rows])
-                    if threshold < 1.0:  # padding's ρ = 1 would count
-                        truncated.mul_(mask)
-                    torch.sum(truncated.view(-1), dim=0, out=block_sums[_N_TRUNC, j])
-                # else every ρ ≤ exp(max ℓ) < C: nothing truncated (the margin covers rounding)
-                if flat_w.numel():
-                    _block_w_extremes(w, mask, rows, lr_lo, lr_hi, threshold, w_max, w_min)
-            em1 = rho.sub_(1.0)  # ρ − 1, exactly 0 on padding
-        if em1 is not None and need_k3_rows:
+    def rho_and_token_weights(
+        self,
+        j: int,
+        r0: int,
+        r1: int,
+        mask: torch.Tensor,
+        nlr_c: torch.Tensor,
+        lr_lo: float,
+        lr_hi: float,
+    ) -> torch.Tensor | None:
+        """``[rows, T]`` em1 = ρ − 1 (exactly 0 on padding), or None when nothing reads ρ.
+
+        With token-level IS, also writes the block's weights ``w = min(ρ, C)`` and its sums,
+        truncation count and extremes.
+        """
+        if self.ws_em1 is None:
+            return None
+        threshold, n_rows = self.plan.threshold, r1 - r0
+        rho = _exp_of_neg(nlr_c, out=self.ws_em1[:n_rows])  # ρ; exactly 1 on padding
+        if self.token_is:
+            # w = min(ρ, C) from ρ itself, not from ρ − 1 (which rounds tiny ρ to 0)
+            assert self.weights is not None
+            w = torch.clamp(rho, max=threshold, out=self.weights[r0:r1]).mul_(mask)
+            flat_w = w.view(-1)
+            torch.sum(flat_w, dim=0, out=self.block_sums[_W_SUM, j])
+            torch.dot(flat_w, flat_w, out=self.block_sums[_W_SQ, j])
+            if threshold < 1.0 or lr_hi > math.log(threshold) - _EXP_MARGIN:
+                # float compare into scratch + sum: bool tensors are slow on CPU
+                truncated = torch.gt(rho, threshold, out=self.ws_tmp[:n_rows])
+                if threshold < 1.0:  # padding's ρ = 1 would count
+                    truncated.mul_(mask)
+                torch.sum(truncated.view(-1), dim=0, out=self.block_sums[_N_TRUNC, j])
+            # else every ρ ≤ exp(max ℓ) < C: nothing truncated (the margin covers rounding)
+            if flat_w.numel():
+                _block_w_extremes(
+                    w, mask, self.rows, lr_lo, lr_hi, threshold, self.w_max, self.w_min
+                )
+        return rho.sub_(1.0)  # ρ − 1, exactly 0 on padding
+
+    def row_sums(
+        self,
+        j: int,
+        nlr: torch.Tensor,
+        nlr_c: torch.Tensor,
+        em1: torch.Tensor | None,
+        clamped: bool,
+    ) -> None:
+        """The per-row sums behind k3/k2 statistics and the ``[rows]`` min/max of ℓ."""
+        plan, rows = self.plan, self.rows
+        if em1 is not None and plan.need_k3_rows:
             torch.sum(em1, dim=-1, out=rows("em1_sum"))
             # Σk3 = Σ(ρ − 1) − Σℓ (from the clamped ℓ): two row sums instead of a k3 tensor.
             if clamped:
                 torch.sum(nlr_c, dim=-1, out=rows("neg_clamped_sum"))
             else:
                 rows("neg_clamped_sum").copy_(rows("neg_sum"))
-            if diag:
+            if plan.diag:
                 flat = em1.view(-1)
-                torch.dot(flat, flat, out=block_sums[_EM1_SQ, j])
-        if need_k2_rows:
-            torch.linalg.vecdot(nlr, nlr, out=rows("k2_sum"))  # 2·Σk2, halved after the loop
-        if need_minmax and length:
+                torch.dot(flat, flat, out=self.block_sums[_EM1_SQ, j])
+        if plan.need_k2_rows:
+            torch.linalg.vecdot(nlr, nlr, out=rows("k2_sum"))  # 2·Σk2, halved in finish()
+        if plan.need_minmax and self.length:
             torch.aminmax(nlr, dim=-1, out=(rows("neg_min"), rows("neg_max")))
 
-        # --- sequence-level IS weights (statistics over the original response mask) ---
-        if weights is not None and not token_is:
-            assert is_level is not None
-            seq_w, seq_trunc = _seq_weights(
-                is_level, threshold, -rows("neg_sum").to(_F64), rows("seq_len").to(_F64)
-            )
-            seq_w_rows.append(seq_w)
-            seq_trunc_rows.append(seq_trunc)
-            torch.mul(seq_w.to(dtype).unsqueeze(-1), mask, out=weights[r0:r1])
+    def sequence_weights(self, r0: int, r1: int, mask: torch.Tensor) -> None:
+        """Sequence-level IS weights of the block (statistics over the original response mask)."""
+        if self.weights is None or self.token_is:
+            return
+        assert self.plan.is_level is not None
+        rows = self.rows
+        seq_w, seq_trunc = _seq_weights(
+            self.plan.is_level,
+            self.plan.threshold,
+            -rows("neg_sum").to(_F64),
+            rows("seq_len").to(_F64),
+        )
+        self.seq_w_rows.append(seq_w)
+        self.seq_trunc_rows.append(seq_trunc)
+        torch.mul(seq_w.to(self.dtype).unsqueeze(-1), mask, out=self.weights[r0:r1])
 
-        # --- RS: token-scope rules here (AND), sequence-scope rules after the loop ---
-        if keep is not None:
-            k = keep[r0:r1]
-            for i, rule in enumerate(token_rules):
-                target = k if i == 0 else ws_tmp[:n_rows]
-                _token_keep_into(target, rule, nlr, nlr_c, em1).mul_(mask)
-                torch.sum(target, dim=-1, out=rows(f"kept/{rule.option.value}"))
-                if i:
-                    k.mul_(target)
-            if not token_rules:
-                k.copy_(mask)
-            if len(token_rules) > 1:
-                torch.sum(k, dim=-1, out=rows("kept_token"))
-            if weights is not None and token_rules:
-                weights[r0:r1].mul_(k)
+    def token_rules(
+        self,
+        r0: int,
+        r1: int,
+        mask: torch.Tensor,
+        nlr: torch.Tensor,
+        nlr_c: torch.Tensor,
+        em1: torch.Tensor | None,
+    ) -> None:
+        """The block's keep mask from the token-scope RS rules (AND of all), applied to the IS
+        weights; sequence-scope rules are applied after the pass."""
+        if self.keep is None:
+            return
+        token_rules, rows = self.plan.token_rules, self.rows
+        k = self.keep[r0:r1]
+        for i, rule in enumerate(token_rules):
+            target = k if i == 0 else self.ws_tmp[: r1 - r0]
+            _token_keep_into(target, rule, nlr, nlr_c, em1).mul_(mask)
+            torch.sum(target, dim=-1, out=rows(f"kept/{rule.option.value}"))
+            if i:
+                k.mul_(target)
+        if not token_rules:
+            k.copy_(mask)
+        if len(token_rules) > 1:
+            torch.sum(k, dim=-1, out=rows("kept_token"))
+        if self.weights is not None and token_rules:
+            self.weights[r0:r1].mul_(k)
 
-    cat = rows.as_float64()
-    cat["seq_sum"] = -cat["neg_sum"]
-    if need_k3_rows:
-        # the clamp removes the rounding sign-noise on exactly on-policy rows
-        cat["k3_sum"] = torch.clamp(cat["em1_sum"] + cat["neg_clamped_sum"], min=0.0)
-    if need_k2_rows:
-        cat["k2_sum"] = 0.5 * cat["k2_sum"]
-    if need_minmax:
-        cat["lr_min"], cat["lr_max"] = -cat["neg_max"], -cat["neg_min"]
-    if seq_w_rows:
-        cat["seq_w"] = torch.cat(seq_w_rows)
-        cat["seq_trunc"] = torch.cat(seq_trunc_rows)
-    if len(token_rules) == 1:
-        cat["kept_token"] = cat[f"kept/{token_rules[0].option.value}"]
-    return cat, block_sums.to(_F64).sum(dim=1), (w_max, w_min)
+    def finish(self) -> _Found:
+        """The float64 per-row statistics, the float64 block totals and the token w extremes."""
+        plan = self.plan
+        cat = self.rows.as_float64()
+        cat["seq_sum"] = -cat["neg_sum"]
+        if plan.need_k3_rows:
+            # the clamp removes the rounding sign-noise on exactly on-policy rows
+            cat["k3_sum"] = torch.clamp(cat["em1_sum"] + cat["neg_clamped_sum"], min=0.0)
+        if plan.need_k2_rows:
+            cat["k2_sum"] = 0.5 * cat["k2_sum"]
+        if plan.need_minmax:
+            cat["lr_min"], cat["lr_max"] = -cat["neg_max"], -cat["neg_min"]
+        if self.seq_w_rows:
+            cat["seq_w"] = torch.cat(self.seq_w_rows)
+            cat["seq_trunc"] = torch.cat(self.seq_trunc_rows)
+        if len(plan.token_rules) == 1:
+            cat["kept_token"] = cat[f"kept/{plan.token_rules[0].option.value}"]
+        return cat, self.block_sums.to(_F64).sum(dim=1), (self.w_max, self.w_min)
 
 
 def _seq_weights(
@@ -710,6 +852,7 @@ def _diagnostics(
     n_tok_safe, n_seq_safe = n_tok.clamp(min=1.0), n_seq.clamp(min=1.0)
 
     def seq_mean(per_seq: torch.Tensor) -> torch.Tensor:
+        """Mean of a ``[B]`` per-sequence value over the sequences with valid tokens."""
         return torch.where(valid, per_seq, 0.0).sum() / n_seq_safe
 
     rollout_mean = cat["rollout_sum"] / length  # [B] mean log π_rollout

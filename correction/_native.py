@@ -155,6 +155,7 @@ class NativeKernel:
         sums: torch.Tensor,
     ) -> int:
         def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            """Rows ``[r0, r1)`` of ``t`` (None stays None)."""
             return None if t is None else t[r0:r1]
 
         return int(
@@ -202,6 +203,7 @@ def mode() -> str:
 
 
 def cache_dir() -> Path:
+    """Where built kernels are cached: ``$AGENTRL_CACHE_DIR``, else ``~/.cache/agentrl``."""
     return Path(os.environ.get("AGENTRL_CACHE_DIR") or Path.home() / ".cache" / "agentrl")
 
 

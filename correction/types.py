@@ -33,6 +33,7 @@ class ISLevel(StrEnum):
 
 
 def as_is_level(level: ISLevel | str, field: str = "level") -> ISLevel:
+    """``level`` as an :class:`ISLevel`; a ``ValueError`` names ``field`` and the valid levels."""
     if isinstance(level, ISLevel):
         return level
     try:
@@ -44,6 +45,7 @@ def as_is_level(level: ISLevel | str, field: str = "level") -> ISLevel:
 
 
 def check_threshold(threshold: float, field: str = "threshold") -> float:
+    """``threshold`` as a float, checked to be finite and > 0 (the error names ``field``)."""
     value = float(threshold)
     if not (math.isfinite(value) and value > 0):
         raise ValueError(f"{field} must be a finite number > 0 (e.g. 2.0), got {threshold!r}")
@@ -67,14 +69,18 @@ class RSOption(StrEnum):
 
     @property
     def is_k1(self) -> bool:
+        """The rule thresholds the log-ratio itself (k1), with a lower and an upper bound."""
         return self.value.endswith("k1")
 
     @property
     def is_token(self) -> bool:
+        """The rule keeps or drops single tokens (else whole sequences)."""
         return self.value.startswith("token_")
 
 
 def as_rs_option(option: RSOption | str, field: str = "option") -> RSOption:
+    """``option`` as an :class:`RSOption`; a ``ValueError`` names ``field``, the closest match and
+    the valid options."""
     if isinstance(option, RSOption):
         return option
     try:

@@ -222,10 +222,12 @@ class FunctionTool(Tool):
         functools.update_wrapper(self, fn)  # type: ignore[arg-type]  # copies __doc__, __name__
 
     def validate_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """``arguments`` checked and coerced by the model built from the function's type hints."""
         model = self._model.model_validate(arguments)
         return {k: getattr(model, k) for k in type(model).model_fields}
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult | str:
+        """Call the function (a sync one in the tool thread pool) and wrap what it returns."""
         if self.is_async:
             out = await self.fn(**arguments)
         else:
@@ -272,6 +274,7 @@ class _Ref:
         self.qualname = qualname
 
     def resolve(self) -> Any:
+        """The object ``module.qualname`` names (imported now)."""
         return _import_attr(self.module, self.qualname)
 
 
@@ -322,7 +325,9 @@ def tool(
     description: str | None = None,
     timeout_s: float | None = None,
     max_output_chars: int | None = None,
-) -> FunctionTool: ...
+) -> FunctionTool:
+    """``@tool``: a :class:`FunctionTool` from ``fn`` with the defaults."""
+    ...
 
 
 @overload
@@ -334,7 +339,9 @@ def tool(
     description: str | None = None,
     timeout_s: float | None = None,
     max_output_chars: int | None = None,
-) -> Callable[[Callable[..., Any]], FunctionTool]: ...
+) -> Callable[[Callable[..., Any]], FunctionTool]:
+    """``@tool(name=..., ...)``: a decorator that makes a :class:`FunctionTool`."""
+    ...
 
 
 def tool(
@@ -356,6 +363,7 @@ def tool(
     """
 
     def wrap(f: Callable[..., Any]) -> FunctionTool:
+        """A :class:`FunctionTool` of ``f`` with the options given to :func:`tool`."""
         return FunctionTool(
             f,
             name=name,
@@ -572,6 +580,7 @@ class ToolSet:
 
     # -- introspection --
     def names(self) -> list[str]:
+        """The tool names, in order."""
         return list(self._tools)
 
     def schemas(self) -> list[dict[str, Any]]:
@@ -579,6 +588,7 @@ class ToolSet:
         return [t.schema() for t in self._tools.values()]
 
     def get(self, name: str) -> Tool | None:
+        """The tool called ``name``, or None."""
         return self._tools.get(name)
 
     def __contains__(self, name: object) -> bool:
@@ -679,6 +689,7 @@ class ToolSet:
             call.thread.cancel()  # only stops a call still queued for a thread
 
         def check() -> None:
+            """Count the call as abandoned (and warn) if it still runs after the grace time."""
             if call.running():
                 logger.warning(
                     "tool %r is still running %.1f s after it was abandoned (it ignores "
@@ -719,6 +730,7 @@ class ToolEpisode:
 
     @property
     def closed(self) -> bool:
+        """The episode has been closed (every tool state released)."""
         return self._closed
 
     def state(self, name: str) -> Any:

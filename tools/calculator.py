@@ -75,6 +75,18 @@ def evaluate(
     max_depth: int = 100,
 ) -> int | float:
     """Evaluate an arithmetic expression safely; raise :class:`CalculatorError` otherwise."""
+    tree = _parse(expression, max_length)
+    evaluator = _Evaluator(
+        max_exponent=max_exponent, max_int_digits=max_int_digits, max_depth=max_depth
+    )
+    try:
+        return evaluator.ev(tree, 0)
+    except RecursionError:
+        raise CalculatorError(f"expression nests deeper than {max_depth} levels") from None
+
+
+def _parse(expression: str, max_length: int) -> ast.Expression:
+    """The syntax tree of ``expression`` after normalizing ``^ × ÷`` (nothing evaluated yet)."""
     if not isinstance(expression, str):
         raise CalculatorError(f"expression must be a string, got {type(expression).__name__}")
     expr = expression.strip().replace("^", "**").replace("×", "*").replace("÷", "/")
@@ -85,86 +97,105 @@ def evaluate(
             f"expression is {len(expr)} characters long; the limit is {max_length}"
         )
     try:
-        tree = ast.parse(expr, mode="eval")
+        return ast.parse(expr, mode="eval")
     except SyntaxError as exc:
         raise CalculatorError(f"invalid syntax at column {exc.offset}: {exc.msg}") from None
     except (ValueError, RecursionError, MemoryError) as exc:
         raise CalculatorError(f"cannot parse expression: {exc}") from None
-    max_bits = int(max_int_digits * math.log2(10)) + 1
 
-    def check_size(value: int | float) -> int | float:
-        if isinstance(value, int) and value.bit_length() > max_bits:
-            raise CalculatorError(f"result has more than {max_int_digits} digits")
-        if isinstance(value, float) and math.isnan(value):
-            raise CalculatorError("result is not a number")
-        if isinstance(value, float) and math.isinf(value):
-            raise CalculatorError("numeric overflow (result too large for a float)")
-        return value
 
-    def ev(node: ast.AST, depth: int) -> int | float:
-        if depth > max_depth:
-            raise CalculatorError(f"expression nests deeper than {max_depth} levels")
+class _Evaluator:
+    """Walks an arithmetic syntax tree node by node under the limits of one :func:`evaluate` call.
+
+    ``ev`` is the only recursive method (one Python frame per nesting level, so the depth limit,
+    not the interpreter's recursion limit, is what stops deep expressions).
+    """
+
+    def __init__(self, *, max_exponent: int, max_int_digits: int, max_depth: int) -> None:
+        self.max_exponent = max_exponent
+        self.max_int_digits = max_int_digits
+        self.max_depth = max_depth
+        self.max_bits = int(max_int_digits * math.log2(10)) + 1
+
+    def ev(self, node: ast.AST, depth: int) -> int | float:
+        """The value of ``node``, nested ``depth`` levels below the root."""
+        if depth > self.max_depth:
+            raise CalculatorError(f"expression nests deeper than {self.max_depth} levels")
         if isinstance(node, ast.Expression):
-            return ev(node.body, depth + 1)
+            return self.ev(node.body, depth + 1)
         if isinstance(node, ast.Constant):
             v = node.value
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise CalculatorError(f"only numbers are allowed, got {v!r}")
-            return check_size(v)
+            return self.check_size(v)
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-            return _UNARY[type(node.op)](ev(node.operand, depth + 1))
+            return _UNARY[type(node.op)](self.ev(node.operand, depth + 1))
         if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
-            left = ev(node.left, depth + 1)
-            right = ev(node.right, depth + 1)
-            if isinstance(node.op, ast.Pow):
-                if abs(right) > max_exponent:
-                    raise CalculatorError(
-                        f"exponent {format_number(right)} is too large (limit {max_exponent})"
-                    )
-                if (
-                    isinstance(left, int)
-                    and isinstance(right, int)
-                    and right > 0
-                    and abs(left) > 1
-                    and right * math.log2(abs(left)) > max_bits
-                ):
-                    raise CalculatorError(f"result has more than {max_int_digits} digits")
-            if (
-                isinstance(node.op, ast.Mult)
-                and isinstance(left, int)
-                and isinstance(right, int)
-                and left.bit_length() + right.bit_length() > max_bits + 1
-            ):
-                raise CalculatorError(f"result has more than {max_int_digits} digits")
-            if (
-                isinstance(node.op, ast.Div)
-                and isinstance(left, int)
-                and isinstance(right, int)
-                and right != 0
-                and left % right == 0
-            ):
-                return left // right  # exact: keep integers exact (10**20 / 10 stays an int)
-            try:
-                result = _BINOPS[type(node.op)](left, right)
-            except ZeroDivisionError:
-                raise CalculatorError("division by zero") from None
-            except OverflowError:
-                raise CalculatorError("numeric overflow (result too large for a float)") from None
-            if isinstance(result, complex):
-                raise CalculatorError(
-                    "result is a complex number (a negative number to a fractional power)"
-                )
-            return check_size(result)
+            left = self.ev(node.left, depth + 1)
+            right = self.ev(node.right, depth + 1)
+            return self.binary(node.op, left, right)
         if isinstance(node, (ast.BinOp, ast.UnaryOp)):
             raise CalculatorError(f"operator {type(node.op).__name__} is not allowed")
         raise CalculatorError(
             f"{type(node).__name__} is not allowed; use numbers, + - * / // % ** and parentheses"
         )
 
-    try:
-        return ev(tree, 0)
-    except RecursionError:
-        raise CalculatorError(f"expression nests deeper than {max_depth} levels") from None
+    def binary(self, op: ast.operator, left: int | float, right: int | float) -> int | float:
+        """``left op right``, refused before computing when the result would be too large."""
+        self.check_operands(op, left, right)
+        if (
+            isinstance(op, ast.Div)
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and right != 0
+            and left % right == 0
+        ):
+            return left // right  # exact: keep integers exact (10**20 / 10 stays an int)
+        try:
+            result = _BINOPS[type(op)](left, right)
+        except ZeroDivisionError:
+            raise CalculatorError("division by zero") from None
+        except OverflowError:
+            raise CalculatorError("numeric overflow (result too large for a float)") from None
+        if isinstance(result, complex):
+            raise CalculatorError(
+                "result is a complex number (a negative number to a fractional power)"
+            )
+        return self.check_size(result)
+
+    def check_operands(self, op: ast.operator, left: int | float, right: int | float) -> None:
+        """Refuse a power or product whose exponent or integer result exceeds the limits."""
+        too_many_digits = f"result has more than {self.max_int_digits} digits"
+        if isinstance(op, ast.Pow):
+            if abs(right) > self.max_exponent:
+                raise CalculatorError(
+                    f"exponent {format_number(right)} is too large (limit {self.max_exponent})"
+                )
+            if (
+                isinstance(left, int)
+                and isinstance(right, int)
+                and right > 0
+                and abs(left) > 1
+                and right * math.log2(abs(left)) > self.max_bits
+            ):
+                raise CalculatorError(too_many_digits)
+        if (
+            isinstance(op, ast.Mult)
+            and isinstance(left, int)
+            and isinstance(right, int)
+            and left.bit_length() + right.bit_length() > self.max_bits + 1
+        ):
+            raise CalculatorError(too_many_digits)
+
+    def check_size(self, value: int | float) -> int | float:
+        """``value`` itself, or an error when it is too long an integer, NaN or infinite."""
+        if isinstance(value, int) and value.bit_length() > self.max_bits:
+            raise CalculatorError(f"result has more than {self.max_int_digits} digits")
+        if isinstance(value, float) and math.isnan(value):
+            raise CalculatorError("result is not a number")
+        if isinstance(value, float) and math.isinf(value):
+            raise CalculatorError("numeric overflow (result too large for a float)")
+        return value
 
 
 def format_number(value: int | float) -> str:
@@ -220,6 +251,7 @@ class Calculator(Tool):
 
     # Evaluation is microseconds of CPU: it runs inline on the event loop, not in a thread.
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        """The value of ``arguments["expression"]``, or an ``error: ...`` result saying why not."""
         try:
             value = self.evaluate(arguments["expression"])
         except CalculatorError as exc:

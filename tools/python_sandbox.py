@@ -365,6 +365,7 @@ def _python_paths(python_executable: str) -> tuple[str, ...]:
     candidates.update({exe_dir, os.path.dirname(os.path.realpath(python_executable))})
 
     def covered(path: str, by: str) -> bool:
+        """``path`` is ``by`` or lies inside it."""
         return path == by or path.startswith(by.rstrip("/") + "/")
 
     kept: list[str] = []
@@ -451,6 +452,7 @@ def check_python_sandbox_available(section: Any = None) -> None:
     """
 
     def get(key: str) -> Any:
+        """``key`` of the section (dict or object), None when absent."""
         if section is None:
             return None
         if isinstance(section, dict):
@@ -652,11 +654,13 @@ class PythonTool(Tool):
         return _EpisodeDir(path.resolve())
 
     async def release(self, state: Any) -> None:
+        """Delete the episode's directory."""
         if state is not None:
             # One archive file (sandboxed) or the files of an unsandboxed episode: quick.
             shutil.rmtree(os.fspath(state), ignore_errors=True)
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        """Run ``arguments["code"]``; in an episode, in its persistent directory, one at a time."""
         if state is None:
             return await self.run(arguments["code"])
         async with state.lock:
@@ -774,6 +778,7 @@ class PythonTool(Tool):
         stdin = proc.stdin
 
         async def feed_and_wait() -> None:
+            """Send the code on stdin, close it and wait for the process to end."""
             try:
                 stdin.write(code.encode("utf-8", errors="replace"))
                 await stdin.drain()

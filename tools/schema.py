@@ -62,25 +62,46 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
     if not doc:
         return "", {}
     lines = inspect.cleandoc(doc).splitlines()
-    desc_lines: list[str] = []
     args: dict[str, str] = {}
-    i = 0
-    n = len(lines)
+    desc_lines, i = _read_description(lines, args)
+    while i < len(lines):
+        if _is_google_header(lines, i):
+            i = _read_google_section(lines, i, args)
+        elif _is_numpy_header(lines, i):
+            i = _read_numpy_section(lines, i, args)
+        else:
+            i += 1
+    description = "\n".join(desc_lines).strip()
+    description = re.sub(r"\n{3,}", "\n\n", description)
+    return description, args
 
-    def is_numpy_header(k: int) -> bool:
-        return (
-            k + 1 < n
-            and lines[k].strip() != ""
-            and re.fullmatch(r"-{3,}", lines[k + 1].strip()) is not None
-        )
 
-    def is_google_header(k: int) -> bool:
-        s = lines[k].strip()
-        return s.endswith(":") and s[:-1].strip().lower() in _GOOGLE_SECTIONS
+def _is_numpy_header(lines: list[str], k: int) -> bool:
+    """Line ``k`` is a NumPy section header (a non-blank line underlined with dashes)."""
+    return (
+        k + 1 < len(lines)
+        and lines[k].strip() != ""
+        and re.fullmatch(r"-{3,}", lines[k + 1].strip()) is not None
+    )
 
-    while i < n and not is_numpy_header(i) and not is_google_header(i):
+
+def _is_google_header(lines: list[str], k: int) -> bool:
+    """Line ``k`` is a Google section header such as ``Args:`` or ``Returns:``."""
+    s = lines[k].strip()
+    return s.endswith(":") and s[:-1].strip().lower() in _GOOGLE_SECTIONS
+
+
+def _read_description(lines: list[str], args: dict[str, str]) -> tuple[list[str], int]:
+    """The description lines before the first section header, and that header's index.
+
+    Sphinx fields met on the way are read too: ``:param name: text`` (continuation lines
+    indented) into ``args``; ``:returns:``, ``:raises ...:`` and ``:type x:`` are skipped.
+    """
+    desc_lines: list[str] = []
+    i, n = 0, len(lines)
+    while i < n and not _is_numpy_header(lines, i) and not _is_google_header(lines, i):
         sphinx = _SPHINX_PARAM.match(lines[i].strip())
-        if sphinx:  # reST/Sphinx fields: ":param name: text" (continuation lines indented)
+        if sphinx:
             name = sphinx.group(1)
             args[name] = sphinx.group(2).strip()
             i += 1
@@ -89,61 +110,67 @@ def parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
                 i += 1
             continue
         if _SPHINX_FIELD.match(lines[i].strip()):
-            i += 1  # :returns:, :raises ...:, :type x: are not part of the description
+            i += 1
             continue
         desc_lines.append(lines[i])
         i += 1
+    return desc_lines, i
 
+
+def _read_google_section(lines: list[str], i: int, args: dict[str, str]) -> int:
+    """Read the Google section whose header is line ``i`` (its argument items into ``args``);
+    return the index of the first line after it (the first line indented no deeper than the
+    header)."""
+    n = len(lines)
+    section = lines[i].strip()[:-1].strip().lower()
+    header_indent = len(lines[i]) - len(lines[i].lstrip())
+    i += 1
+    current: str | None = None
+    item_indent: int | None = None
     while i < n:
-        if is_google_header(i):
-            section = lines[i].strip()[:-1].strip().lower()
-            header_indent = len(lines[i]) - len(lines[i].lstrip())
+        line = lines[i]
+        if line.strip() == "":
             i += 1
-            current: str | None = None
-            item_indent: int | None = None
-            while i < n:
-                line = lines[i]
-                if line.strip() == "":
-                    i += 1
-                    continue
-                indent = len(line) - len(line.lstrip())
-                if indent <= header_indent:
-                    break
-                if item_indent is None:
-                    item_indent = indent
-                if section in _GOOGLE_ARG_SECTIONS:
-                    m = _GOOGLE_ARG.match(line.strip())
-                    if indent == item_indent and m:
-                        key = str(m.group(1)).lstrip("*")
-                        args[key] = str(m.group(3)).strip()
-                        current = key
-                    elif current is not None:
-                        args[current] = (args[current] + " " + line.strip()).strip()
-                i += 1
-        elif is_numpy_header(i):
-            section = lines[i].strip().lower()
-            i += 2
-            np_current: str | None = None
-            while i < n and not is_numpy_header(i):
-                line = lines[i]
-                if line.strip() == "":
-                    i += 1
-                    continue
-                indent = len(line) - len(line.lstrip())
-                if section in ("parameters", "other parameters") and indent == 0:
-                    m = _NUMPY_ARG.match(line.strip())
-                    np_current = m.group(1).lstrip("*") if m else None
-                    if np_current is not None:
-                        args[np_current] = ""
-                elif section in ("parameters", "other parameters") and np_current is not None:
-                    args[np_current] = (args[np_current] + " " + line.strip()).strip()
-                i += 1
-        else:
-            i += 1
+            continue
+        indent = len(line) - len(line.lstrip())
+        if indent <= header_indent:
+            break
+        if item_indent is None:
+            item_indent = indent
+        if section in _GOOGLE_ARG_SECTIONS:
+            m = _GOOGLE_ARG.match(line.strip())
+            if indent == item_indent and m:
+                key = str(m.group(1)).lstrip("*")
+                args[key] = str(m.group(3)).strip()
+                current = key
+            elif current is not None:
+                args[current] = (args[current] + " " + line.strip()).strip()
+        i += 1
+    return i
 
-    description = "\n".join(desc_lines).strip()
-    description = re.sub(r"\n{3,}", "\n\n", description)
-    return description, args
+
+def _read_numpy_section(lines: list[str], i: int, args: dict[str, str]) -> int:
+    """Read the NumPy section whose header is line ``i`` (``name : type`` items of a parameters
+    section into ``args``); return the index of the next NumPy header or the end."""
+    n = len(lines)
+    section = lines[i].strip().lower()
+    i += 2
+    current: str | None = None
+    while i < n and not _is_numpy_header(lines, i):
+        line = lines[i]
+        if line.strip() == "":
+            i += 1
+            continue
+        indent = len(line) - len(line.lstrip())
+        if section in ("parameters", "other parameters") and indent == 0:
+            m = _NUMPY_ARG.match(line.strip())
+            current = m.group(1).lstrip("*") if m else None
+            if current is not None:
+                args[current] = ""
+        elif section in ("parameters", "other parameters") and current is not None:
+            args[current] = (args[current] + " " + line.strip()).strip()
+        i += 1
+    return i
 
 
 def arguments_model(

@@ -56,6 +56,8 @@ class CorpusError(ValueError):
 
 @dataclass(frozen=True)
 class Document:
+    """One corpus entry: its id, title and text (a line of the JSONL corpus)."""
+
     id: str
     title: str
     text: str
@@ -265,6 +267,7 @@ class SearchTool(Tool):
         )
 
     def validate_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """``{"query", "k"}`` checked by the arguments model (``k`` bounded by ``max_k``)."""
         model = self._args.model_validate(arguments)
         return {"query": getattr(model, "query"), "k": getattr(model, "k")}  # noqa: B009 (dynamic model)
 
@@ -273,6 +276,7 @@ class SearchTool(Tool):
         return self.index.search(query, k or self.top_k)
 
     async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult:
+        """The top ``k`` documents for the query, numbered, with titles and scores."""
         query: str = arguments["query"]
         k: int = arguments.get("k", self.top_k)
         if not tokenize(query):

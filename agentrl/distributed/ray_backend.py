@@ -43,12 +43,15 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.config import ExperimentConfig
 from agentrl.inference.handle import ServerHandle
 from agentrl.rollout.manager import AgentLoopWorker, WorkerConfig
 from agentrl.types import Task, Trajectory
+
+if TYPE_CHECKING:
+    from agentrl.threads import ThreadPlan
 
 __all__ = [
     "AgentLoopWorkerActor",
@@ -148,6 +151,7 @@ class InferenceServerActor:
         return state
 
     def start(self) -> str:
+        """Launch the server and its reaper (once; later calls return the same URL); its URL."""
         if self._handle is not None:
             return self._url
         log = None
@@ -187,6 +191,7 @@ class InferenceServerActor:
         return self._url
 
     def url(self) -> str:
+        """The server's URL as other nodes reach it ("" before :meth:`start`)."""
         return self._url
 
     def info(self) -> dict[str, Any]:
@@ -200,6 +205,7 @@ class InferenceServerActor:
         }
 
     def healthy(self) -> bool:
+        """The server process runs and answers ``/health`` with 200."""
         if self._handle is None or not self._handle.is_running():
             return False
         import httpx
@@ -252,11 +258,13 @@ class RewardWorkerActor:
         return self._manager
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        """``traj`` scored by the config's reward functions (see ``RewardManager.score``)."""
         out = await self._rewards().score(traj, task)
         self.scored += 1
         return out
 
     def info(self) -> dict[str, Any]:
+        """The actor's pid and how many trajectories it scored."""
         return {"actor_pid": os.getpid(), "scored": self.scored}
 
 
@@ -267,6 +275,7 @@ class RemoteScorer:
         self.handle = handle
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        """``traj`` scored by the reward actor (cancelling cancels the remote call)."""
         return await _await_ref(self.handle.score.remote(traj, task))
 
 
@@ -333,6 +342,7 @@ class AgentLoopWorkerActor:
         return self._worker
 
     async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        """``AgentLoopWorker.run_episode`` on this actor's worker (built on first use)."""
         traj = await self._build().run_episode(task, uid, index)
         self.episodes += 1
         return traj
@@ -345,12 +355,15 @@ class AgentLoopWorkerActor:
         return traj, self.counts()
 
     def counts(self) -> dict[str, int]:
+        """The worker's counters (empty before the first episode)."""
         return dict(self._worker.counts) if self._worker is not None else {}
 
     def info(self) -> dict[str, Any]:
+        """The actor's pid, its worker id and how many episodes it ran."""
         return {"actor_pid": os.getpid(), "episodes": self.episodes, "worker_id": self.worker_id}
 
     async def shutdown(self) -> None:
+        """Close the worker's server pool."""
         if self._pool is not None:
             await self._pool.aclose()
             self._pool = None
@@ -367,6 +380,7 @@ class RemoteWorker:
         self.counts: dict[str, int] = {}
 
     async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        """The remote episode's trajectory; the worker's counters are refreshed with it."""
         traj, counts = await _await_ref(self.handle.run_episode_counted.remote(task, uid, index))
         self.counts = counts
         return traj
@@ -394,6 +408,7 @@ class TrainerActor:
         self.stop_after_step = stop_after_step
 
     async def run(self, server_urls: list[str], worker_handles: list[Any]) -> Any:
+        """Train to the end with these servers and remote workers; returns the ``TrainResult``."""
         from agentrl.training.trainer import Trainer
 
         workers = [RemoteWorker(h, i) for i, h in enumerate(worker_handles)]
@@ -407,6 +422,7 @@ class TrainerActor:
         return await trainer.run()
 
     def info(self) -> dict[str, Any]:
+        """The actor's pid."""
         return {"actor_pid": os.getpid()}
 
 
@@ -472,36 +488,13 @@ def run_with_ray(
     bind_host = server_bind_host or os.environ.get(BIND_HOST_ENV, "127.0.0.1")
     started = _connect(dist.ray_address)
     info = placement_info if placement_info is not None else {}
-    actors: list[Any] = []
-    servers: list[Any] = []
+    actors: list[Any] = []  # every actor placed so far: all are shut down in the finally
     try:
         model_path = str(model_dir(cfg))  # builds the tiny model (if any); starts nothing
         workers_cfg = worker_config(cfg, greedy_baseline=plan.advantage.needs_greedy_baseline)
         # The servers share this machine's cpus with the trainer (one plan; vLLM sizes itself).
         threads = make_plan(inf.num_servers, cpus=dist.cpus, server_threads=dist.server_threads)
-        urls: list[str]
-        if inf.backend == "external":
-            urls = list(inf.urls)
-        else:
-            server_cls = ray.remote(InferenceServerActor).options(
-                num_cpus=0, num_gpus=dist.num_gpus_per_server
-            )
-            for i in range(inf.num_servers):
-                a = server_cls.remote(
-                    model_path,
-                    backend=inf.backend,
-                    index=i,
-                    seed=cfg.trainer.seed + i,
-                    max_batch_size=inf.max_batch_size,
-                    bind_host=bind_host,
-                    log_dir=str(Path(cfg.trainer.output_dir) / "logs"),
-                    vllm_python=inf.vllm_python,
-                    vllm_extra_args=list(inf.vllm_extra_args),
-                    env=threads.servers[i].env() if inf.backend == "embedded" else None,
-                )
-                servers.append(a)
-                actors.append(a)
-            urls = ray.get([a.start.remote() for a in servers], timeout=600)
+        servers, urls = _place_servers(cfg, model_path, bind_host, threads, actors)
         reward = ray.remote(RewardWorkerActor).options(num_cpus=0).remote(cfg)
         actors.append(reward)
         worker_cls = ray.remote(AgentLoopWorkerActor).options(num_cpus=0)
@@ -529,6 +522,45 @@ def run_with_ray(
         _shutdown(actors)
         if started:
             ray.shutdown()
+
+
+def _place_servers(
+    cfg: ExperimentConfig,
+    model_path: str,
+    bind_host: str,
+    threads: ThreadPlan,
+    actors: list[Any],
+) -> tuple[list[Any], list[str]]:
+    """The server actors and the URLs the workers use. With ``inference.backend: external``
+    none is placed (the configured URLs); else ``inference.num_servers`` actors are placed, each
+    added to ``actors`` as soon as it exists (so a failure later still shuts it down), and
+    started (up to 600 s)."""
+    import ray
+
+    inf, dist = cfg.inference, cfg.distributed
+    if inf.backend == "external":
+        return [], list(inf.urls)
+    server_cls = ray.remote(InferenceServerActor).options(
+        num_cpus=0, num_gpus=dist.num_gpus_per_server
+    )
+    servers: list[Any] = []
+    for i in range(inf.num_servers):
+        a = server_cls.remote(
+            model_path,
+            backend=inf.backend,
+            index=i,
+            seed=cfg.trainer.seed + i,
+            max_batch_size=inf.max_batch_size,
+            bind_host=bind_host,
+            log_dir=str(Path(cfg.trainer.output_dir) / "logs"),
+            vllm_python=inf.vllm_python,
+            vllm_extra_args=list(inf.vllm_extra_args),
+            env=threads.servers[i].env() if inf.backend == "embedded" else None,
+        )
+        servers.append(a)
+        actors.append(a)
+    urls = ray.get([a.start.remote() for a in servers], timeout=600)
+    return servers, urls
 
 
 def _shutdown(actors: list[Any]) -> None:

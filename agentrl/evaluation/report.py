@@ -69,7 +69,9 @@ GenerateFn = Callable[[Sequence[Task], int], Awaitable[list[Trajectory]]]
 class EpisodeGenerator(Protocol):
     """Anything with the AgentLoopManager's ``generate`` (a fake in tests)."""
 
-    async def generate(self, tasks: Sequence[Task], n_samples: int = 1) -> list[Trajectory]: ...
+    async def generate(self, tasks: Sequence[Task], n_samples: int = 1) -> list[Trajectory]:
+        """Run every task ``n_samples`` times; the trajectories, scored."""
+        ...
 
 
 def is_correct(traj: Trajectory) -> bool:
@@ -136,10 +138,12 @@ class EvalReport(BaseModel):
         log_report(tracker, self, step=step, artifact_dir=artifact_dir)
 
     def to_json(self, indent: int | None = 2) -> str:
+        """The report as JSON (:meth:`from_json` reads it back)."""
         return self.model_dump_json(indent=indent)
 
     @classmethod
     def from_json(cls, data: str | bytes) -> EvalReport:
+        """A report from :meth:`to_json` output (validated)."""
         return cls.model_validate_json(data)
 
     def rows(self, step: int | None = None) -> list[dict[str, Any]]:

@@ -200,30 +200,7 @@ def generate_sft_conversations(
             {"role": "user", "content": format_prompt(a, op, b)},
         ]
         if used_tool:
-            call_id = f"call_{seed}_{i}"
-            messages += [
-                {
-                    "role": "assistant",
-                    "content": "",
-                    "tool_calls": [
-                        {
-                            "id": call_id,
-                            "type": "function",
-                            "function": {
-                                "name": "calculator",
-                                "arguments": {"expression": f"{a} {op} {b}"},
-                            },
-                        }
-                    ],
-                },
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "name": "calculator",
-                    "content": str(result),
-                },
-                {"role": "assistant", "content": format_answer(result)},
-            ]
+            messages += _tool_solution(f"call_{seed}_{i}", f"{a} {op} {b}", result)
             answer = result
         else:
             answer = _wrong_guess(rng, result)
@@ -238,3 +215,23 @@ def generate_sft_conversations(
             }
         )
     return conversations
+
+
+def _tool_solution(call_id: str, expression: str, result: int) -> list[Message]:
+    """The intended solution after the user turn: a calculator call on ``expression``, the
+    tool's reply and the boxed answer."""
+    return [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": "calculator", "arguments": {"expression": expression}},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call_id, "name": "calculator", "content": str(result)},
+        {"role": "assistant", "content": format_answer(result)},
+    ]

@@ -66,64 +66,20 @@ def _as_object(value: Any, column: str, where: str) -> dict[str, Any]:
 
 
 def _row_to_task(raw: Any, path: Path, row: int, line: int | None) -> Task:
+    """One row as a :class:`Task` (verl's column names accepted); a bad row is a
+    :class:`DatasetError` naming the file, row (and line) and column."""
     where = _where(path, row, line)
     if not isinstance(raw, dict):
         raise DatasetError(f"{where}: expected a JSON object per row, got {_type_name(raw)}")
     data = {k: v for k, v in raw.items() if v is not None}
-    fields: dict[str, Any] = {}
     # verl's column names: a chat-format `prompt`, `agent_name`, `reward_model`.
     if isinstance(data.get("prompt"), list) and "messages" not in data:
         data["messages"] = data.pop("prompt")
     for alias, column in (("agent_name", "agent"), ("reward_model", "reward_spec")):
         if alias in data and column not in data:
             data[column] = data.pop(alias)
-
-    prompt, messages = data.get("prompt"), data.get("messages")
-    if prompt is None and messages is None:
-        raise DatasetError(
-            f"{where}: missing column 'prompt' or 'messages'; each row needs exactly one "
-            f"(columns present: {sorted(raw)})"
-        )
-    if prompt is not None and messages is not None:
-        raise DatasetError(
-            f"{where}: columns 'prompt' and 'messages' are both set; give exactly one of them"
-        )
-    if prompt is not None:
-        if not isinstance(prompt, str):
-            raise DatasetError(
-                f"{where}: column 'prompt': expected a string, got {_type_name(prompt)}"
-            )
-        fields["prompt"] = prompt
-    else:
-        if isinstance(messages, str):
-            try:
-                messages = json.loads(messages)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(
-                    f"{where}: column 'messages': a string here must hold a JSON list ({exc})"
-                ) from exc
-        if not isinstance(messages, list) or not messages:
-            raise DatasetError(
-                f"{where}: column 'messages': expected a non-empty list of messages, got "
-                f"{_type_name(messages)}"
-            )
-        for i, msg in enumerate(messages):
-            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-                raise DatasetError(
-                    f"{where}: column 'messages': item {i} must be an object with a string "
-                    f"'role' (and 'content'), got {msg!r}"
-                )
-        fields["messages"] = [{k: v for k, v in m.items() if v is not None} for m in messages]
-
-    if "id" in data:
-        task_id = data["id"]
-        if isinstance(task_id, bool) or not isinstance(task_id, str | int):
-            raise DatasetError(
-                f"{where}: column 'id': expected a string or integer, got {_type_name(task_id)}"
-            )
-        fields["id"] = str(task_id)
-    else:
-        fields["id"] = f"{path.stem}-{row}"
+    fields = _prompt_fields(data, sorted(raw), where)
+    fields["id"] = _task_id(data, path, row, where)
     for column in ("agent", "data_source"):
         if column in data:
             if not isinstance(data[column], str) or not data[column]:
@@ -144,6 +100,58 @@ def _row_to_task(raw: Any, path: Path, row: int, line: int | None) -> Task:
             f"column {'.'.join(str(p) for p in e['loc'])!r}: {e['msg']}" for e in exc.errors()
         )
         raise DatasetError(f"{where}: {problems}") from exc
+
+
+def _prompt_fields(data: dict[str, Any], columns: list[str], where: str) -> dict[str, Any]:
+    """``{"prompt": str}`` or ``{"messages": [...]}`` of a row (exactly one must be set; a
+    ``messages`` string must hold a JSON list of messages with a string ``role``)."""
+    prompt, messages = data.get("prompt"), data.get("messages")
+    if prompt is None and messages is None:
+        raise DatasetError(
+            f"{where}: missing column 'prompt' or 'messages'; each row needs exactly one "
+            f"(columns present: {columns})"
+        )
+    if prompt is not None and messages is not None:
+        raise DatasetError(
+            f"{where}: columns 'prompt' and 'messages' are both set; give exactly one of them"
+        )
+    if prompt is not None:
+        if not isinstance(prompt, str):
+            raise DatasetError(
+                f"{where}: column 'prompt': expected a string, got {_type_name(prompt)}"
+            )
+        return {"prompt": prompt}
+    if isinstance(messages, str):
+        try:
+            messages = json.loads(messages)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(
+                f"{where}: column 'messages': a string here must hold a JSON list ({exc})"
+            ) from exc
+    if not isinstance(messages, list) or not messages:
+        raise DatasetError(
+            f"{where}: column 'messages': expected a non-empty list of messages, got "
+            f"{_type_name(messages)}"
+        )
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise DatasetError(
+                f"{where}: column 'messages': item {i} must be an object with a string "
+                f"'role' (and 'content'), got {msg!r}"
+            )
+    return {"messages": [{k: v for k, v in m.items() if v is not None} for m in messages]}
+
+
+def _task_id(data: dict[str, Any], path: Path, row: int, where: str) -> str:
+    """The row's ``id`` column as a string, or ``<file stem>-<row>`` when it has none."""
+    if "id" not in data:
+        return f"{path.stem}-{row}"
+    task_id = data["id"]
+    if isinstance(task_id, bool) or not isinstance(task_id, str | int):
+        raise DatasetError(
+            f"{where}: column 'id': expected a string or integer, got {_type_name(task_id)}"
+        )
+    return str(task_id)
 
 
 def _read_jsonl(path: Path) -> list[Task]:
@@ -235,6 +243,7 @@ class TaskDataset:
 
     @classmethod
     def from_file(cls, path: str | Path, *, seed: int = 0, shuffle: bool = True) -> TaskDataset:
+        """A dataset of the tasks in the ``.jsonl`` or ``.parquet`` file ``path``."""
         return cls(load_tasks(path), seed=seed, shuffle=shuffle)
 
     def __len__(self) -> int:
@@ -278,6 +287,7 @@ class TaskDataset:
             yield self.next_task()
 
     def state_dict(self) -> dict[str, int | bool]:
+        """The position to save with a checkpoint (epoch, position, seed, shuffle, task count)."""
         return {
             "epoch": self.epoch,
             "position": self.position,

@@ -93,7 +93,9 @@ class EpisodeKey:
 class Scorer(Protocol):
     """Anything with ``async score(traj, task) -> Trajectory`` (e.g. ``RewardManager``)."""
 
-    async def score(self, traj: Trajectory, task: Task) -> Trajectory: ...
+    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
+        """``traj`` with its reward (and ``reward_info``) filled in for ``task``."""
+        ...
 
 
 # ---- admission -------------------------------------------------------------------------------
@@ -110,28 +112,40 @@ class AdmissionController(Protocol):
     and counted (``rollout/hook_errors``).
     """
 
-    def may_start(self) -> bool: ...
+    def may_start(self) -> bool:
+        """True when one more episode may start now."""
+        ...
 
-    async def wait_for_admission(self) -> None: ...
+    async def wait_for_admission(self) -> None:
+        """Return when ``may_start()`` is likely true (the manager re-checks)."""
+        ...
 
-    def on_admitted(self, key: EpisodeKey) -> None: ...
+    def on_admitted(self, key: EpisodeKey) -> None:
+        """Episode ``key`` was admitted (same event-loop step as ``may_start()``)."""
+        ...
 
-    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None: ...
+    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        """Episode ``key`` ended: with ``traj``, or ``None`` for a drop."""
+        ...
 
 
 class AlwaysAdmit:
     """No staleness budget: admit whenever a concurrency slot is free."""
 
     def may_start(self) -> bool:
+        """Always true."""
         return True
 
     async def wait_for_admission(self) -> None:
+        """Returns at once."""
         return None
 
     def on_admitted(self, key: EpisodeKey) -> None:
+        """Nothing to record."""
         return None
 
     def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        """Nothing to record."""
         return None
 
 
@@ -165,27 +179,33 @@ class StalenessAdmission:
         return limit - (self.accepted + self.running)
 
     def may_start(self) -> bool:
+        """True while the budget has room (``capacity > 0``)."""
         return self.capacity > 0
 
     async def wait_for_admission(self) -> None:
+        """Wait until the budget has room (a version bump, a finish or a reject)."""
         while not self.may_start():
             self._changed.clear()
             await self._changed.wait()
 
     def on_admitted(self, key: EpisodeKey) -> None:
+        """Count the episode as running."""
         self.running += 1
 
     def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        """Move the episode from running to accepted (a drop just stops running)."""
         self.running -= 1
         if traj is not None:
             self.accepted += 1
         self._changed.set()
 
     def set_version(self, version: int) -> None:
+        """The trainer pushed weight version ``version`` (the budget grows a batch per version)."""
         self.version = version
         self._changed.set()
 
     def reject(self, n: int = 1) -> None:
+        """``n`` finished episodes were thrown away by the trainer: admit as many replacements."""
         self.accepted -= n
         self._changed.set()
 
@@ -439,6 +459,7 @@ class TrajectoryStream:
         return await self._gen.__anext__()
 
     async def aclose(self) -> None:
+        """Stop the stream: cancel the episodes still running (counted drops)."""
         await self._gen.aclose()
 
     async def __aenter__(self) -> TrajectoryStream:
@@ -529,6 +550,7 @@ class AgentLoopManager:
 
     @property
     def running(self) -> int:
+        """Episodes in flight now."""
         return self._running
 
     def stats(self) -> dict[str, float]:
@@ -568,96 +590,19 @@ class AgentLoopManager:
     async def _stream(
         self, tasks: Iterable[Task], n_samples: int
     ) -> AsyncGenerator[Trajectory, None]:
+        """The stream's generator: admit in the background, yield trajectories as they end."""
         if self._streaming:
             raise RuntimeError("this AgentLoopManager is already streaming; one stream at a time")
         self._streaming = True
-        cancel = self._cancel = asyncio.Event()
-        # Items: ("traj", Trajectory) | ("drop", None) | ("produced", None) | ("error", exc)
-        events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-        slots = asyncio.Semaphore(self.max_concurrency)
-        episodes: set[asyncio.Task[Trajectory | None]] = set()
-        admitted = 0
-
-        def on_done(w: int, key: EpisodeKey, ep: asyncio.Task[Trajectory | None]) -> None:
-            # A done-callback, not a ``finally``: a task cancelled before its first step never
-            # runs its body, and every admitted episode must still be accounted for.
-            episodes.discard(ep)
-            traj: Trajectory | None = None
-            if ep.cancelled():
-                self._count("cancelled")
-            elif isinstance(exc := ep.exception(), EpisodeDropped):
-                self._count(f"dropped/{exc.reason}")
-                self._note_failure(exc.reason, str(exc))
-                self._drop_reasons[key] = exc.reason
-                if len(self._drop_reasons) > 10_000:  # consumers pop theirs; bound the rest
-                    self._drop_reasons.pop(next(iter(self._drop_reasons)))
-                logger.warning("episode %s/%d dropped: %s", key.uid, key.index, exc)
-            elif exc is not None:
-                self._count("worker_errors")
-                self._note_failure("worker_error", f"{type(exc).__name__}: {exc}")
-                logger.error(
-                    "worker %d failed on episode %s/%d", w, key.uid, key.index, exc_info=exc
-                )
-            else:
-                traj = ep.result()
-            self._outstanding[w] -= 1
-            self._running -= 1
-            slots.release()
-            if traj is None:
-                self._count("dropped")
-            else:
-                self._count("finished")
-                self._count(f"stop_reason/{traj.stop_reason.value}")
-            self._hook("on_finished", key, traj)
-            events.put_nowait(("drop", None) if traj is None else ("traj", traj))
-
-        async def produce() -> None:
-            nonlocal admitted
-            try:
-                for task in tasks:
-                    uid = f"{task.id}#{next(self._groups)}"
-                    for i in range(n_samples):
-                        await slots.acquire()
-                        try:
-                            await self.admission.wait_for_admission()
-                            while not self.admission.may_start():
-                                await self.admission.wait_for_admission()
-                        except BaseException:
-                            slots.release()
-                            raise
-                        # No await between may_start() and on_admitted(): admission is atomic.
-                        key = EpisodeKey(uid=uid, index=i, task_id=task.id)
-                        self._hook("on_admitted", key)
-                        admitted += 1
-                        self._count("admitted")
-                        self._running += 1
-                        w = min(range(len(self.workers)), key=self._outstanding.__getitem__)
-                        self._outstanding[w] += 1
-                        ep = asyncio.create_task(
-                            self.workers[w].run_episode(task, key.uid, key.index)
-                        )
-                        episodes.add(ep)
-                        ep.add_done_callback(functools.partial(on_done, w, key))
-                events.put_nowait(("produced", None))
-            except asyncio.CancelledError:
-                events.put_nowait(("produced", None))
-                raise
-            except Exception as exc:
-                events.put_nowait(("error", exc))
-
-        async def watch_cancel() -> None:
-            await cancel.wait()
-            producer.cancel()
-            for ep in list(episodes):
-                ep.cancel()
-
-        producer = asyncio.create_task(produce())
-        watcher = asyncio.create_task(watch_cancel())
+        self._cancel = asyncio.Event()
+        run = _StreamRun(self._cancel, asyncio.Semaphore(self.max_concurrency))
+        producer = asyncio.create_task(self._produce(run, tasks, n_samples))
+        watcher = asyncio.create_task(self._watch_cancel(run, producer))
         ended = 0  # episodes delivered or dropped
         produced = False
         try:
-            while not (produced and ended == admitted):
-                kind, value = await events.get()
+            while not (produced and ended == run.admitted):
+                kind, value = await run.events.get()
                 if kind == "produced":
                     produced = True
                 elif kind == "error":
@@ -668,15 +613,129 @@ class AgentLoopManager:
                         self._count("delivered")
                         yield value
         finally:
-            cancel.set()
-            watcher.cancel()
-            pending = [producer, watcher, *episodes]
-            for t in pending:
-                t.cancel()
-            await asyncio.gather(*pending, return_exceptions=True)
-            while not events.empty():
-                kind, _ = events.get_nowait()
-                if kind == "traj":
-                    self._count("undelivered")
-            self._streaming = False
-            self._cancel = None
+            await self._close_stream(run, producer, watcher)
+
+    async def _produce(self, run: _StreamRun, tasks: Iterable[Task], n_samples: int) -> None:
+        """Admit every sample of every task, in order, as slots and the admission hook allow;
+        end with a ``produced`` event (or an ``error`` event carrying what the tasks raised)."""
+        try:
+            for task in tasks:
+                uid = f"{task.id}#{next(self._groups)}"
+                for i in range(n_samples):
+                    await self._wait_for_admission(run)
+                    # No await between may_start() and on_admitted(): admission is atomic.
+                    self._start_episode(run, EpisodeKey(uid=uid, index=i, task_id=task.id), task)
+            run.events.put_nowait(("produced", None))
+        except asyncio.CancelledError:
+            run.events.put_nowait(("produced", None))
+            raise
+        except Exception as exc:
+            run.events.put_nowait(("error", exc))
+
+    async def _wait_for_admission(self, run: _StreamRun) -> None:
+        """Return holding a concurrency slot, at a moment when ``admission.may_start()`` is true."""
+        await run.slots.acquire()
+        try:
+            await self.admission.wait_for_admission()
+            while not self.admission.may_start():
+                await self.admission.wait_for_admission()
+        except BaseException:
+            run.slots.release()
+            raise
+
+    def _start_episode(self, run: _StreamRun, key: EpisodeKey, task: Task) -> None:
+        """Count episode ``key`` as admitted and start it on the least-busy worker."""
+        self._hook("on_admitted", key)
+        run.admitted += 1
+        self._count("admitted")
+        self._running += 1
+        w = min(range(len(self.workers)), key=self._outstanding.__getitem__)
+        self._outstanding[w] += 1
+        ep = asyncio.create_task(self.workers[w].run_episode(task, key.uid, key.index))
+        run.episodes.add(ep)
+        ep.add_done_callback(functools.partial(self._on_episode_done, run, w, key))
+
+    def _on_episode_done(
+        self, run: _StreamRun, w: int, key: EpisodeKey, ep: asyncio.Task[Trajectory | None]
+    ) -> None:
+        """Account for a finished episode: free its slot, count it, call ``on_finished`` and
+        queue its trajectory (or a drop) for the stream.
+
+        A done-callback, not a ``finally``: a task cancelled before its first step never runs its
+        body, and every admitted episode must still be accounted for.
+        """
+        run.episodes.discard(ep)
+        traj = self._episode_result(w, key, ep)
+        self._outstanding[w] -= 1
+        self._running -= 1
+        run.slots.release()
+        if traj is None:
+            self._count("dropped")
+        else:
+            self._count("finished")
+            self._count(f"stop_reason/{traj.stop_reason.value}")
+        self._hook("on_finished", key, traj)
+        run.events.put_nowait(("drop", None) if traj is None else ("traj", traj))
+
+    def _episode_result(
+        self, w: int, key: EpisodeKey, ep: asyncio.Task[Trajectory | None]
+    ) -> Trajectory | None:
+        """The episode's trajectory, or None after counting and logging why there is none
+        (cancelled, dropped, or the worker failed)."""
+        if ep.cancelled():
+            self._count("cancelled")
+            return None
+        exc = ep.exception()
+        if isinstance(exc, EpisodeDropped):
+            self._count(f"dropped/{exc.reason}")
+            self._note_failure(exc.reason, str(exc))
+            self._drop_reasons[key] = exc.reason
+            if len(self._drop_reasons) > 10_000:  # consumers pop theirs; bound the rest
+                self._drop_reasons.pop(next(iter(self._drop_reasons)))
+            logger.warning("episode %s/%d dropped: %s", key.uid, key.index, exc)
+            return None
+        if exc is not None:
+            self._count("worker_errors")
+            self._note_failure("worker_error", f"{type(exc).__name__}: {exc}")
+            logger.error("worker %d failed on episode %s/%d", w, key.uid, key.index, exc_info=exc)
+            return None
+        return ep.result()
+
+    @staticmethod
+    async def _watch_cancel(run: _StreamRun, producer: asyncio.Task[None]) -> None:
+        """On ``cancel()``: stop admitting and cancel every running episode."""
+        await run.cancel.wait()
+        producer.cancel()
+        for ep in list(run.episodes):
+            ep.cancel()
+
+    async def _close_stream(
+        self, run: _StreamRun, producer: asyncio.Task[None], watcher: asyncio.Task[None]
+    ) -> None:
+        """The shutdown order: stop admitting, cancel and await every episode (each counted by
+        its done-callback), count the trajectories nobody read as ``undelivered``."""
+        run.cancel.set()
+        watcher.cancel()
+        pending = [producer, watcher, *run.episodes]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        while not run.events.empty():
+            kind, _ = run.events.get_nowait()
+            if kind == "traj":
+                self._count("undelivered")
+        self._streaming = False
+        self._cancel = None
+
+
+@dataclass
+class _StreamRun:
+    """The bookkeeping of one stream (one call of ``AgentLoopManager.stream``)."""
+
+    cancel: asyncio.Event
+    slots: asyncio.Semaphore
+    """One permit per episode that may be in flight (``max_concurrency``)."""
+    events: asyncio.Queue[tuple[str, Any]] = field(default_factory=asyncio.Queue)
+    """``("traj", Trajectory) | ("drop", None) | ("produced", None) | ("error", exc)``."""
+    episodes: set[asyncio.Task[Trajectory | None]] = field(default_factory=set)
+    admitted: int = 0

@@ -89,6 +89,7 @@ class ProxyError(Exception):
         self.kind = kind or ("invalid_request_error" if status < 500 else "upstream_error")
 
     def body(self) -> dict[str, Any]:
+        """The OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
         return {
             "error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}
         }
@@ -234,6 +235,7 @@ class _Session:
     prefix_breaks: int = 0
 
     def expired(self, now: float) -> bool:
+        """Idle for longer than its TTL at ``now`` (a session serving a request never expires)."""
         return not self.lock.locked() and now - self.last_used > self.ttl_s
 
 
@@ -578,42 +580,55 @@ class ProxyRecorder:
     async def _generate(
         self, session: _Session, seg: _Segment, messages: list[Message], req: ChatCompletionRequest
     ) -> dict[str, Any]:
+        """Generate the next assistant turn into ``seg``; return it as a ChatCompletion."""
+        prompt_len = len(seg.recorder.context_ids())
+        token_ids, logprobs, version = await self._sample(session, seg, req)
+        assistant = self._assistant_message(seg, token_ids)
+        seg.conversation = [_message_key(m) for m in messages] + [_message_key(assistant)]
+        seg.messages = [*messages, assistant]
+        return self._completion(req, seg, assistant, token_ids, logprobs, prompt_len, version)
+
+    async def _sample(
+        self, session: _Session, seg: _Segment, req: ChatCompletionRequest
+    ) -> tuple[list[int], list[float], int]:
+        """Sample from the recorded context and record the kept tokens (mask 1); return the token
+        ids, their log-probs and the weight version (-1 when the budget left no room)."""
         sampling = self._sampling(req, session.sampling)
         rec = seg.recorder
         max_tokens = min(sampling.max_tokens, rec.remaining_budget)
-        prompt_len = len(rec.context_ids())
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        version = -1
-        if max_tokens > 0:
-            start = time.perf_counter()
-            try:
-                gen = await self.policy.generate(
-                    rec.context_ids(),
-                    sampling.model_copy(update={"max_tokens": max_tokens}),
-                    session_id=session.id,
-                )
-            except InferenceRequestError as exc:  # the server refused the request: a 4xx
-                self._counts["errors"] += 1
-                raise ProxyError(
-                    400, f"the inference server refused the request: {exc.message}"
-                ) from None
-            except Exception as exc:
-                self._counts["errors"] += 1
-                raise ProxyError(
-                    502, f"the policy failed to generate: {type(exc).__name__}: {exc}"
-                ) from exc
-            seg.generate_s += time.perf_counter() - start
-            before = len(rec.response_ids)
-            rec.add_generation(gen)
-            kept = len(rec.response_ids) - before  # a budget cut may drop the tail
-            token_ids, logprobs = list(gen.token_ids[:kept]), list(gen.logprobs[:kept])
-            eot = self._eot_ids()
-            seg.turn_closed = token_ids[-len(eot) :] == eot
-            seg.finish_reason = "length" if rec.truncated else gen.finish_reason
-            version = gen.weight_version
-        else:
+        if max_tokens <= 0:
             seg.finish_reason = "length"
+            return [], [], -1
+        start = time.perf_counter()
+        try:
+            gen = await self.policy.generate(
+                rec.context_ids(),
+                sampling.model_copy(update={"max_tokens": max_tokens}),
+                session_id=session.id,
+            )
+        except InferenceRequestError as exc:  # the server refused the request: a 4xx
+            self._counts["errors"] += 1
+            raise ProxyError(
+                400, f"the inference server refused the request: {exc.message}"
+            ) from None
+        except Exception as exc:
+            self._counts["errors"] += 1
+            raise ProxyError(
+                502, f"the policy failed to generate: {type(exc).__name__}: {exc}"
+            ) from exc
+        seg.generate_s += time.perf_counter() - start
+        before = len(rec.response_ids)
+        rec.add_generation(gen)
+        kept = len(rec.response_ids) - before  # a budget cut may drop the tail
+        token_ids, logprobs = list(gen.token_ids[:kept]), list(gen.logprobs[:kept])
+        eot = self._eot_ids()
+        seg.turn_closed = token_ids[-len(eot) :] == eot
+        seg.finish_reason = "length" if rec.truncated else gen.finish_reason
+        return token_ids, logprobs, gen.weight_version
+
+    def _assistant_message(self, seg: _Segment, token_ids: list[int]) -> Message:
+        """The OpenAI assistant message of the sampled tokens: tool calls parsed (and counted in
+        ``seg``), the content without the call markup when every call parsed, else the raw text."""
         text = self._decode(token_ids)
         parsed = self.parser.parse(text)
         tool_calls = []
@@ -627,9 +642,20 @@ class ProxyRecorder:
         assistant: Message = {"role": "assistant", "content": content or None}
         if tool_calls:
             assistant["tool_calls"] = tool_calls
-        seg.conversation = [_message_key(m) for m in messages] + [_message_key(assistant)]
-        seg.messages = [*messages, assistant]
-        if tool_calls:
+        return assistant
+
+    def _completion(
+        self,
+        req: ChatCompletionRequest,
+        seg: _Segment,
+        assistant: Message,
+        token_ids: list[int],
+        logprobs: list[float],
+        prompt_len: int,
+        version: int,
+    ) -> dict[str, Any]:
+        """The ``chat.completion`` response body (one choice, usage, ``weight_version``)."""
+        if assistant.get("tool_calls"):
             finish = "tool_calls"
         elif seg.finish_reason == "length":
             finish = "length"
@@ -687,10 +713,12 @@ def _build_app(recorder: ProxyRecorder) -> FastAPI:
 
     @app.post("/sessions/{session_id}/v1/chat/completions")
     async def chat_completions(session_id: str, req: ChatCompletionRequest) -> JSONResponse:
+        """Record one turn of the session; returns an OpenAI ``ChatCompletion``."""
         return JSONResponse(await recorder.chat(session_id, req))
 
     @app.get("/sessions/{session_id}/v1/models")
     async def models(session_id: str) -> dict[str, Any]:
+        """The one model this proxy serves (404 for an unknown session)."""
         recorder.task_of(session_id)  # 404 for an unknown session
         return {
             "object": "list",
@@ -701,10 +729,12 @@ def _build_app(recorder: ProxyRecorder) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, str]:
+        """Liveness: ``{"status": "ok"}`` (no auth needed)."""
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics() -> dict[str, float]:
+        """The recorder's ``proxy/...`` counters."""
         return recorder.metrics()
 
     return app
@@ -770,6 +800,7 @@ class RecordingProxy:
 
     @property
     def base_url(self) -> str:
+        """``http://host:port`` of the running proxy (``RuntimeError`` before :meth:`start`)."""
         if self.port is None or self._server is None:
             raise RuntimeError("the proxy is not running; use 'async with RecordingProxy(...)'")
         return f"http://{self.host}:{self.port}"
@@ -787,9 +818,11 @@ class RecordingProxy:
         return self.recorder.finish(session_id, **meta)
 
     def metrics(self) -> dict[str, float]:
+        """See :meth:`ProxyRecorder.metrics`."""
         return self.recorder.metrics()
 
     async def start(self) -> RecordingProxy:
+        """Serve on ``host:port`` (a free port if none given); return once it accepts requests."""
         import uvicorn
 
         if self.port is None:
@@ -812,6 +845,7 @@ class RecordingProxy:
         return self
 
     async def stop(self) -> None:
+        """Stop the server (waits up to 10 s for requests in flight, then cancels)."""
         if self._server is not None:
             self._server.should_exit = True
         if self._task is not None:

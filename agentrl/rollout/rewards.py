@@ -472,6 +472,7 @@ class _ProcessWorker:
         child.close()
 
     async def ready(self) -> None:
+        """Wait for the worker's hello; kill it and raise if it does not start in time."""
         if not await _readable(self.conn.fileno(), _WORKER_START_TIMEOUT_S):
             self.kill()
             raise RuntimeError(
@@ -503,6 +504,7 @@ class _ProcessWorker:
         sentinel = self.process.sentinel
 
         def reap() -> None:
+            """Join the killed process (non-blocking) once its sentinel is readable."""
             loop.remove_reader(sentinel)
             self.process.join(0)
 
@@ -545,6 +547,7 @@ class _ProcessWorkers:
         return result
 
     def close(self) -> None:
+        """Stop the idle workers (EOF on their pipe; killed after 5 s)."""
         for worker in self._idle:
             worker.conn.close()  # EOF: the worker returns
             worker.process.join(5)
@@ -759,6 +762,7 @@ class RewardManager:
         work.add_done_callback(lambda f: f.cancelled() or f.exception())
 
         def check() -> None:
+            """Count the call as abandoned (and warn) if it is still running."""
             if not work.done() or (thread is not None and not thread.done()):
                 self._count(source, "abandoned")
                 logger.warning(

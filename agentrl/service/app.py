@@ -128,9 +128,11 @@ class RolloutService:
         )
 
     async def start(self) -> None:
+        """Purge old jobs and resume the unfinished ones (:meth:`JobManager.start`)."""
         await self.jobs.start()
 
     async def close(self) -> None:
+        """Stop every job and close the store (:meth:`JobManager.close`)."""
         await self.jobs.close()
 
     async def status(self) -> dict[str, Any]:
@@ -353,6 +355,7 @@ def _add_session_routes(app: FastAPI, service: RolloutService) -> None:
 
     @app.get("/v1/sessions/{session_id}", response_model=SessionInfo, tags=["sessions"])
     async def session_info(session_id: str) -> SessionInfo:
+        """A session's URL, task, expiry and recorded turns."""
         return sessions.info(session_id)
 
     @app.delete("/v1/sessions/{session_id}", status_code=204, tags=["sessions"])
@@ -376,6 +379,7 @@ def _add_session_routes(app: FastAPI, service: RolloutService) -> None:
 
     @app.get("/v1/sessions/{session_id}/v1/models", tags=["sessions"])
     async def models(session_id: str) -> dict[str, Any]:
+        """The one model a session serves (for OpenAI clients that list models)."""
         return sessions.models(session_id)
 
 
@@ -385,6 +389,7 @@ def _metrics_text(status: dict[str, Any]) -> bytes:
     registry = CollectorRegistry()
 
     def gauge(name: str, doc: str, value: float, **labels: str) -> None:
+        """Set one gauge (with labels when given)."""
         g = Gauge(f"agentrl_service_{name}", doc, list(labels), registry=registry)
         (g.labels(**labels) if labels else g).set(value)
 

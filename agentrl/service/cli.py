@@ -20,6 +20,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``agentrl serve`` command line: config, overrides and the service's limits."""
     parser.add_argument("config", help="experiment YAML (e.g. configs/quickstart.yaml)")
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. inference.num_servers=1"
@@ -60,6 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
+    """The ``ServiceSettings`` of parsed ``agentrl serve`` arguments."""
     from agentrl.auth import resolve_api_key
     from agentrl.service.app import MiB, ServiceSettings
 
@@ -100,6 +102,7 @@ async def _serve(cfg: Any, settings: Any) -> None:
         task = asyncio.create_task(server.serve())
 
         async def end_streams_on_shutdown() -> None:
+            """When uvicorn starts shutting down, end the open SSE streams."""
             # Open SSE streams would hold uvicorn's graceful shutdown for its full timeout.
             while not server.should_exit and not task.done():
                 await asyncio.sleep(0.1)
@@ -122,6 +125,7 @@ async def _serve(cfg: Any, settings: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``agentrl serve``: load and resolve the config, serve until stopped; the exit code."""
     from agentrl.config import ConfigError, load_config
     from agentrl.training.train_cli import configure_logging
 

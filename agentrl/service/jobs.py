@@ -74,9 +74,11 @@ class EpisodeBudget:
         self._changed = asyncio.Event()
 
     def changed(self) -> None:
+        """Wake the jobs waiting for a free episode slot."""
         self._changed.set()
 
     async def wait(self) -> None:
+        """Wait for the next :meth:`changed`."""
         self._changed.clear()
         await self._changed.wait()
 
@@ -108,6 +110,7 @@ class _Job:
         self._event = asyncio.Event()
 
     def waiter(self) -> asyncio.Event:
+        """The event the next :meth:`notify` sets."""
         return self._event
 
 
@@ -119,17 +122,21 @@ class _JobAdmission:
         self.job = job
 
     def may_start(self) -> bool:
+        """A slot is free in the shared budget and the job is not being cancelled."""
         return self.budget.running < self.budget.limit and not self.job.cancel_requested
 
     async def wait_for_admission(self) -> None:
+        """Wait until :meth:`may_start` is true."""
         while not self.may_start():
             await self.budget.wait()
 
     def on_admitted(self, key: EpisodeKey) -> None:
+        """Count the episode in the budget and the job."""
         self.budget.running += 1
         self.job.running += 1
 
     def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
+        """Free the slot; remember a drop (unless the service is shutting down)."""
         self.budget.running -= 1
         self.job.running -= 1
         self.budget.changed()
@@ -369,6 +376,7 @@ class JobManager:
         job.episodes = pending
 
         def episodes() -> Any:
+            """The pending episodes' tasks (with the job's agent, when it names one)."""
             for ti, _ in pending:
                 task = job.tasks[ti]
                 yield task.model_copy(update={"agent": job.agent}) if job.agent else task
@@ -438,6 +446,7 @@ class JobManager:
         return row
 
     async def status(self, job_id: str) -> JobStatus:
+        """The job's ``JobStatus``: state, counts and cursor (404 when unknown)."""
         row = await self._row(job_id)
         counts = await self.db.call(self.store.counts, job_id)
         job = self._jobs.get(job_id)
@@ -469,6 +478,7 @@ class JobManager:
         )
 
     async def all_jobs(self) -> list[JobStatus]:
+        """The status of every job the store holds."""
         rows = await self.db.call(self.store.jobs)
         return [await self.status(r.id) for r in rows]
 
@@ -489,6 +499,7 @@ class JobManager:
         return await self.status(job_id)
 
     async def ack(self, job_id: str, cursor: int) -> int:
+        """Acknowledge the job's trajectories up to ``cursor`` (409 when ahead of the job)."""
         row = await self._row(job_id)
         if cursor > row.last_seq:
             raise JobError(
@@ -572,6 +583,7 @@ def resolve_tasks_for(cfg: Any, data_dirs: list[Path]) -> Callable[[RolloutReque
     cache: dict[str, list[Task]] = {}
 
     def split_tasks(split: str) -> list[Task]:
+        """The tasks of config split ``split`` (built once, cached)."""
         if split not in cache:
             from agentrl.training.resolve import build_tasks
 
@@ -582,6 +594,7 @@ def resolve_tasks_for(cfg: Any, data_dirs: list[Path]) -> Callable[[RolloutReque
         return cache[split]
 
     def file_tasks(raw: str) -> list[Task]:
+        """The tasks of file ``raw``, which must lie under a ``--data-dir`` root."""
         from agentrl.rollout.datasets import load_tasks
 
         if not data_dirs:
@@ -600,6 +613,7 @@ def resolve_tasks_for(cfg: Any, data_dirs: list[Path]) -> Callable[[RolloutReque
             raise JobError(400, f"dataset.path: {exc}", "dataset.path") from None
 
     def resolve(req: RolloutRequest) -> list[Task]:
+        """The tasks of a request: inline, or ``limit`` tasks of a dataset from ``offset``."""
         if req.tasks is not None:
             return list(req.tasks)
         ref = req.dataset

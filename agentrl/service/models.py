@@ -150,6 +150,8 @@ class AckRequest(_Model):
 
 
 class AckResponse(_Model):
+    """The cursor acknowledged now (everything up to it may be freed)."""
+
     acked: int
 
 
@@ -213,6 +215,8 @@ class SessionOpenRequest(_Model):
 
 
 class SessionInfo(_Model):
+    """``GET /v1/sessions/{id}`` (and the answer to opening one)."""
+
     id: str
     base_url: str
     """Give this to ``OpenAI(base_url=...)`` (with the service's API key as ``api_key``)."""
@@ -223,11 +227,15 @@ class SessionInfo(_Model):
 
 
 class SessionFinishRequest(_Model):
+    """``POST /v1/sessions/{id}/finish``."""
+
     stop_reason: StopReason | None = None
     """Override the stop reason derived from the last generation."""
 
 
 class SessionFinishResponse(_Model):
+    """The scored trajectories of a finished session, and the dropped segments."""
+
     trajectories: list[dict[str, Any]]
     """Scored trajectories (``agentrl.types.Trajectory`` JSON), one per segment."""
     dropped: list[dict[str, Any]] = Field(default_factory=list)

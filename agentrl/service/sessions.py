@@ -60,6 +60,7 @@ class SessionService:
         self.counts = {"opened": 0, "finished": 0, "reward_errors": 0}
 
     def open(self, req: SessionOpenRequest) -> SessionInfo:
+        """Open a session bound to ``req.task`` (its data source must have a reward)."""
         try:
             self.serving.rewards.reward_fn_for(req.task.data_source)
         except ValueError as exc:
@@ -71,6 +72,7 @@ class SessionService:
         return self.info(sid)
 
     def info(self, sid: str) -> SessionInfo:
+        """The session's URL, task, expiry and how many turns and segments it recorded."""
         data = self.recorder.session_info(sid)
         return SessionInfo(
             id=sid,
@@ -82,9 +84,11 @@ class SessionService:
         )
 
     async def chat(self, sid: str, req: ChatCompletionRequest) -> dict[str, Any]:
+        """One recorded chat completion of session ``sid``."""
         return await self.recorder.chat(sid, req)
 
     def models(self, sid: str) -> dict[str, Any]:
+        """The one model the session serves (404 for an unknown session)."""
         self.recorder.task_of(sid)  # 404 for an unknown session
         return {
             "object": "list",
@@ -99,6 +103,7 @@ class SessionService:
         }
 
     async def finish(self, sid: str, stop_reason: StopReason | None) -> SessionFinishResponse:
+        """End the session: its trajectories scored (a failed reward is a listed drop)."""
         task = self.recorder.task_of(sid)
         assert task is not None  # service sessions are always opened with a task
         try:
@@ -124,10 +129,12 @@ class SessionService:
         return SessionFinishResponse(trajectories=out, dropped=dropped)
 
     def discard(self, sid: str) -> None:
+        """Forget the session without scoring it (404 when unknown)."""
         if not self.recorder.discard(sid):
             raise ProxyError(404, "unknown or expired session id", "session_id")
 
     def stats(self) -> dict[str, float]:
+        """Session and proxy counters for ``/v1/status``."""
         m = self.recorder.metrics()
         return {
             "sessions_open": m["proxy/open_sessions"],

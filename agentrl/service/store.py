@@ -122,6 +122,7 @@ class Store:
             self.path.chmod(0o600)  # trajectories and requests are the user's data
 
     def close(self) -> None:
+        """Close the database."""
         self._db.close()
 
     def _tx(self, fn: Callable[[sqlite3.Connection], T]) -> T:
@@ -196,6 +197,7 @@ class Store:
         return self._row_to_job(r) if r else None
 
     def job(self, job_id: str) -> JobRow | None:
+        """The job ``job_id``, or None."""
         return self._job(self._db, job_id)
 
     def tasks(self, job_id: str) -> list[dict[str, Any]]:
@@ -410,5 +412,6 @@ class AsyncStore:
         return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
 
     def close(self) -> None:
+        """Finish the queued calls, then close the store."""
         self._pool.shutdown(wait=True)
         self.store.close()

@@ -122,11 +122,13 @@ class _ProbeScorer:
             )
 
     def load(self, tensors: dict[str, Any]) -> None:
+        """Load pushed tensors into the scoring model."""
         model = self._ensure()
         with self._lock:
             model.load_state_dict(tensors, strict=False)
 
     def score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """Log-probs of ``token_ids`` after ``prompt_ids`` under the loaded weights."""
         import torch
 
         from agentrl.algos.logits import logprobs_from_logits
@@ -246,6 +248,7 @@ class WeightService:
             await asyncio.to_thread(self._scorer.load, tensors)
 
             async def score(prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+                """:meth:`score` of the scoring model, off the event loop."""
                 return await asyncio.to_thread(self._scorer.score, prompt_ids, token_ids)
 
             report = await self.serving.engine.push(tensors, target, score=score)
@@ -291,6 +294,7 @@ class WeightService:
         """The service's version and each server's (None when a server cannot be asked)."""
 
         async def one(client: Any) -> int | None:
+            """A server's weight version, or None when it cannot be asked within 30 s."""
             try:
                 return await asyncio.wait_for(client.weight_version(), timeout=30.0)
             except Exception:  # an unreachable server is reported as None, never raised
