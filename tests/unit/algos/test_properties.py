@@ -110,8 +110,11 @@ def test_token_mean_is_invariant_to_extra_padding(
 
     # junk values under the padding must not matter
     loss = torch.randn(b, t, generator=g)
+    # float32 sums in another order: equal to rounding (|loss| ~ 2, a few ulps of the sum)
     assert torch.allclose(
-        agg_loss(loss, mask, "token-mean"), agg_loss(pad(loss, 7.0), pad(mask, 0.0), "token-mean")
+        agg_loss(loss, mask, "token-mean"),
+        agg_loss(pad(loss, 7.0), pad(mask, 0.0), "token-mean"),
+        atol=1e-6,
     )
     for name in LOSSES:
         torch.manual_seed(seed)  # clip_cov draws the tokens it cuts: same draw for both calls
