@@ -105,17 +105,27 @@ def test_batched_equals_single_and_matches_hf_forward(engine, hf_model, temperat
 
 
 def test_requests_join_a_running_batch(engine) -> None:
-    long = engine.submit(
-        [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[])
-    )
-    time.sleep(0.05)
-    short = engine.submit([4, 5], SamplingParams(max_tokens=2, temperature=0.0)).result(timeout=60)
-    assert not long.done() or long.result().finish_reason == "stop"
-    assert len(short.token_ids) <= 2
-    ref = engine.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0)).result(
-        timeout=60
-    )
-    assert long.result(timeout=60).token_ids == ref.token_ids
+    # Deterministic: the long request is parked by a pause while it is in the running batch, the
+    # short one is queued behind the pause, and the resume admits it into that batch. The long
+    # one is 200 tokens, so it cannot finish in the step or two between the check and the pause.
+    greedy = SamplingParams(max_tokens=200, temperature=0.0)
+    two = SamplingParams(max_tokens=2, temperature=0.0)
+    ref_long = engine.submit([1, 2, 3], greedy, ignore_eos=True).result(timeout=120)
+    ref_short = engine.submit([4, 5], two, ignore_eos=True).result(timeout=60)
+    long = engine.submit([1, 2, 3], greedy, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while engine.num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    engine.pause()
+    try:
+        assert engine.num_running == 1 and not long.done(), "the long request was not running"
+        short_fut = engine.submit([4, 5], two, ignore_eos=True)
+    finally:
+        engine.resume()
+    short = short_fut.result(timeout=60)
+    assert not long.done()  # it was decoding beside the short one, which joined and left
+    assert short.token_ids == ref_short.token_ids
+    assert long.result(timeout=120).token_ids == ref_long.token_ids
 
 
 def test_stop_token_and_max_tokens_zero(engine) -> None:
@@ -177,13 +187,13 @@ def test_weight_swap_changes_outputs_and_version(tmp_path: Path, tiny_model_dir:
     try:
         sp = SamplingParams(max_tokens=8, temperature=0.0)
         before = eng.submit([5, 6, 7], sp).result()
-        info0 = eng.weight_info()
+        info0 = eng.weight_info(checksum=True)
         other = build_tiny_model(tmp_path / "other", seed=123)
         assert eng.load_weights_from_path(other) == 1
         after = eng.submit([5, 6, 7], sp).result()
         assert after.weight_version == 1
         assert after.logprobs != before.logprobs
-        info1 = eng.weight_info()
+        info1 = eng.weight_info(checksum=True)
         assert info1["version"] == 1 and info1["checksum"] != info0["checksum"]
         assert info1["num_params"] == info0["num_params"]
         # Back to the original weights from bytes, with an explicit version.
@@ -196,7 +206,7 @@ def test_weight_swap_changes_outputs_and_version(tmp_path: Path, tiny_model_dir:
         assert eng.load_weights_from_bytes((tmp_path / "orig.safetensors").read_bytes(), 7) == 7
         again = eng.submit([5, 6, 7], sp).result()
         assert again.token_ids == before.token_ids and again.weight_version == 7
-        assert eng.weight_info()["checksum"] == info0["checksum"]
+        assert eng.weight_info(checksum=True)["checksum"] == info0["checksum"]
         # Bad updates change nothing.
         with pytest.raises(WeightLoadError, match="do not name a parameter"):
             eng.load_state_dict({"nope": torch.zeros(1)})
@@ -206,7 +216,8 @@ def test_weight_swap_changes_outputs_and_version(tmp_path: Path, tiny_model_dir:
             eng.load_state_dict({"lm_head.weight": state["lm_head.weight"]})
         with pytest.raises(WeightLoadError, match="safetensors"):
             eng.load_weights_from_bytes(b"not safetensors")
-        assert eng.weight_version == 7 and eng.weight_info()["checksum"] == info0["checksum"]
+        assert eng.weight_version == 7
+        assert eng.weight_info(checksum=True)["checksum"] == info0["checksum"]
         assert eng.set_weight_version(9) == 9
     finally:
         eng.close()

@@ -73,6 +73,7 @@ async def test_completions_token_ids_with_logprobs(client, engine) -> None:
         "prompt_ids",
         "output_ids",
         "weight_version",
+        "finish_reason",
         "t",
     }
 
@@ -203,15 +204,16 @@ async def test_malformed_json_and_unknown_route(client) -> None:
 
 async def test_pause_resume_abort_and_version(client, engine) -> None:
     r = await client.post("/pause")
-    assert r.status_code == 200 and (await client.get("/is_paused")).json() == {"is_paused": True}
+    paused = (await client.get("/is_paused")).json()
+    assert r.status_code == 200 and paused == {"is_paused": True, "state": "paused"}
     assert (await client.post("/abort_requests")).json()["aborted"] == 0
     assert (await client.post("/resume")).status_code == 200
-    assert (await client.get("/is_paused")).json() == {"is_paused": False}
+    assert (await client.get("/is_paused")).json()["is_paused"] is False
     assert (await client.post("/reset_prefix_cache")).json()["status"] == "ok"
     assert (await client.post("/pause", params={"mode": "bogus"})).status_code == 400
     r = await client.post("/update_weight_version", json={"version": 4})
     assert r.json()["weight_version"] == 4 and r.headers["x-weight-version"] == "4"
-    info = (await client.get("/weight_info")).json()
+    info = (await client.get("/weight_info", params={"checksum": "true"})).json()
     assert info["version"] == 4 and len(info["checksum"]) == 64 and info["num_params"] > 0
     r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
     assert r.json()["weight_version"] == 4
