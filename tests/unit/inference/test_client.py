@@ -175,9 +175,10 @@ async def test_control_calls_reach_their_endpoints():
         "/update_weights",
     ]
     assert fake.control_calls[0][1] == {"mode": "abort"}
+    # The embedded server takes the version with the weights (both change or neither).
     assert fake.control_calls[6][1] == {
         "method": "reload_weights",
-        "kwargs": {"weights_path": "/weights/v5"},
+        "kwargs": {"weights_path": "/weights/v5", "version": 5},
     }
 
 
