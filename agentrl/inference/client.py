@@ -498,6 +498,17 @@ class PolicyClient:
             content = data
         await self._request("POST", "/update_weights", content=content, headers=headers, retries=0)
 
+    async def update_weights_from_url(self, url: str, version: int) -> None:
+        """Make the embedded server pull a safetensors file from ``url`` (plain HTTP, e.g. a
+        :class:`~agentrl.inference.weights.WeightServer`); weights and version change together."""
+        if await self._resolve_backend() == "vllm":
+            raise NotImplementedError(
+                f"{self.base_url} is a vLLM server, which cannot pull weights over HTTP; "
+                "use the shared-directory transport (update_weights_from_path) or NCCL on GPUs"
+            )
+        body = {"url": url, "version": int(version)}
+        await self._request("POST", "/update_weights_from_url", json=body, retries=0)
+
     async def probe(
         self,
         prompt_ids: list[int],

@@ -72,7 +72,13 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
-from agentrl.inference.weights import WeightLoadError, check_state_dict, parse_safetensors
+from agentrl.inference.weights import (
+    MAX_HEADER_BYTES,
+    WeightLoadError,
+    check_state_dict,
+    fetch_into,
+    parse_safetensors,
+)
 from agentrl.types import SamplingParams
 
 __all__ = [
@@ -671,6 +677,27 @@ class InferenceEngine:
                 except WeightLoadError as e:
                     raise WeightLoadError(f"{f.name!r} is not a valid safetensors file: {e}") from e
                 offset += size
+            return self.load_state_dict(state, version)
+
+    def load_weights_from_url(
+        self, url: str, version: int | None = None, *, timeout_s: float = 60.0
+    ) -> int:
+        """Pull a safetensors file over plain HTTP straight into the staging buffer (one
+        ``readinto``, no per-chunk work; see :class:`~agentrl.inference.weights.WeightServer`),
+        then load it; see :meth:`load_state_dict`."""
+        if version is not None:
+            check_version(version)
+        with self.staging_lock:
+            buf = fetch_into(
+                url,
+                self.staging_buffer,
+                max_bytes=self.state_bytes + MAX_HEADER_BYTES,
+                timeout_s=timeout_s,
+            )
+            try:
+                state = parse_safetensors(buf)
+            except WeightLoadError as e:
+                raise WeightLoadError(f"the fetched weights are not a safetensors file: {e}") from e
             return self.load_state_dict(state, version)
 
     def load_weights_from_bytes(self, data: bytes | bytearray, version: int | None = None) -> int:

@@ -31,6 +31,7 @@ __all__ = [
     "ProbeRequest",
     "ProbeResponse",
     "UpdateWeightsFromPathRequest",
+    "UpdateWeightsFromUrlRequest",
     "Usage",
     "WeightVersionRequest",
 ]
@@ -173,6 +174,15 @@ class ErrorResponse(BaseModel):
 class UpdateWeightsFromPathRequest(_Request):
     path: str
     """A directory of ``*.safetensors`` files (or one file)."""
+    version: Version | None = None
+    """The new weight version; default: current + 1."""
+
+
+class UpdateWeightsFromUrlRequest(_Request):
+    """``POST /update_weights_from_url``: pull a safetensors file over plain HTTP."""
+
+    url: str = Field(max_length=4096)
+    """``http://host:port/path`` (e.g. a :class:`~agentrl.inference.weights.WeightServer` URL)."""
     version: Version | None = None
     """The new weight version; default: current + 1."""
 

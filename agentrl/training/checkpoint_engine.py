@@ -32,8 +32,9 @@ Invariants:
 
 Transports live behind :class:`WeightTransport` (two methods): :class:`SharedDirTransport`
 (safetensors on a shared directory, tmpfs when local; works for the embedded server and vLLM's
-``reload_weights``) and :class:`HttpStreamTransport` (the safetensors bytes streamed in the
-request body straight from the tensors' memory; no shared filesystem; embedded server). The GPU
+``reload_weights``) and :class:`HttpStreamTransport` (the safetensors bytes over HTTP straight
+from the tensors' memory, pulled by each server from a trainer-side weight server, or pushed in
+the request body; no shared filesystem; embedded server). The GPU
 path (vLLM's NCCL weight-transfer API) plugs in as a third transport (see docs/training.md).
 
 Timing: :meth:`PushReport.metrics` reports ``timing_s/push/{stage,pause,transfer,verify,
@@ -52,12 +53,17 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from agentrl.inference.client import InferenceServerError, PauseMode, PolicyClient
-from agentrl.inference.weights import SafetensorsPayload
+from agentrl.inference.client import (
+    InferenceRequestError,
+    InferenceServerError,
+    PauseMode,
+    PolicyClient,
+)
+from agentrl.inference.weights import SafetensorsPayload, WeightServer
 from agentrl.types import Generation, SamplingParams
 
 __all__ = [
@@ -100,6 +106,8 @@ class StagedWeights:
     path: Path | None = None
     payload: SafetensorsPayload | None = None
     """The file laid out over the caller's tensors (HTTP): streamed without a copy."""
+    token: str | None = None
+    """Where the payload is published on the transport's weight server (HTTP pull)."""
 
     @property
     def data(self) -> bytes | None:
@@ -180,21 +188,73 @@ class SharedDirTransport(WeightTransport):
 
 
 class HttpStreamTransport(WeightTransport):
-    """Stream the safetensors bytes to each server in the request body (no shared filesystem).
+    """The safetensors bytes over HTTP, from the tensors' own memory (no shared filesystem).
 
-    Staging lays the file out over the caller's tensors without copying them, so the tensors
-    must not change until the push returns (the trainer awaits it).
+    ``mode="pull"`` (default): staging publishes the payload on a trainer-side
+    :class:`~agentrl.inference.weights.WeightServer` (one unguessable URL per version, bound to
+    the interface that reaches each server, or ``advertise_host``) and each server pulls it with
+    one ``readinto`` (``POST /update_weights_from_url``). A server that cannot reach the trainer
+    falls back to ``mode="push"`` (the bytes streamed in the request body) for the rest of the
+    run, with a warning. Staging copies nothing, so the tensors must not change until the push
+    returns (the trainer awaits it).
     """
 
     name = "http"
 
+    def __init__(
+        self, *, mode: Literal["pull", "push"] = "pull", advertise_host: str | None = None
+    ) -> None:
+        if mode not in ("pull", "push"):
+            raise ValueError(f"HttpStreamTransport mode={mode!r}; use 'pull' or 'push'")
+        self.mode = mode
+        self._server: WeightServer | None = None
+        self._advertise_host = advertise_host
+        self._push_only: set[str] = set()
+        """Servers that could not pull (they get the bytes pushed)."""
+        self._tokens: dict[int, str] = {}
+
     def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
         payload = SafetensorsPayload.from_state_dict(state_dict)
-        return StagedWeights(version=version, num_bytes=payload.num_bytes, payload=payload)
+        staged = StagedWeights(version=version, num_bytes=payload.num_bytes, payload=payload)
+        if self.mode == "pull":
+            if self._server is None:
+                self._server = WeightServer(self._advertise_host)
+            staged.token = self._server.publish(payload)
+            self._tokens[version] = staged.token
+        return staged
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
         assert staged.payload is not None
-        await client.update_weights_from_bytes(staged.payload, staged.version)
+        if self._server is None or staged.token is None or client.base_url in self._push_only:
+            await client.update_weights_from_bytes(staged.payload, staged.version)
+            return
+        try:
+            url = await asyncio.to_thread(self._server.url_for, client.base_url, staged.token)
+            await client.update_weights_from_url(url, staged.version)
+        except (OSError, InferenceRequestError) as exc:
+            if isinstance(exc, InferenceRequestError) and "could not fetch" not in exc.message:
+                raise
+            logger.warning(
+                "%s cannot pull weights from this trainer (%s); pushing them in the request "
+                "body from now on (set advertise_host if the trainer is reachable elsewhere)",
+                client.base_url,
+                exc,
+            )
+            self._push_only.add(client.base_url)
+            await client.update_weights_from_bytes(staged.payload, staged.version)
+
+    def cleanup(self, keep_version: int) -> None:
+        """Serve only ``keep_version`` (older URLs answer 404)."""
+        if self._server is not None:
+            keep = self._tokens.get(keep_version)
+            self._tokens = {keep_version: keep} if keep is not None else {}
+            self._server.unpublish(keep={keep} if keep is not None else set())
+
+    def close(self) -> None:
+        """Stop the weight server (it is a daemon thread; the process exit stops it too)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
 
 def make_transport(name: str, shared_dir: str | Path | None = None) -> WeightTransport:

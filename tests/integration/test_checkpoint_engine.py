@@ -150,10 +150,18 @@ async def test_push_moves_every_server_to_the_new_weights_and_verifies(
             "weight_sync/bytes",
             "weight_sync/failed_servers",
             "weight_sync/verified_servers",
+            "weight_sync/verified_while_paused",
             "weight_sync/verify_max_abs_diff",
+            "timing_s/push/stage",
+            "timing_s/push/pause",
+            "timing_s/push/transfer",
+            "timing_s/push/verify",
+            "timing_s/push/resume",
         }
         assert metrics["weight_sync/failed_servers"] == 0.0
         assert metrics["weight_sync/verified_servers"] == len(servers)
+        # Verified before the resume: no rollout was served by unverified weights.
+        assert metrics["weight_sync/verified_while_paused"] == len(servers)
         assert metrics["weight_sync/bytes"] > 0
         for c, old in zip(clients, before, strict=True):
             assert await c.weight_version() == v
@@ -272,6 +280,7 @@ class KillDuringTransfer(HttpStreamTransport):
     """Kills the victim's process after the push paused it, right before its transfer."""
 
     def __init__(self, victim: ServerHandle) -> None:
+        super().__init__()
         self.victim = victim
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
@@ -322,6 +331,7 @@ class RecordWhilePaused(HttpStreamTransport):
     """Records, while the server is paused for the transfer, which requests are still open."""
 
     def __init__(self, tasks: list[asyncio.Task]) -> None:
+        super().__init__()
         self.tasks = tasks
         self.open_during_transfer: list[int] = []
         self.paused_during_transfer = False

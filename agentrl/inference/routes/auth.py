@@ -40,6 +40,7 @@ CONTROL_PATHS = frozenset(
         "/probe",
         "/update_weights",
         "/update_weights_from_path",
+        "/update_weights_from_url",
         "/update_weight_version",
         "/collective_rpc",
     }

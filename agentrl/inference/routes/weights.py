@@ -1,4 +1,4 @@
-"""Weight routes: load from a path, from a streamed body, vLLM's ``collective_rpc``; versions.
+"""Weight routes: load from a path, a URL, a streamed body, vLLM's ``collective_rpc``; versions.
 
 Guarantees: an update is checked completely (its version too) before anything is swapped, and
 the weights and the version change together or not at all; any bad input (a missing or
@@ -6,6 +6,8 @@ unreadable path, bytes that are not safetensors, a wrong name/shape/dtype, a NaN
 that is not an int in ``[0, 2**63 - 1]``) is a 400 naming the field. ``POST /update_weights``
 streams the body straight into a reused staging buffer (no extra copy of the bytes; its size
 must be declared with ``Content-Length``); one upload at a time (409 otherwise).
+``POST /update_weights_from_url`` pulls the bytes from a
+:class:`~agentrl.inference.weights.WeightServer` (the HTTP transport's fast path).
 ``GET /weight_info`` is cheap; ``?checksum=true`` adds a sha256 of every weight.
 """
 
@@ -137,6 +139,10 @@ async def collective_rpc(st: ServerState, req: P.CollectiveRpcRequest) -> JSONRe
 def register(app: FastAPI, st: ServerState) -> None:
     """Add the weight and version routes to ``app``."""
     engine = st.engine
+
+    @app.post("/update_weights_from_url")
+    async def _from_url(req: P.UpdateWeightsFromUrlRequest) -> JSONResponse:
+        return _loaded(await _load(engine.load_weights_from_url, req.url, req.version, param="url"))
 
     @app.post("/update_weights_from_path")
     async def _from_path(req: P.UpdateWeightsFromPathRequest) -> JSONResponse:

@@ -180,6 +180,7 @@ class _FailingLoad(HttpStreamTransport):
     paused state while loading."""
 
     def __init__(self, fail_url: str, fakes: list[FakeInferenceServer]) -> None:
+        super().__init__()
         self.fail_url = fail_url
         self.fakes = fakes
         self.paused_during_load: dict[str, bool] = {}
@@ -336,6 +337,7 @@ class SharedDirTransportStub(HttpStreamTransport):
     vLLM server takes), recording the staged names."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.names: list[str] = []
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
