@@ -161,6 +161,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     aborted: bool = False
+    finished: bool = False
     suspect: bool = False
     """Was in a batch whose forward failed: decodes alone until one step succeeds."""
 
@@ -305,6 +306,8 @@ class InferenceEngine:
         self._closing = False
         self._ids = itertools.count()
         self._staging = bytearray()
+        self.last_load_casts: dict[str, int] = {}
+        """Dtype widenings of the last weight load (``{"float16->float32": n}``), reported."""
         self.staging_lock = threading.Lock()
         """Held by whoever fills :meth:`staging_buffer` until the load that reads it is done."""
         # Running batch (touched only by the engine thread).
@@ -455,9 +458,7 @@ class InferenceEngine:
         """Abort the request behind ``fut`` (from :meth:`submit`) at the next step; no-op if done."""
 
         def _mark() -> None:
-            for r in itertools.chain(self._rows, self._waiting):
-                if r.future is fut:
-                    r.aborted = True
+            self._drop(lambda r: r.future is fut)
 
         with self._cond:
             if not self._closing:
@@ -623,13 +624,16 @@ class InferenceEngine:
         """Swap weights between decode steps; returns the new version (``version`` or current + 1).
 
         Checked completely first (names, shapes, dtype equal or losslessly widened, finite
-        values, every parameter given except tied copies, a valid version); on any problem
-        nothing changes and :class:`WeightLoadError` (or :class:`EngineRequestError` for the
+        values, every parameter given except tied copies, a valid version; a lossless widening
+        such as float16 -> float32 is applied and reported in :attr:`last_load_casts`, anything
+        else that differs in dtype is refused); on any problem nothing changes and :class:`WeightLoadError` (or :class:`EngineRequestError` for the
         version) is raised. The check runs in the caller's thread, so decoding goes on.
         """
         if version is not None:
             check_version(version)
-        check_state_dict(state_dict, self._params)
+        casts = check_state_dict(state_dict, self._params)
+        if casts:
+            log.warning("weight update widened dtypes losslessly: %s", casts)
 
         def _apply() -> int:
             new = self._version + 1 if version is None else int(version)
@@ -639,6 +643,7 @@ class InferenceEngine:
                     self._params[k].copy_(v)
             self._version = new
             self._checksum = None
+            self.last_load_casts = casts
             self.stats["weight_updates"] += 1
             return new
 
@@ -830,15 +835,23 @@ class InferenceEngine:
             self.stats["pause_expired"] += 1
             with self._cond:
                 self._resume_locked()
+        # A request whose caller cancelled its future (an HTTP client that went away) or whose
+        # deadline passed ends now, parked or not.
+        self._drop(lambda r: r.future.cancelled() or (r.deadline is not None and now > r.deadline))
+
+    def _drop(self, doomed: Callable[[_Request], bool]) -> None:
+        """Finish every waiting or running request for which ``doomed(r)`` with ``abort`` now
+        (also while paused: a parked request a client gave up on does not wait for a resume)."""
         with self._cond:
-            late = [r for r in self._waiting if r.deadline is not None and now > r.deadline]
-            for r in late:
+            gone = [r for r in self._waiting if doomed(r)]
+            for r in gone:
                 self._waiting.remove(r)
-        for r in late:
+        keep = [i for i, r in enumerate(self._rows) if not doomed(r)]
+        gone += [r for r in self._rows if doomed(r)]
+        if len(keep) < len(self._rows):
+            self._keep_rows(keep)
+        for r in gone:
             self._finish(r, "abort")
-        for r in self._rows:
-            if r.deadline is not None and now > r.deadline:
-                r.aborted = True  # dropped by the next decode step, before it samples
 
     def _step(self) -> None:
         if not self._draining:
@@ -1039,18 +1052,24 @@ class InferenceEngine:
         return False
 
     def _fail(self, req: _Request, error: Exception) -> None:
+        if req.finished:
+            return
+        req.finished = True
+        self.stats["requests_failed"] += 1
         if not req.future.done():
-            self.stats["requests_failed"] += 1
             req.future.set_exception(error)
 
     def _finish(self, req: _Request, reason: FinishReason) -> None:
-        if req.future.done():
+        if req.finished:
             return
+        req.finished = True
         now = time.monotonic()
-        if req.deadline is not None and now > req.deadline:
+        if req.future.done() or (req.deadline is not None and now > req.deadline):
             reason = "abort"  # the client has given up: never report it served
         self.stats["requests_finished"] += 1
         self.stats[f"finish_{reason}"] += 1
+        if req.future.done():  # cancelled by its caller: nobody to tell
+            return
         req.future.set_result(
             EngineOutput(
                 request_id=req.request_id,

@@ -400,12 +400,15 @@ def _non_finite(t: torch.Tensor) -> int:
     return int((~torch.isfinite(t)).sum())
 
 
-def check_state_dict(state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> None:
+def check_state_dict(
+    state: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]
+) -> dict[str, int]:
     """Raise :class:`WeightLoadError` unless ``state`` can replace ``params`` exactly.
 
     ``params`` is the model's ``state_dict()``. Checks, in order: names, shapes, dtypes (equal or
     a lossless widening), finiteness, completeness (a parameter may be left out only when it
-    shares storage with one that is given, i.e. a tied copy).
+    shares storage with one that is given, i.e. a tied copy). Returns the widenings it allows,
+    ``{"float16->float32": n_tensors}`` (empty when every dtype matches), so none is silent.
     """
     unknown = sorted(k for k in state if k not in params)
     if unknown:
@@ -439,3 +442,13 @@ def check_state_dict(state: Mapping[str, torch.Tensor], params: Mapping[str, tor
             f"{len(missing)} parameter(s) are missing from the update, e.g. {missing[:3]}; "
             "send the full state dict"
         )
+    casts: dict[str, int] = {}
+    for k, v in state.items():
+        if v.dtype != params[k].dtype:
+            key = f"{_short(v.dtype)}->{_short(params[k].dtype)}"
+            casts[key] = casts.get(key, 0) + 1
+    return casts
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

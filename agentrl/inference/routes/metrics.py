@@ -75,6 +75,10 @@ def make_metrics(st: ServerState) -> CollectorRegistry:
             "Pauses that ended by their deadline (no resume came)",
             lambda: engine.stats["pause_expired"],
         ),
+        "agentrl_requests_aborted": (
+            "Requests the engine ended with finish_reason abort (pauses, deadlines, disconnects)",
+            lambda: engine.stats["finish_abort"],
+        ),
         "agentrl_requests_failed": (
             "Requests that failed alone (a broken prefill or non-finite logits)",
             lambda: engine.stats["requests_failed"],

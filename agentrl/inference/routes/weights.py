@@ -27,11 +27,12 @@ from agentrl.inference.weights import MAX_HEADER_BYTES, WeightLoadError, parse_s
 __all__ = ["register"]
 
 
-def _loaded(version: int, **extra: Any) -> JSONResponse:
-    return JSONResponse(
-        {"status": "ok", "weight_version": version, **extra},
-        headers={"x-weight-version": str(version)},
-    )
+def _loaded(version: int, casts: dict[str, int] | None = None) -> JSONResponse:
+    """The answer to a weight load; ``cast`` lists the dtype widenings it applied (if any)."""
+    body: dict[str, Any] = {"status": "ok", "weight_version": version}
+    if casts:
+        body["cast"] = casts
+    return JSONResponse(body, headers={"x-weight-version": str(version)})
 
 
 async def _load(fn: Any, *args: Any, param: str, version_param: str = "version") -> int:
@@ -104,7 +105,7 @@ async def update_weights(st: ServerState, request: Request) -> JSONResponse:
         )
     finally:
         engine.staging_lock.release()
-    return _loaded(new)
+    return _loaded(new, engine.last_load_casts)
 
 
 async def collective_rpc(st: ServerState, req: P.CollectiveRpcRequest) -> JSONResponse:
@@ -131,9 +132,10 @@ async def collective_rpc(st: ServerState, req: P.CollectiveRpcRequest) -> JSONRe
         param="kwargs.weights_path",
         version_param="kwargs.version",
     )
-    return JSONResponse(
-        {"results": [None], "weight_version": new}, headers={"x-weight-version": str(new)}
-    )
+    body: dict[str, Any] = {"results": [None], "weight_version": new}
+    if st.engine.last_load_casts:
+        body["cast"] = st.engine.last_load_casts
+    return JSONResponse(body, headers={"x-weight-version": str(new)})
 
 
 def register(app: FastAPI, st: ServerState) -> None:
@@ -142,13 +144,13 @@ def register(app: FastAPI, st: ServerState) -> None:
 
     @app.post("/update_weights_from_url")
     async def _from_url(req: P.UpdateWeightsFromUrlRequest) -> JSONResponse:
-        return _loaded(await _load(engine.load_weights_from_url, req.url, req.version, param="url"))
+        new = await _load(engine.load_weights_from_url, req.url, req.version, param="url")
+        return _loaded(new, engine.last_load_casts)
 
     @app.post("/update_weights_from_path")
     async def _from_path(req: P.UpdateWeightsFromPathRequest) -> JSONResponse:
-        return _loaded(
-            await _load(engine.load_weights_from_path, req.path, req.version, param="path")
-        )
+        new = await _load(engine.load_weights_from_path, req.path, req.version, param="path")
+        return _loaded(new, engine.last_load_casts)
 
     @app.post(
         "/update_weights",
