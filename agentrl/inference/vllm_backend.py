@@ -12,7 +12,11 @@ talks to the embedded server. The launcher guarantees:
 - :func:`launch_vllm_server` returns only once ``GET /health`` answers 200, with the server's
   stdout and stderr streamed to a log file; a failed start raises with the log's tail;
 - ``stop()`` ends the whole process group (the API server and its engine-core workers),
-  SIGTERM first, SIGKILL after a timeout, so no vLLM worker outlives its handle.
+  SIGTERM first, SIGKILL after a timeout, so no vLLM worker outlives its handle;
+- ``api_key`` reaches vLLM through ``VLLM_API_KEY`` (never its command line). Note that vLLM
+  0.32 checks the key on ``/v1/*`` only: its control endpoints (``/pause``, ``/collective_rpc``,
+  ...) answer anyone who reaches the port, so the launcher binds 127.0.0.1 by default and a
+  vLLM server must never be exposed beyond a trusted network (docs/operations.md).
 
 The python executable that runs vLLM comes from the ``python`` argument, else the
 ``AGENTRL_VLLM_PYTHON`` environment variable, else ``.venv-vllm/bin/python`` in the project
@@ -178,14 +182,16 @@ def launch_vllm_server(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> VLLMServerHandle:
     """Start ``vllm.entrypoints.openai.api_server`` on ``model_dir`` and wait until healthy.
 
     ``dtype=None`` serves the checkpoint's own dtype (:func:`checkpoint_dtype`); pass
     ``"auto"`` for vLLM's choice (it downcasts float32 checkpoints). ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
     vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
-    ``env`` adds environment variables. Raises :class:`VLLMNotAvailableError` when no vLLM
-    python is found, :class:`ServerStartError` when the server exits or times out.
+    ``env`` adds environment variables; ``api_key`` is required on vLLM's ``/v1`` routes
+    (``VLLM_API_KEY``) and kept on the handle. Raises :class:`VLLMNotAvailableError` when no
+    vLLM python is found, :class:`ServerStartError` when the server exits or times out.
     """
     exe = resolve_vllm_python(python)
     model_dir = Path(model_dir)
@@ -212,6 +218,8 @@ def launch_vllm_server(
     child_env.pop("PYTHONPATH", None)
     child_env.pop("VIRTUAL_ENV", None)
     child_env.update(env or {})
+    if api_key:
+        child_env["VLLM_API_KEY"] = api_key
 
     cmd = vllm_command(
         exe,
@@ -236,7 +244,7 @@ def launch_vllm_server(
             env=child_env,
             start_new_session=True,  # own process group: stop() reaches the engine workers
         )
-    handle = VLLMServerHandle(process, f"http://{host}:{port}", log_path)
+    handle = VLLMServerHandle(process, f"http://{host}:{port}", log_path, api_key=api_key)
     try:
         handle.wait_healthy(timeout_s=startup_timeout_s, poll_s=1.0)
     except BaseException:
