@@ -97,22 +97,40 @@ class WeightPushError(RuntimeError):
         super().__init__(report.describe())
 
 
-@dataclass
 class StagedWeights:
-    """One version's weights, staged once for every server."""
+    """One version's weights, staged once for every server: a ``path`` (shared directory), a
+    ``payload`` laid out over the trainer's tensors (HTTP), or explicit ``data`` bytes."""
 
-    version: int
-    num_bytes: int
-    path: Path | None = None
-    payload: SafetensorsPayload | None = None
-    """The file laid out over the caller's tensors (HTTP): streamed without a copy."""
-    token: str | None = None
-    """Where the payload is published on the transport's weight server (HTTP pull)."""
+    def __init__(
+        self,
+        version: int,
+        num_bytes: int,
+        path: Path | None = None,
+        payload: SafetensorsPayload | None = None,
+        data: bytes | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.version = version
+        self.num_bytes = num_bytes
+        self.path = path
+        self.payload = payload
+        """The file laid out over the caller's tensors (HTTP): streamed without a copy."""
+        self.token = token
+        """Where the payload is published on the transport's weight server (HTTP pull)."""
+        self._data = data
 
     @property
     def data(self) -> bytes | None:
-        """The whole file as bytes (a copy; for tests and custom transports)."""
-        return self.payload.to_bytes() if self.payload is not None else None
+        """The whole file as bytes: the explicit ``data``, else the payload's bytes (a copy,
+        made once; for tests and custom transports)."""
+        if self._data is None and self.payload is not None:
+            self._data = self.payload.to_bytes()
+        return self._data
+
+    @property
+    def explicit_bytes(self) -> bool:
+        """True when built from ``data`` (a custom transport's bytes), not from a payload."""
+        return self.payload is None and self._data is not None
 
 
 class WeightTransport(ABC):
@@ -201,17 +219,27 @@ class HttpStreamTransport(WeightTransport):
 
     name = "http"
 
+    mode: Literal["pull", "push"] = "pull"
+    _advertise_host: str | None = None
+    _server: WeightServer | None = None
+
     def __init__(
         self, *, mode: Literal["pull", "push"] = "pull", advertise_host: str | None = None
     ) -> None:
         if mode not in ("pull", "push"):
             raise ValueError(f"HttpStreamTransport mode={mode!r}; use 'pull' or 'push'")
         self.mode = mode
-        self._server: WeightServer | None = None
         self._advertise_host = advertise_host
-        self._push_only: set[str] = set()
-        """Servers that could not pull (they get the bytes pushed)."""
-        self._tokens: dict[int, str] = {}
+
+    @property
+    def _push_only(self) -> set[str]:
+        """Servers that could not pull (they get the bytes pushed). Created on first use, so a
+        subclass that does not call ``__init__`` still works."""
+        return vars(self).setdefault("_push_only_urls", set())
+
+    @property
+    def _tokens(self) -> dict[int, str]:
+        return vars(self).setdefault("_token_by_version", {})
 
     def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
         payload = SafetensorsPayload.from_state_dict(state_dict)
@@ -224,6 +252,10 @@ class HttpStreamTransport(WeightTransport):
         return staged
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+        if staged.explicit_bytes:
+            assert staged.data is not None
+            await client.update_weights_from_bytes(staged.data, staged.version)
+            return
         assert staged.payload is not None
         if self._server is None or staged.token is None or client.base_url in self._push_only:
             await client.update_weights_from_bytes(staged.payload, staged.version)
@@ -247,7 +279,8 @@ class HttpStreamTransport(WeightTransport):
         """Serve only ``keep_version`` (older URLs answer 404)."""
         if self._server is not None:
             keep = self._tokens.get(keep_version)
-            self._tokens = {keep_version: keep} if keep is not None else {}
+            for version in [v for v in self._tokens if v != keep_version]:
+                del self._tokens[version]
             self._server.unpublish(keep={keep} if keep is not None else set())
 
     def close(self) -> None:
@@ -359,12 +392,23 @@ class PushReport:
 
 class _Verifier:
     """Runs the probe on one server and compares it with the trainer's score (scored once per
-    distinct token sequence, however many servers return it)."""
+    distinct token sequence, however many servers return it).
+
+    While paused (embedded server) the probe is teacher-forced: the server scores the fixed
+    ``probe_token_ids`` in one forward pass, and the trainer's side is computed before any
+    server is paused (:meth:`prepare`), so the pause lasts one short forward longer, no more.
+    After a resume (vLLM) the probe is a seeded generation, scored when it returns."""
 
     def __init__(self, engine: CheckpointEngine, score: ScoreFn) -> None:
         self.engine = engine
         self.score = score
-        self._scored: dict[tuple[int, ...], asyncio.Task[list[float]]] = {}
+        self._scored: dict[tuple[int, ...], asyncio.Future[list[float]]] = {}
+
+    async def prepare(self) -> None:
+        """Score the teacher-forced probe now, before anything is paused."""
+        forced = tuple(self.engine.probe_token_ids)
+        self._scored[forced] = asyncio.ensure_future(self._trainer_logprobs(forced))
+        await self._scored[forced]
 
     async def _trainer_logprobs(self, tokens: tuple[int, ...]) -> list[float]:
         result = self.score(self.engine.probe_prompt_ids, list(tokens))
@@ -400,7 +444,7 @@ class _Verifier:
     async def probe_paused(self, client: PolicyClient) -> Generation:
         e = self.engine
         return await client.probe(
-            e.probe_prompt_ids, temperature=e.temperature, max_tokens=e.probe_tokens, seed=1234
+            e.probe_prompt_ids, temperature=e.temperature, token_ids=list(e.probe_token_ids)
         )
 
     async def probe_serving(self, client: PolicyClient) -> Generation:
@@ -416,7 +460,9 @@ class CheckpointEngine:
     ``clients`` are :class:`PolicyClient` objects (or base URLs, for which a client with
     ``api_key`` and ``push_timeout_s`` is built). ``tied_weights`` maps a name to send
     explicitly to vLLM servers onto the tensor that holds its bytes; None detects a tied
-    ``lm_head.weight`` (:func:`tied_aliases`).
+    ``lm_head.weight`` (:func:`tied_aliases`). The probe is ``probe_prompt_ids`` followed by
+    ``probe_token_ids`` (default ``9 .. 8 + probe_tokens``) scored while paused, or by
+    ``probe_tokens`` sampled tokens (seed 1234) after a resume (vLLM).
     """
 
     def __init__(
@@ -433,6 +479,7 @@ class CheckpointEngine:
         push_timeout_s: float = 300.0,
         api_key: str | None = None,
         tied_weights: Mapping[str, str] | None = None,
+        probe_token_ids: Sequence[int] | None = None,
     ) -> None:
         if not clients:
             raise ValueError("CheckpointEngine needs at least one server client")
@@ -448,6 +495,12 @@ class CheckpointEngine:
         self.verify_tolerance = verify_tolerance
         self.probe_prompt_ids = list(probe_prompt_ids)
         self.probe_tokens = probe_tokens
+        self.probe_token_ids = (
+            list(probe_token_ids)
+            if probe_token_ids is not None
+            else list(range(9, 9 + probe_tokens))
+        )
+        """What the paused probe scores (teacher forcing) after ``probe_prompt_ids``."""
         self.temperature = temperature
         self.push_timeout_s = push_timeout_s
         self.tied_weights = None if tied_weights is None else dict(tied_weights)
@@ -473,6 +526,8 @@ class CheckpointEngine:
         report.num_bytes = staged.num_bytes
         report.stage_seconds = time.perf_counter() - t0
         verifier = _Verifier(self, score) if self.verify and score is not None else None
+        if verifier is not None:
+            await verifier.prepare()
         statuses = await asyncio.gather(
             *(self._push_one(c, staged, verifier) for c in self.clients)
         )

@@ -305,3 +305,13 @@ async def test_a_trusted_request_template_renders_off_the_event_loop(engine) -> 
 async def test_models_shows_no_path(client, engine) -> None:
     card = (await client.get("/v1/models")).json()["data"][0]
     assert card["root"] == "tiny" and str(engine.model_dir) not in json.dumps(card)
+
+
+def test_a_non_loopback_bind_without_a_key_warns_loudly(capsys) -> None:
+    from agentrl.inference.server import _warn_if_exposed
+
+    _warn_if_exposed("127.0.0.1", None)
+    _warn_if_exposed("0.0.0.0", "key")
+    assert capsys.readouterr().err == ""
+    _warn_if_exposed("0.0.0.0", None)
+    assert "WARNING" in capsys.readouterr().err
