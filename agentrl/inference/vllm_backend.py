@@ -166,6 +166,24 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     return dtype if isinstance(dtype, str) and dtype in _VLLM_DTYPES else "auto"
 
 
+def _child_env(
+    env: Mapping[str, str] | None, cpu_kvcache_space_gb: int | None, api_key: str | None
+) -> dict[str, str]:
+    """vLLM's environment: dev mode on, our venv out, the key in ``VLLM_API_KEY``."""
+    child_env = dict(os.environ)
+    child_env["VLLM_SERVER_DEV_MODE"] = "1"
+    child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if cpu_kvcache_space_gb is not None:
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
+    # Our own venv must not leak into vLLM's interpreter.
+    child_env.pop("PYTHONPATH", None)
+    child_env.pop("VIRTUAL_ENV", None)
+    child_env.update(env or {})
+    if api_key:
+        child_env["VLLM_API_KEY"] = api_key
+    return child_env
+
+
 def launch_vllm_server(
     model_dir: str | Path,
     *,
@@ -209,17 +227,7 @@ def launch_vllm_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    child_env = dict(os.environ)
-    child_env["VLLM_SERVER_DEV_MODE"] = "1"
-    child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    if cpu_kvcache_space_gb is not None:
-        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
-    # Our own venv must not leak into vLLM's interpreter.
-    child_env.pop("PYTHONPATH", None)
-    child_env.pop("VIRTUAL_ENV", None)
-    child_env.update(env or {})
-    if api_key:
-        child_env["VLLM_API_KEY"] = api_key
+    child_env = _child_env(env, cpu_kvcache_space_gb, api_key)
 
     cmd = vllm_command(
         exe,
