@@ -323,6 +323,7 @@ class InferenceEngine:
     # ---- state (thread-safe reads) -------------------------------------------------------------
     @property
     def weight_version(self) -> int:
+        """The version of the weights the engine holds now."""
         return self._version
 
     @property
@@ -332,6 +333,7 @@ class InferenceEngine:
 
     @property
     def pause_state(self) -> Literal["running", "draining", "paused"]:
+        """``running``, ``draining`` (a ``wait`` pause) or ``paused``."""
         return "paused" if self._paused else "draining" if self._draining else "running"
 
     @property
@@ -341,14 +343,17 @@ class InferenceEngine:
 
     @property
     def num_running(self) -> int:
+        """Requests in the running batch."""
         return len(self._rows)
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued for admission."""
         return len(self._waiting)
 
     @property
     def is_closed(self) -> bool:
+        """True once the engine stops (``close`` or ``shutdown_nowait``)."""
         return self._closing
 
     @property
@@ -504,6 +509,7 @@ class InferenceEngine:
         return self._control(_drain)
 
     def resume(self) -> None:
+        """End any pause or drain now (and cancel a pending ``wait`` pause)."""
         with self._cond:
             self._resume_locked()
 
@@ -717,6 +723,7 @@ class InferenceEngine:
             return self.load_state_dict(state, version)
 
     def set_weight_version(self, version: int) -> int:
+        """Label the current weights ``version`` (an int in ``[0, 2**63 - 1]``)."""
         v = check_version(version)
 
         def _set() -> int:

@@ -127,6 +127,7 @@ def create_app(
 
 # ---- CLI: ``agentrl serve-model MODEL_DIR`` ----------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``agentrl serve-model`` options."""
     parser.add_argument("model_dir", help="a local Hugging Face causal-LM directory")
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8000, help="bind port")
@@ -191,6 +192,7 @@ def _warn_if_exposed(host: str, api_key: str | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """``agentrl serve-model``: load the model and serve it until SIGTERM/SIGINT."""
     if not (Path(args.model_dir) / "config.json").is_file():
         print(
             f"agentrl serve-model: {args.model_dir!r} is not a Hugging Face model directory "

@@ -121,6 +121,7 @@ class SafetensorsPayload:
         aliases: Mapping[str, str] | None = None,
         metadata: Mapping[str, str] | None = None,
     ) -> SafetensorsPayload:
+        """Lay out ``state`` (contiguous CPU tensors, a safetensors dtype each) as a file."""
         entries: list[tuple[str, torch.Tensor]] = []
         for name, t in state.items():
             if not isinstance(t, torch.Tensor):
@@ -217,6 +218,7 @@ class WeightServer:
         self._lock = threading.Lock()
 
     def publish(self, payload: SafetensorsPayload) -> str:
+        """Serve ``payload`` under a new random token; returns the token."""
         token = secrets.token_urlsafe(32)
         with self._lock:
             self._payloads[token] = payload
@@ -248,6 +250,7 @@ class WeightServer:
         return f"http://{shown}:{port}/weights/{token}"
 
     def close(self) -> None:
+        """Stop every listener and forget every payload."""
         with self._lock:
             servers = list(self._servers.values())
             self._servers.clear()

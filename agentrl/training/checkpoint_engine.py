@@ -326,11 +326,14 @@ class ServerPushStatus:
 
     @property
     def ok(self) -> bool:
+        """True when this server reached ``done`` without an error."""
         return self.error is None and self.stage == "done"
 
 
 @dataclass
 class PushReport:
+    """What one push did on every server (see the module docstring)."""
+
     version: int
     servers: dict[str, ServerPushStatus] = field(default_factory=dict)
     num_bytes: int = 0
@@ -341,10 +344,12 @@ class PushReport:
 
     @property
     def ok(self) -> bool:
+        """True when every server reached ``done`` without an error."""
         return bool(self.servers) and all(s.ok for s in self.servers.values())
 
     @property
     def max_abs_diff(self) -> float | None:
+        """The largest verify difference over the servers (None when nothing was verified)."""
         diffs = [s.verify_max_abs_diff for s in self.servers.values()]
         known = [d for d in diffs if d is not None]
         return max(known) if known else None
@@ -356,6 +361,7 @@ class PushReport:
         return max((s.timings.get(stage, 0.0) for s in self.servers.values()), default=0.0)
 
     def describe(self) -> str:
+        """One line per server: version, serving/PAUSED/unreachable, ok or the failure."""
         lines = [f"weight push of version {self.version} ({self.transport}):"]
         for s in self.servers.values():
             state = "ok" if s.ok else f"FAILED at {s.stage}: {s.error}"
@@ -364,6 +370,7 @@ class PushReport:
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:
+        """``timing_s/push/*`` and ``weight_sync/*`` for the tracker."""
         servers = self.servers.values()
         out = {
             "weight_sync/push_s": self.total_seconds,
@@ -386,6 +393,7 @@ class PushReport:
         return out
 
     def raise_if_failed(self) -> None:
+        """Raise :class:`WeightPushError` (the :meth:`describe` table) unless :attr:`ok`."""
         if not self.ok:
             raise WeightPushError(self)
 
@@ -442,12 +450,14 @@ class _Verifier:
             )
 
     async def probe_paused(self, client: PolicyClient) -> Generation:
+        """The teacher-forced probe, served while the (embedded) server is paused."""
         e = self.engine
         return await client.probe(
             e.probe_prompt_ids, temperature=e.temperature, token_ids=list(e.probe_token_ids)
         )
 
     async def probe_serving(self, client: PolicyClient) -> Generation:
+        """The seeded-generation probe, after the resume (vLLM)."""
         sampling = SamplingParams(
             max_tokens=self.engine.probe_tokens, temperature=self.engine.temperature, seed=1234
         )

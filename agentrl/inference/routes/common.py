@@ -98,6 +98,7 @@ class _SafeJSONResponse(JSONResponse):
 
 
 def error_response(err: APIError) -> JSONResponse:
+    """OpenAI's error body for ``err`` (``Connection: close`` when the status is >= 500)."""
     body = {
         "error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}
     }
@@ -130,6 +131,7 @@ class RequestLog:
         weight_version: int,
         finish_reason: str = "stop",
     ) -> None:
+        """Append one line (thread-safe, flushed)."""
         line = json.dumps(
             {
                 "request_id": request_id,
@@ -147,6 +149,7 @@ class RequestLog:
             self._file.flush()
 
     def close(self) -> None:
+        """Close the file."""
         with self._lock:
             self._file.close()
 

@@ -52,6 +52,7 @@ async def _wait_pause(st: ServerState, request: Request, timeout_s: float | None
 async def pause(
     st: ServerState, request: Request, mode: str, timeout_s: float | None
 ) -> JSONResponse:
+    """``POST /pause``: keep, abort or wait, each with a deadline."""
     if mode not in ("keep", "abort", "wait"):
         raise APIError(400, f"mode={mode!r}; use 'keep', 'abort' or 'wait'", param="mode")
     aborted = 0
@@ -68,6 +69,7 @@ async def pause(
 
 
 async def probe(st: ServerState, req: P.ProbeRequest) -> JSONResponse:
+    """``POST /probe``: served ahead of the queue, also while paused."""
     try:
         out = await asyncio.to_thread(
             st.engine.probe,

@@ -226,6 +226,7 @@ async def _completion_prompt(st: ServerState, req: P.CompletionRequest) -> list[
 
 
 async def completions(st: ServerState, req: P.CompletionRequest, request: Request) -> JSONResponse:
+    """``POST /v1/completions``: token ids (or text) in, tokens, logprobs and the version out."""
     _check_common(st, req)
     prompt_ids = await _completion_prompt(st, req)
     max_tokens = (
@@ -344,6 +345,7 @@ def _chat_logprobs(st: ServerState, o: EngineOutput, as_ids: bool) -> dict[str, 
 async def chat_completions(
     st: ServerState, req: P.ChatCompletionRequest, request: Request
 ) -> JSONResponse:
+    """``POST /v1/chat/completions``: messages and tools in, hermes tool calls parsed out."""
     _check_common(st, req)
     prompt_ids, tools = await _chat_prompt(st, req)
     max_tokens = (

@@ -78,6 +78,7 @@ async def _receive_into(request: Request, buf: memoryview) -> None:
 
 
 async def update_weights(st: ServerState, request: Request) -> JSONResponse:
+    """``POST /update_weights``: the safetensors body, streamed into the staging buffer."""
     engine = st.engine
     version = _header_version(request)
     raw = request.headers.get("content-length")
@@ -109,6 +110,7 @@ async def update_weights(st: ServerState, request: Request) -> JSONResponse:
 
 
 async def collective_rpc(st: ServerState, req: P.CollectiveRpcRequest) -> JSONResponse:
+    """vLLM's ``POST /collective_rpc``; only ``reload_weights`` (path, optional version)."""
     if req.method != "reload_weights":
         raise APIError(
             400,

@@ -305,14 +305,15 @@ async def test_verify_compares_probe_logprobs_with_the_trainers_score() -> None:
     )
     report = await engine.push(_state(), 1, score=score)
     assert report.ok
-    assert seen == [([5, 6], [7, 8, 9])]
+    # The teacher-forced probe (9, 10, 11 after the prompt) is scored once, before the pause.
+    assert seen == [([5, 6], [9, 10, 11])]
     assert report.max_abs_diff == pytest.approx(1e-6, abs=1e-9)
     assert report.metrics()["weight_sync/verify_max_abs_diff"] == pytest.approx(1e-6, abs=1e-9)
     assert 0 < report.verify_seconds < report.total_seconds
     # Verified while still paused, through the probe route, before the resume.
     (probe,) = a.probe_requests
     assert probe["paused"] and probe["body"]["temperature"] == 1.0
-    assert probe["body"]["max_tokens"] == 3 and probe["body"]["prompt"] == [5, 6]
+    assert probe["body"]["token_ids"] == [9, 10, 11] and probe["body"]["prompt"] == [5, 6]
     paths = [p for p, _ in a.control_calls]
     assert paths.index("/update_weight_version") < paths.index("/resume")
     assert not a.generate_requests  # nothing was generated through the queue
