@@ -341,6 +341,8 @@ class PushReport:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     transport: str = ""
+    score_seconds: float = 0.0
+    """The trainer's scoring of the paused probe (before any pause; counted in verify)."""
 
     @property
     def ok(self) -> bool:
@@ -355,10 +357,12 @@ class PushReport:
         return max(known) if known else None
 
     def stage_time(self, stage: str) -> float:
-        """Seconds of one stage: staging itself, else the slowest server's."""
+        """Seconds of one stage: staging itself, else the slowest server's (plus the trainer's
+        scoring for ``verify``)."""
         if stage == "stage":
             return self.stage_seconds
-        return max((s.timings.get(stage, 0.0) for s in self.servers.values()), default=0.0)
+        slowest = max((s.timings.get(stage, 0.0) for s in self.servers.values()), default=0.0)
+        return slowest + (self.score_seconds if stage == "verify" else 0.0)
 
     def describe(self) -> str:
         """One line per server: version, serving/PAUSED/unreachable, ok or the failure."""
@@ -537,7 +541,9 @@ class CheckpointEngine:
         report.stage_seconds = time.perf_counter() - t0
         verifier = _Verifier(self, score) if self.verify and score is not None else None
         if verifier is not None:
+            t_score = time.perf_counter()
             await verifier.prepare()
+            report.score_seconds = time.perf_counter() - t_score
         statuses = await asyncio.gather(
             *(self._push_one(c, staged, verifier) for c in self.clients)
         )
