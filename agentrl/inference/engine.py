@@ -343,8 +343,9 @@ class InferenceEngine:
 
     @property
     def num_running(self) -> int:
-        """Requests in the running batch."""
-        return len(self._rows)
+        """Unfinished requests in the running batch (a row whose future has resolved is not
+        counted, even in the moment before the engine drops it)."""
+        return sum(1 for r in list(self._rows) if not r.finished)
 
     @property
     def num_waiting(self) -> int:

@@ -118,7 +118,10 @@ def test_requests_join_a_running_batch(engine) -> None:
     ref_short = engine.submit([4, 5], two, ignore_eos=True).result(timeout=60)
     long = engine.submit([1, 2, 3], greedy, ignore_eos=True)
     deadline = time.monotonic() + 60
-    while engine.num_running == 0 and time.monotonic() < deadline:
+    # Waiting 0 and running 1 means the long request was admitted (a finished row can linger a
+    # moment after its future resolves, so "running >= 1" alone could be the previous request).
+    while not (engine.num_waiting == 0 and engine.num_running == 1):
+        assert time.monotonic() < deadline, "the long request was never admitted"
         time.sleep(0.001)
     engine.pause()
     try:
