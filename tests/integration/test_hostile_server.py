@@ -331,10 +331,11 @@ def test_a_zombie_pause_ends_by_its_deadline(server, http) -> None:
 
 
 def test_a_wait_pause_whose_requester_left_is_cancelled(server, http) -> None:
-    body = {"prompt": [2, 3], "max_tokens": 400, "ignore_eos": True}
+    # 16 x 500 tokens in one batch: seconds of decoding, against a requester gone after 0.05 s.
+    body = {"prompt": [2, 3], "max_tokens": 500, "ignore_eos": True, "n": 16}
     with ThreadPoolExecutor(1) as pool:
         long = pool.submit(http.post, "/v1/completions", json=body)
-        wait_for(lambda: metric(server, "agentrl_num_requests_running") >= 1, what="running")
+        wait_for(lambda: metric(server, "agentrl_num_requests_running") >= 16, what="running")
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(
                 server.base_url + "/pause", params={"mode": "wait"}, headers=AUTH, timeout=0.05
@@ -350,15 +351,19 @@ async def test_a_timed_out_wait_push_never_reports_serving_while_paused(server, 
     state = load_file(str(tiny_model_dir / "model.safetensors"))
     async with PolicyClient(server.base_url, api_key=KEY) as client:
         v = await client.weight_version()
+        # 16 sequences x 500 tokens in one batch: seconds of decoding on any CPU, against a push
+        # that gives up on its pause after 0.2 s (the premise is checked below, not assumed).
         long = asyncio.create_task(
-            client.generate([3, 1], SamplingParams(max_tokens=400), extra_body={"ignore_eos": True})
+            client.generate(
+                [3, 1], SamplingParams(max_tokens=500), extra_body={"ignore_eos": True, "n": 16}
+            )
         )
         deadline = time.monotonic() + 60
-        while metric(server, "agentrl_num_requests_running") < 1:
+        while metric(server, "agentrl_num_requests_running") < 16:
             assert time.monotonic() < deadline
             await asyncio.sleep(0.02)
         engine = CheckpointEngine(
-            [client], HttpStreamTransport(), pause_mode="wait", push_timeout_s=0.3, verify=False
+            [client], HttpStreamTransport(), pause_mode="wait", push_timeout_s=0.2, verify=False
         )
         report = await engine.push(state, v + 1)
         status = report.servers[server.base_url]
@@ -516,7 +521,7 @@ async def test_a_stopped_server_behind_the_pool_loses_and_duplicates_nothing(
             tasks = [
                 asyncio.create_task(
                     pool.generate(
-                        p, SamplingParams(max_tokens=48, seed=i), extra_body={"ignore_eos": True}
+                        p, SamplingParams(max_tokens=96, seed=i), extra_body={"ignore_eos": True}
                     )
                 )
                 for i, p in enumerate(prompts)
@@ -535,7 +540,7 @@ async def test_a_stopped_server_behind_the_pool_loses_and_duplicates_nothing(
     finally:
         for h in handles:
             h.stop()
-    assert len(gens) == len(prompts) and all(len(g.token_ids) == 48 for g in gens)
+    assert len(gens) == len(prompts) and all(len(g.token_ids) == 96 for g in gens)
     served: dict[tuple[int, ...], list[tuple[str, dict]]] = {}
     for handle, log in zip(handles, logs, strict=True):
         for line in log.read_text().splitlines() if log.exists() else []:
