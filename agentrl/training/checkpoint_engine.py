@@ -519,6 +519,14 @@ class CheckpointEngine:
         self.push_timeout_s = push_timeout_s
         self.tied_weights = None if tied_weights is None else dict(tied_weights)
 
+    async def aclose(self) -> None:
+        """Close the clients and the transport's weight server (the shared directory stays;
+        ``SharedDirTransport.remove()`` deletes it)."""
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+        close = getattr(self.transport, "close", None)
+        if callable(close):
+            close()
+
     async def push(
         self,
         state_dict: dict[str, torch.Tensor],

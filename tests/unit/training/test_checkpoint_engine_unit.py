@@ -447,3 +447,13 @@ async def test_verify_mismatch_fails_loudly_and_async_score_is_awaited() -> None
 def test_engine_needs_a_server() -> None:
     with pytest.raises(ValueError, match="at least one server"):
         CheckpointEngine([], HttpStreamTransport())
+
+
+async def test_aclose_closes_the_clients_and_stops_the_weight_server() -> None:
+    a = FakeInferenceServer("http://a")
+    transport = HttpStreamTransport()
+    engine = CheckpointEngine(_clients(a), transport)
+    await engine.push(_state(), 1)
+    assert transport._server is not None  # pull mode published the payload
+    await engine.aclose()
+    assert transport._server is None and engine.clients[0]._http.is_closed
