@@ -9,14 +9,17 @@ each transport:
 - ``shared_dir``: safetensors written once to tmpfs (``/dev/shm``), each server loads the file;
 - ``http``: the safetensors bytes POSTed to each server.
 
-The baseline, measured in the same run on the same bytes: a plain file copy
+The baseline, measured in the same run on the same bytes and interleaved with the pushes
+(copy, push, copy, push, ...; the machine's load moves both alike): a plain file copy
 (``shutil.copyfile``) of the staged safetensors file on the same tmpfs. Each row reports
 ``push_s`` (the whole push, verify included), ``verify_s`` (the probe part),
-``push_without_verify_s`` (serialize + every server's pause..resume), ``bytes_per_s`` = model
-bytes x servers / ``push_without_verify_s`` and ``vs_file_copy`` = that over the copy's bytes/s
-(1.0 would mean a push to every server costs as little as copying the bytes once per server).
-Times are medians over ``--repeats`` pushes; every push must succeed (verify included), else the
-row says which server failed.
+``push_without_verify_s`` (stage + every server's pause..resume), ``bytes_per_s`` = model
+bytes x servers / ``push_without_verify_s`` and ``vs_file_copy`` = the median over the pairs of
+(servers x copy time / push time), i.e. that rate over the copy's (1.0 would mean a push to
+every server costs as little as copying the bytes once per server; ``vs_file_copy_min`` /
+``_max`` give the spread), and ``timing_s`` the median of each stage of the push (stage,
+pause, transfer, verify, resume; ``PushReport.metrics``). Times are medians over ``--repeats``
+pushes; every push must succeed (verify included), else the row says which server failed.
 
     python benchmarks/weight_sync.py [--sizes 1M,10M,100M] [--servers 1,2,4] [--repeats 2]
         [--no-verify]
@@ -95,19 +98,20 @@ def launch_servers(model_dir: Path, n: int, log_dir: Path) -> list[ServerHandle]
     return handles
 
 
-def file_copy_bytes_per_s(src: Path, repeats: int) -> float:
-    """Best-of-``repeats`` bytes/s of ``shutil.copyfile`` next to ``src`` (same filesystem)."""
+def file_copy_seconds(src: Path) -> float:
+    """Seconds of one ``shutil.copyfile`` of ``src`` next to it (same filesystem)."""
     dst = src.parent.parent / ".copy-baseline.safetensors"
-    times = []
     try:
-        for _ in range(max(repeats, 3)):
-            t0 = time.perf_counter()
-            shutil.copyfile(src, dst)
-            times.append(time.perf_counter() - t0)
-            dst.unlink()
+        t0 = time.perf_counter()
+        shutil.copyfile(src, dst)
+        return time.perf_counter() - t0
     finally:
         dst.unlink(missing_ok=True)
-    return src.stat().st_size / min(times)
+
+
+def file_copy_bytes_per_s(src: Path, repeats: int) -> float:
+    """Best-of-``repeats`` bytes/s of ``shutil.copyfile`` next to ``src`` (same filesystem)."""
+    return src.stat().st_size / min(file_copy_seconds(src) for _ in range(max(repeats, 3)))
 
 
 def make_scorer(model_dir: Path) -> Callable[[list[int], list[int]], list[float]]:
@@ -162,26 +166,28 @@ async def bench_size(
     try:
         # Resolve each client's backend outside the timing (one /weight_info each).
         await asyncio.gather(*(c.weight_version() for c in clients))
-        copy_bps: float | None = None
+        baseline = SharedDirTransport(shared_root / "baseline").stage(state, 0)
+        assert baseline.path is not None
+        copy_src = baseline.path / "model.safetensors"
+        copy_bps = file_copy_bytes_per_s(copy_src, repeats)
+        log(f"{name}: file copy {copy_bps / 1e9:.2f} GB/s")
         for kind in TRANSPORTS:
             transport: WeightTransport = (
-                SharedDirTransport(shared_root) if kind == "shared_dir" else HttpStreamTransport()
+                SharedDirTransport(shared_root / "push")
+                if kind == "shared_dir"
+                else HttpStreamTransport()
             )
-            if copy_bps is None:
-                staged = transport.stage(state, 0)
-                if staged.path is None:  # pragma: no cover - shared_dir is first
-                    raise RuntimeError("the copy baseline needs the shared_dir file")
-                copy_bps = file_copy_bytes_per_s(staged.path / "model.safetensors", repeats)
-                transport.cleanup(keep_version=-1)
-                log(f"{name}: file copy {copy_bps / 1e9:.2f} GB/s")
             for n in server_counts:
                 engine = CheckpointEngine(
                     clients[:n], transport, verify=verify, verify_tolerance=1e-4
                 )
                 pushes, stages, server_s, verify_s, diffs, failures = [], [], [], [], [], []
+                ratios: list[float] = []
+                timings: dict[str, list[float]] = {}
                 num_bytes = 0
                 for _ in range(repeats):
                     version += 1
+                    copy_s = file_copy_seconds(copy_src)  # interleaved: copy, push, copy, ...
                     report = await engine.push(state, version, score=score)
                     num_bytes = report.num_bytes
                     if not report.ok:
@@ -191,6 +197,10 @@ async def bench_size(
                     stages.append(report.stage_seconds)
                     server_s.append(max(s.seconds for s in report.servers.values()))
                     verify_s.append(report.verify_seconds)
+                    ratios.append(n * copy_s / (report.total_seconds - report.verify_seconds))
+                    for key, value in report.metrics().items():
+                        if key.startswith("timing_s/push/"):
+                            timings.setdefault(key.rsplit("/", 1)[1], []).append(value)
                     if report.max_abs_diff is not None:
                         diffs.append(report.max_abs_diff)
                 row: dict[str, Any] = {
@@ -215,7 +225,10 @@ async def bench_size(
                         slowest_server_s=round(statistics.median(server_s), 4),
                         verify_s=round(statistics.median(verify_s), 4),
                         bytes_per_s=round(bps),
-                        vs_file_copy=round(bps / copy_bps, 4),
+                        vs_file_copy=round(statistics.median(ratios), 4),
+                        vs_file_copy_min=round(min(ratios), 4),
+                        vs_file_copy_max=round(max(ratios), 4),
+                        timing_s={k: round(statistics.median(v), 4) for k, v in timings.items()},
                     )
                     if diffs:
                         row["verify_max_abs_diff"] = max(diffs)
@@ -223,7 +236,7 @@ async def bench_size(
                 log(f"{name} {kind} x{n}: {row.get('push_s')}s, vs copy {row.get('vs_file_copy')}")
             if isinstance(transport, SharedDirTransport):
                 transport.cleanup(keep_version=-1)
-        return {"rows": rows, "file_copy_bytes_per_s": round(copy_bps or 0.0)}
+        return {"rows": rows, "file_copy_bytes_per_s": round(copy_bps)}
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
         for h in handles:
@@ -253,10 +266,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(work, ignore_errors=True)
     return {
         "benchmark": "weight_sync",
-        "what": "CheckpointEngine push latency (pause, transfer, reset, version, resume"
-        + (", verify" if not args.no_verify else "")
-        + ") to embedded servers; vs_file_copy = (bytes x servers / push_without_verify_s) / "
-        "file-copy bytes/s",
+        "what": "CheckpointEngine push latency (pause, transfer, reset, version"
+        + (", verify while paused" if not args.no_verify else "")
+        + ", resume) to embedded servers; vs_file_copy = median over interleaved pairs of "
+        "servers x file-copy seconds / push_without_verify seconds",
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "repeats": args.repeats,
         "file_copy_bytes_per_s": copy,

@@ -22,7 +22,8 @@ class FakeInferenceServer:
     fail to connect, or close ``gate`` to hold generate requests in flight.
 
     The generated tokens are a function of the prompt (``prompt[-1] + 1 + i``) with logprob
-    ``-0.5``, so tests can check which request got which answer.
+    ``-0.5``, so tests can check which request got which answer; ``/probe`` (the embedded
+    server's verify route, served while paused) answers the same way.
     """
 
     def __init__(
@@ -41,6 +42,8 @@ class FakeInferenceServer:
         self.paused = False
         self.fail_next: list[int | str] = []
         self.generate_requests: list[dict[str, Any]] = []
+        self.probe_requests: list[dict[str, Any]] = []
+        """``/probe`` bodies, each with whether the server was paused when it was served."""
         self.completed: list[dict[str, Any]] = []
         self.control_calls: list[tuple[str, Any]] = []
         self.paths: list[str] = []
@@ -78,6 +81,8 @@ class FakeInferenceServer:
             return httpx.Response(200, json={"weight_version": self._version_value()})
         if path == "/v1/completions":
             return await self._complete(request, body)
+        if path == "/probe":
+            return self._probe(body)
         self.control_calls.append((path, body if body is not None else dict(request.url.params)))
         if path == "/pause":
             self.paused = True
@@ -101,6 +106,16 @@ class FakeInferenceServer:
             self.version = int(request.headers["x-weight-version"])
             return httpx.Response(200, json={"success": True})
         return self._error(404, f"no route {path}")
+
+    def _probe(self, body: dict[str, Any]) -> httpx.Response:
+        """``POST /probe`` (served while paused): same tokens and logprobs as a completion."""
+        self.probe_requests.append({"body": body, "paused": self.paused})
+        n = len(body["token_ids"]) if body.get("token_ids") else body["max_tokens"]
+        tokens = body.get("token_ids") or [body["prompt"][-1] + 1 + i for i in range(n)]
+        return httpx.Response(
+            200,
+            json={"token_ids": tokens, "logprobs": [-0.5] * n, "weight_version": self.version},
+        )
 
     async def _complete(self, request: httpx.Request, body: dict[str, Any]) -> httpx.Response:
         self.generate_requests.append(

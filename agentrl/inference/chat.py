@@ -174,12 +174,14 @@ def render_chat(
     tools: list[dict[str, Any]] | None = None,
     *,
     add_generation_prompt: bool = True,
+    max_chars: int | None = None,
     **template_kwargs: Any,
 ) -> list[int]:
     """Token ids of the chat template applied to ``messages`` (and ``tools``).
 
     Renders to text and encodes without adding special tokens, exactly as vLLM's chat endpoint
-    does. Template errors become :class:`ChatInputError` on ``messages``.
+    does. Template errors, a rendered text longer than ``max_chars`` and text that is not valid
+    Unicode (a lone surrogate) become :class:`ChatInputError` on ``messages``.
     """
     try:
         text = tokenizer.apply_chat_template(
@@ -192,5 +194,19 @@ def render_chat(
     except Exception as e:  # jinja raises many types; all mean the input does not fit the template
         raise ChatInputError(
             f"the chat template could not render the messages: {e}", "messages"
+        ) from e
+    if not isinstance(text, str):
+        raise ChatInputError("the chat template did not render to text", "messages")
+    if max_chars is not None and len(text) > max_chars:
+        raise ChatInputError(
+            f"the rendered chat has {len(text)} characters, more than this server's context "
+            f"could hold ({max_chars}); shorten the messages",
+            "messages",
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ChatInputError(
+            f"the messages are not valid Unicode text ({e.reason} at {e.start})", "messages"
         ) from e
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -19,6 +19,12 @@ updates, versions). Both servers speak the same subset of vLLM's OpenAI-compatib
   client writes ``str(int)`` and reads ``"default"`` as version 0. Any other non-integer string
   is an error that names the fix (set a version through :meth:`set_weight_version`).
 
+- **Auth.** ``api_key`` (default: ``$AGENTRL_API_KEY``) is sent as ``Authorization: Bearer`` on
+  every request, as vLLM's ``--api-key`` and the embedded server expect.
+- **Deadlines.** Every generation carries ``x-request-timeout-s`` (the client's own timeout): the
+  embedded server aborts the request once the client has given up, so a timed-out request is
+  never finished behind the client's back (vLLM ignores the header; it aborts on disconnect).
+
 Failure handling: connection errors, dropped connections, timeouts and 5xx answers are retried
 with jittered exponential backoff (``max_retries`` times), then raise
 :class:`InferenceServerError`; a 4xx is never retried and raises :class:`InferenceRequestError`
@@ -29,15 +35,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Literal, cast
 
 import httpx
 
+from agentrl.inference.weights import SafetensorsPayload
 from agentrl.types import Generation, SamplingParams
 
 __all__ = [
+    "ENV_API_KEY",
     "InferenceError",
     "InferenceRequestError",
     "InferenceServerError",
@@ -48,6 +58,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+ENV_API_KEY = "AGENTRL_API_KEY"
+_TIMEOUT_GRACE_S = 1.0
+"""The client waits this much longer than the deadline it gives the server, so a request the
+server finishes in time is never also given up on by the client."""
 
 PauseMode = Literal["keep", "wait", "abort"]
 """How a pause treats in-flight requests: ``keep`` parks them (they continue after resume),
@@ -189,13 +204,21 @@ class PolicyClient:
         backoff_s: float = 0.25,
         max_backoff_s: float = 4.0,
         transport: httpx.AsyncBaseTransport | None = None,
+        api_key: str | None = None,
     ) -> None:
         """``backend="auto"`` learns from the first ``/weight_info`` answer whether the server
         reports versions in completion bodies (embedded, int versions) or not (vLLM, string
-        versions). ``transport`` lets tests pass an in-process ASGI app."""
+        versions). ``transport`` lets tests pass an in-process ASGI app. ``api_key`` (default
+        ``$AGENTRL_API_KEY``) is sent as a bearer token."""
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._connect_s = connect_timeout_s
+        key = api_key if api_key is not None else os.environ.get(ENV_API_KEY)
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.model = model
         self.backend: Backend = backend
         self.max_retries = max_retries
@@ -208,6 +231,7 @@ class PolicyClient:
             base_url=self.base_url,
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             transport=transport,
+            headers=headers,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
 
@@ -293,6 +317,10 @@ class PolicyClient:
                     self.model = str(data[0]["id"])
         return self.model
 
+    async def resolve_backend(self) -> Backend:
+        """``"embedded"`` or ``"vllm"`` (asks the server once, then remembers)."""
+        return await self._resolve_backend()
+
     async def _resolve_backend(self) -> Backend:
         if self.backend == "auto":
             async with self._probe_lock:
@@ -335,14 +363,20 @@ class PolicyClient:
         if sampling.stop_token_ids:
             payload["stop_token_ids"] = list(sampling.stop_token_ids)
         payload.update(extra_body or {})
-        headers = {}
+        headers = {"x-request-timeout-s": f"{self.timeout_s:g}"}
         if session_id is not None:
             headers["x-session-id"] = session_id
         if request_id is not None:
             headers["x-request-id"] = request_id
 
         before = await self.weight_version() if backend == "vllm" else None
-        response = await self._request("POST", "/v1/completions", json=payload, headers=headers)
+        response = await self._request(
+            "POST",
+            "/v1/completions",
+            json=payload,
+            headers=headers,
+            timeout=httpx.Timeout(self.timeout_s + _TIMEOUT_GRACE_S, connect=self._connect_s),
+        )
         body = response.json()
         token_ids, logprobs, finish = parse_completion(body, self.base_url)
         if "weight_version" in body:
@@ -373,19 +407,25 @@ class PolicyClient:
         )
 
     # ---- control ------------------------------------------------------------------------
-    async def health(self) -> bool:
+    async def health(self, timeout_s: float = 10.0) -> bool:
         """True when ``GET /health`` answers 200; never raises (one try, no retries)."""
         try:
-            response = await self._http.get("/health", timeout=10.0)
+            response = await self._http.get("/health", timeout=timeout_s)
         except (httpx.TransportError, httpx.StreamError):
             return False
         return response.status_code == 200
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
-        """Stop scheduling generation; ``mode`` says what happens to in-flight requests."""
+    async def pause(self, mode: PauseMode = "keep", *, timeout_s: float | None = None) -> None:
+        """Stop scheduling generation; ``mode`` says what happens to in-flight requests.
+
+        ``timeout_s``: the embedded server resumes by itself after that long (a controller
+        that dies never leaves it paused); vLLM ignores it."""
         if mode not in ("keep", "wait", "abort"):
             raise ValueError(f"pause mode must be 'keep', 'wait' or 'abort', got {mode!r}")
-        await self._request("POST", "/pause", params={"mode": mode}, json={"mode": mode})
+        params: dict[str, Any] = {"mode": mode}
+        if timeout_s is not None:
+            params["timeout_s"] = f"{timeout_s:g}"
+        await self._request("POST", "/pause", params=params, json=params)
 
     async def resume(self) -> None:
         await self._request("POST", "/resume")
@@ -407,9 +447,11 @@ class PolicyClient:
         body = await self._json("POST", "/reset_prefix_cache")
         return bool(body.get("success", True)) if isinstance(body, dict) else True
 
-    async def weight_info(self) -> dict[str, Any]:
-        """The server's ``/weight_info`` body with ``weight_version`` normalized to an int."""
-        body = dict(await self._json("GET", "/weight_info"))
+    async def weight_info(self, *, checksum: bool = False) -> dict[str, Any]:
+        """The server's ``/weight_info`` body with ``weight_version`` normalized to an int
+        (``checksum=True``: the embedded server adds a sha256 of every weight)."""
+        params = {"checksum": "true"} if checksum else None
+        body = dict(await self._json("GET", "/weight_info", params=params))
         body["weight_version"] = parse_weight_version(body.get("weight_version"), self.base_url)
         return body
 
@@ -427,25 +469,81 @@ class PolicyClient:
     async def update_weights_from_path(self, path: str | Path, version: int) -> None:
         """Load the safetensors weights in directory ``path`` (a path on the server's machine),
         then set ``version``. Uses vLLM's ``/collective_rpc`` ``reload_weights``, which the
-        embedded server also speaks. Pause the server first when requests are in flight."""
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(path)}}
+        embedded server also speaks (and there takes the version with the weights, atomically).
+        Pause the server first when requests are in flight."""
+        kwargs: dict[str, Any] = {"weights_path": str(path)}
+        if await self._resolve_backend() == "embedded":
+            kwargs["version"] = int(version)
+        body = {"method": "reload_weights", "kwargs": kwargs}
         await self._request("POST", "/collective_rpc", json=body, retries=0)
         await self.set_weight_version(version)
 
-    async def update_weights_from_bytes(self, data: bytes, version: int) -> None:
-        """Stream a safetensors file to the server (embedded server only)."""
+    async def update_weights_from_bytes(
+        self, data: bytes | SafetensorsPayload, version: int
+    ) -> None:
+        """Stream a safetensors file to the server (embedded server only); weights and version
+        change together. A :class:`~agentrl.inference.weights.SafetensorsPayload` is streamed
+        from the tensors' own memory (no serialization copy)."""
         if await self._resolve_backend() == "vllm":
             raise NotImplementedError(
                 f"{self.base_url} is a vLLM server, which cannot receive weights in an HTTP body; "
                 "use the shared-directory transport (update_weights_from_path) or NCCL on GPUs"
             )
-        await self._request(
-            "POST",
-            "/update_weights",
-            content=data,
-            headers={
-                "content-type": "application/octet-stream",
-                "x-weight-version": str(version),
-            },
-            retries=0,
+        headers = {"content-type": "application/octet-stream", "x-weight-version": str(version)}
+        content: bytes | AsyncIterator[bytes]
+        if isinstance(data, SafetensorsPayload):
+            headers["content-length"] = str(data.num_bytes)
+            content = _stream(data)
+        else:
+            content = data
+        await self._request("POST", "/update_weights", content=content, headers=headers, retries=0)
+
+    async def update_weights_from_url(self, url: str, version: int) -> None:
+        """Make the embedded server pull a safetensors file from ``url`` (plain HTTP, e.g. a
+        :class:`~agentrl.inference.weights.WeightServer`); weights and version change together."""
+        if await self._resolve_backend() == "vllm":
+            raise NotImplementedError(
+                f"{self.base_url} is a vLLM server, which cannot pull weights over HTTP; "
+                "use the shared-directory transport (update_weights_from_path) or NCCL on GPUs"
+            )
+        body = {"url": url, "version": int(version)}
+        await self._request("POST", "/update_weights_from_url", json=body, retries=0)
+
+    async def probe(
+        self,
+        prompt_ids: list[int],
+        *,
+        temperature: float = 1.0,
+        max_tokens: int = 8,
+        seed: int = 0,
+        token_ids: list[int] | None = None,
+    ) -> Generation:
+        """A short generation the embedded server serves ahead of its queue, even while paused
+        (``POST /probe``): how a weight push verifies before resuming. With ``token_ids`` the
+        server scores those tokens. vLLM has no such route: :class:`NotImplementedError`."""
+        if await self._resolve_backend() != "embedded":
+            raise NotImplementedError(
+                f"{self.base_url} is a vLLM server: no route is served while it is paused"
+            )
+        body: dict[str, Any] = {
+            "prompt": list(prompt_ids),
+            "temperature": temperature,
+            "max_tokens": max_tokens,
+            "seed": seed,
+        }
+        if token_ids is not None:
+            body["token_ids"] = list(token_ids)
+        out = await self._json("POST", "/probe", json=body, retries=0)
+        return Generation(
+            token_ids=[int(t) for t in out["token_ids"]],
+            logprobs=[float(x) for x in out["logprobs"]],
+            finish_reason="length",
+            weight_version=parse_weight_version(out.get("weight_version"), self.base_url),
+            server=self.base_url,
         )
+
+
+async def _stream(payload: SafetensorsPayload) -> AsyncIterator[bytes]:
+    """The payload's bytes for httpx, as views of the tensors (the socket layer copies once)."""
+    for chunk in payload.chunks():
+        yield chunk  # type: ignore[misc]  # a memoryview: httpx/h11 only need a bytes-like object

@@ -6,20 +6,36 @@ sampling semantics and logprob convention as vLLM with ``--logprobs-mode process
 
 How it works. One engine thread owns the model. Callers (HTTP handlers, tests) submit requests
 with :meth:`InferenceEngine.submit` / :meth:`InferenceEngine.generate`; each returns a future.
-The engine loop repeats: run queued control operations (weight loads, abort, pause), admit
-waiting requests into the running batch (one prefill each, up to ``max_batch_size``), then run
-one batched decode step over every running request. The running batch keeps a left-padded
-per-layer KV cache ``[B, H_kv, T, D]`` with a 2-D attention mask ``[B, T]`` and explicit
-per-row ``position_ids``, so a request joins between two decode steps (its prefill cache is
-left-padded to the batch width) and leaves as soon as it is done (its row is dropped and
-all-padding leading columns are trimmed).
+The engine loop repeats: run queued control operations (weight loads, abort, pause, probes),
+expire requests past their deadline, admit waiting requests into the running batch (one prefill
+each, up to ``max_batch_size``), then run one batched decode step over every running request.
+The running batch keeps a left-padded per-layer KV cache ``[B, H_kv, T, D]`` with a 2-D
+attention mask ``[B, T]`` and explicit per-row ``position_ids``, so a request joins between two
+decode steps (its prefill cache is left-padded to the batch width) and leaves as soon as it is
+done (its row is dropped and all-padding leading columns are trimmed).
 
 Invariants:
 
 - every submitted request resolves its future exactly once: with an :class:`EngineOutput`
   (finish reason ``stop``, ``length`` or ``abort``) or with the exception that broke it;
+- **one bad request fails only itself**: sampling parameters are checked and normalised at the
+  door (a temperature below :data:`MIN_TEMPERATURE` is greedy; seeds must fit in int64); a
+  prefill that raises fails that request; a row whose logits are not finite fails that row; when
+  a batched decode forward raises, every row of that batch re-prefills its prompt and output so
+  far and decodes one step *alone* before anything joins it again, so the failure lands on the
+  request that causes it and the others go on (token-exact: greedy outputs are unchanged);
+- a request with a ``deadline`` that passes is finished with ``abort`` before its next step and
+  is never reported ``stop``/``length`` after it (the client has given up; see the server's
+  ``x-request-timeout-s``);
 - control operations run only between decode steps, never during one, so a weight load never
-  tears a forward pass; a paused engine runs control operations but no prefill or decode step;
+  tears a forward pass; a paused engine runs control operations (including :meth:`probe`, which
+  is how a weight push verifies before resuming) but no prefill or decode step;
+- **a pause always ends**: every pause has a deadline (``max_pause_s``) after which the engine
+  resumes by itself and counts ``pause_expired``; a ``wait`` pause stops admitting, lets the
+  running batch finish, then pauses; a resume cancels it at any point;
+- a weight load is checked completely (:func:`~agentrl.inference.weights.check_state_dict`:
+  names, shapes, dtypes, finiteness) before anything is copied, and the weights and the version
+  change in the same control operation: both or neither;
 - ``EngineOutput.token_versions[i]`` is the weight version that sampled token ``i``;
   ``EngineOutput.weight_version`` is the oldest of them (the conservative value for staleness).
   A request parked by ``pause`` across a weight load finishes on the new weights with the KV
@@ -31,8 +47,9 @@ Logprob convention (DESIGN section 3): the logprob of a sampled token is
 is greedy (argmax of the raw logits) and reports ``log_softmax(logits)``: the unscaled
 distribution, as vLLM does.
 
-Shutdown order: :meth:`InferenceEngine.close` stops admitting, aborts every pending request
-(futures resolve with finish reason ``abort``), and joins the engine thread.
+Shutdown order: :meth:`InferenceEngine.close` (or :meth:`shutdown_nowait` from a signal
+handler) stops admitting, aborts every pending request (futures resolve with finish reason
+``abort``, paused or not), fails pending control operations, and joins the engine thread.
 """
 
 from __future__ import annotations
@@ -44,21 +61,33 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
 
+from agentrl.inference.weights import (
+    MAX_HEADER_BYTES,
+    WeightLoadError,
+    check_state_dict,
+    fetch_into,
+    parse_safetensors,
+)
 from agentrl.types import SamplingParams
 
 __all__ = [
+    "MAX_VERSION",
+    "MIN_TEMPERATURE",
+    "PROBE_MAX_TOKENS",
     "EngineOutput",
     "EngineRequestError",
+    "EngineStepError",
     "InferenceEngine",
     "WeightLoadError",
     "process_logits",
@@ -68,6 +97,15 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 FinishReason = Literal["stop", "length", "abort"]
+PauseMode = Literal["keep", "abort", "wait"]
+
+MIN_TEMPERATURE = 1e-5
+"""Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``): ``logits / 1e-50`` overflows."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_VERSION = INT64_MAX
+"""Weight versions are integers in ``[0, 2**63 - 1]``."""
+PROBE_MAX_TOKENS = 256
+"""Most tokens one :meth:`InferenceEngine.probe` may generate or score."""
 
 
 class EngineRequestError(ValueError):
@@ -78,8 +116,8 @@ class EngineRequestError(ValueError):
         self.param = param
 
 
-class WeightLoadError(ValueError):
-    """A state dict that does not fit the model; nothing was changed."""
+class EngineStepError(RuntimeError):
+    """A step failed for one request (its prefill, its sampling, or its recomputation)."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +135,8 @@ class EngineOutput:
     token_versions: list[int]
     """Weight version that sampled each token."""
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    """Per token, the ``num_top_logprobs`` most likely ``(token_id, logprob)`` (processed)."""
+    """Per token, the ``num_top_logprobs`` most likely ``(token_id, logprob)`` (processed;
+    tokens masked by top-k/top-p, whose logprob is ``-inf``, are left out)."""
     queued_s: float = 0.0
     """Seconds from submit to the start of the prefill."""
     total_s: float = 0.0
@@ -114,6 +153,7 @@ class _Request:
     future: concurrent.futures.Future[EngineOutput]
     generator: torch.Generator | None
     submitted: float
+    deadline: float | None = None
     started: float = 0.0
     num_top_logprobs: int = 0
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
@@ -121,6 +161,9 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     aborted: bool = False
+    finished: bool = False
+    suspect: bool = False
+    """Was in a batch whose forward failed: decodes alone until one step succeeds."""
 
 
 # ---- sampling (pure functions; unit-tested on their own) ------------------------------------
@@ -162,6 +205,42 @@ def sample_token(
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
+def normalize_sampling(sampling: SamplingParams) -> SamplingParams:
+    """``sampling`` with a temperature below :data:`MIN_TEMPERATURE` made greedy (exactly 0).
+
+    Raises :class:`EngineRequestError` naming the field for values no engine can use:
+    non-finite temperature/top_p, a seed outside int64.
+    """
+    t = sampling.temperature
+    if not math.isfinite(t) or t < 0:
+        raise EngineRequestError(f"temperature={t!r}; use a finite value >= 0", "temperature")
+    if not (math.isfinite(sampling.top_p) and 0 < sampling.top_p <= 1):
+        raise EngineRequestError(f"top_p={sampling.top_p!r}; use a value in (0, 1]", "top_p")
+    if sampling.seed is not None and not INT64_MIN <= sampling.seed <= INT64_MAX:
+        raise EngineRequestError(
+            f"seed={sampling.seed} does not fit in a signed 64-bit integer; use "
+            f"[{INT64_MIN}, {INT64_MAX}]",
+            "seed",
+        )
+    if 0 < t < MIN_TEMPERATURE:
+        return sampling.model_copy(update={"temperature": 0.0})
+    return sampling
+
+
+def check_version(version: Any, param: str = "version") -> int:
+    """``version`` as an int in ``[0, MAX_VERSION]``, else :class:`EngineRequestError`."""
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise EngineRequestError(
+            f"{param}={version!r:.60} is not an integer; versions are 0, 1, 2, ...", param
+        )
+    if not 0 <= version <= MAX_VERSION:
+        raise EngineRequestError(
+            f"{param}={str(version)[:40]} is outside [0, 2**63 - 1]; versions are 0, 1, 2, ...",
+            param,
+        )
+    return version
+
+
 # ---- the engine -------------------------------------------------------------------------------
 class InferenceEngine:
     """Continuous-batching generation over a Hugging Face causal LM, owned by one thread.
@@ -176,6 +255,7 @@ class InferenceEngine:
             ``max_position_embeddings``.
         seed: seeds the per-request generators of requests that carry no ``seed``.
         weight_version: the version number of the weights loaded from ``model_dir``.
+        max_pause_s: the longest any pause lasts; then the engine resumes by itself.
     """
 
     def __init__(
@@ -188,11 +268,14 @@ class InferenceEngine:
         max_model_len: int | None = None,
         seed: int = 0,
         weight_version: int = 0,
+        max_pause_s: float = 300.0,
     ) -> None:
-        from transformers import AutoModelForCausalLM, GenerationConfig
+        from transformers import AutoModelForCausalLM
 
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}; it must be >= 1")
+        if not max_pause_s > 0:
+            raise ValueError(f"max_pause_s={max_pause_s}; it must be > 0")
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -206,26 +289,29 @@ class InferenceEngine:
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len}; it must be >= 2")
         self.max_batch_size = max_batch_size
-        eos: Any = None
-        with contextlib.suppress(OSError, ValueError):
-            eos = GenerationConfig.from_pretrained(str(self.model_dir)).eos_token_id
-        if eos is None:
-            eos = getattr(cfg, "eos_token_id", None)
-        eos_list = [eos] if isinstance(eos, int) else list(eos or [])
-        self.eos_token_ids: frozenset[int] = frozenset(int(e) for e in eos_list)
-
-        self._version = weight_version
+        self.max_pause_s = float(max_pause_s)
+        self.eos_token_ids: frozenset[int] = _eos_ids(self.model_dir, cfg)
+        self._params: dict[str, torch.Tensor] = dict(self.model.state_dict())
+        self._version = check_version(weight_version, "weight_version")
+        self._checksum: str | None = None
         self._seed_gen = torch.Generator().manual_seed(seed)
         self._cond = threading.Condition()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._controls: collections.deque[tuple[Callable[[], Any], concurrent.futures.Future[Any]]]
         self._controls = collections.deque()
         self._paused = False
+        self._draining = False
+        self._pause_deadline = 0.0
+        self._epoch = 0
         self._closing = False
         self._ids = itertools.count()
+        self._staging = bytearray()
+        self.last_load_casts: dict[str, int] = {}
+        """Dtype widenings of the last weight load (``{"float16->float32": n}``), reported."""
+        self.staging_lock = threading.Lock()
+        """Held by whoever fills :meth:`staging_buffer` until the load that reads it is done."""
         # Running batch (touched only by the engine thread).
         self._rows: list[_Request] = []
-        self._kv: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
         self._cache: Any = None
         self._next_pos: list[int] = []
@@ -234,25 +320,52 @@ class InferenceEngine:
         self._thread = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
         self._thread.start()
 
-    # ---- public API (thread-safe) -----------------------------------------------------------
+    # ---- state (thread-safe reads) -------------------------------------------------------------
     @property
     def weight_version(self) -> int:
+        """The version of the weights the engine holds now."""
         return self._version
 
     @property
     def is_paused(self) -> bool:
-        return self._paused
+        """True while paused or draining toward a pause (vLLM reports both as paused)."""
+        return self._paused or self._draining
+
+    @property
+    def pause_state(self) -> Literal["running", "draining", "paused"]:
+        """``running``, ``draining`` (a ``wait`` pause) or ``paused``."""
+        return "paused" if self._paused else "draining" if self._draining else "running"
+
+    @property
+    def resume_epoch(self) -> int:
+        """Incremented by every resume (manual or by deadline); a pending pause compares it."""
+        return self._epoch
 
     @property
     def num_running(self) -> int:
-        return len(self._rows)
+        """Unfinished requests in the running batch (a row whose future has resolved is not
+        counted, even in the moment before the engine drops it)."""
+        return sum(1 for r in list(self._rows) if not r.finished)
 
     @property
     def num_waiting(self) -> int:
+        """Requests queued for admission."""
         return len(self._waiting)
 
+    @property
+    def is_closed(self) -> bool:
+        """True once the engine stops (``close`` or ``shutdown_nowait``)."""
+        return self._closing
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of the model's state dict (tied copies counted once per name)."""
+        return sum(t.numel() * t.element_size() for t in self._params.values())
+
+    # ---- requests -------------------------------------------------------------------------------
     def validate(self, prompt_ids: list[int], sampling: SamplingParams) -> None:
         """Raise :class:`EngineRequestError` (with ``param``) if the request cannot be served."""
+        normalize_sampling(sampling)
         if not prompt_ids:
             raise EngineRequestError("prompt is empty; send at least one token", "prompt")
         bad = [t for t in prompt_ids if not 0 <= int(t) < self.vocab_size]
@@ -290,15 +403,18 @@ class InferenceEngine:
         *,
         num_top_logprobs: int = 0,
         ignore_eos: bool = False,
+        timeout_s: float | None = None,
     ) -> concurrent.futures.Future[EngineOutput]:
         """Queue a request; the future resolves with its :class:`EngineOutput`.
 
         ``num_top_logprobs > 0`` also records that many top alternatives per token;
-        ``ignore_eos`` keeps generating past EOS (only ``stop_token_ids`` stop; benchmarks).
+        ``ignore_eos`` keeps generating past EOS (only ``stop_token_ids`` stop; benchmarks);
+        ``timeout_s`` is the request's deadline from now (then it finishes with ``abort``).
         Raises :class:`EngineRequestError` if the request cannot be served.
         """
         prompt_ids = [int(t) for t in prompt_ids]
         self.validate(prompt_ids, sampling)
+        sampling = normalize_sampling(sampling)
         gen: torch.Generator | None = None
         if sampling.temperature > 0.0:
             seed = sampling.seed
@@ -306,6 +422,7 @@ class InferenceEngine:
                 with self._cond:
                     seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_gen).item())
             gen = torch.Generator().manual_seed(int(seed))
+        now = time.monotonic()
         req = _Request(
             request_id=request_id or f"req-{next(self._ids)}-{uuid.uuid4().hex[:8]}",
             prompt_ids=prompt_ids,
@@ -315,7 +432,8 @@ class InferenceEngine:
             | (frozenset() if ignore_eos else self.eos_token_ids),
             future=concurrent.futures.Future(),
             generator=gen,
-            submitted=time.monotonic(),
+            submitted=now,
+            deadline=None if timeout_s is None else now + max(0.0, timeout_s),
             num_top_logprobs=max(0, int(num_top_logprobs)),
         )
         with self._cond:
@@ -342,83 +460,312 @@ class InferenceEngine:
             self.cancel(fut)
             raise
 
-    def pause(self) -> None:
-        """Stop decoding after the current step; in-flight requests stay parked. Blocks until then."""
-        self._control(lambda: setattr(self, "_paused", True))
+    def cancel(self, fut: concurrent.futures.Future[EngineOutput]) -> None:
+        """Abort the request behind ``fut`` (from :meth:`submit`) at the next step; no-op if done."""
+
+        def _mark() -> None:
+            self._drop(lambda r: r.future is fut)
+
+        with self._cond:
+            if not self._closing:
+                self._controls.append((_mark, concurrent.futures.Future()))
+                self._cond.notify_all()
+
+    # ---- pause / resume -------------------------------------------------------------------------
+    def pause(self, mode: PauseMode = "keep", *, max_pause_s: float | None = None) -> int:
+        """Pause now (``keep``: running requests stay parked; ``abort``: they end first).
+
+        Blocks until paused; returns how many requests were aborted. The pause ends by itself
+        after ``max_pause_s`` (capped by the engine's own). For ``wait`` use
+        :meth:`start_drain`.
+        """
+        if mode not in ("keep", "abort"):
+            raise ValueError(f"pause mode {mode!r}: use 'keep' or 'abort' (or start_drain)")
+        limit = self._pause_limit(max_pause_s)
+
+        def _pause() -> int:
+            aborted = self._abort_all_now() if mode == "abort" else 0
+            with self._cond:
+                self._paused, self._draining = True, False
+                self._pause_deadline = time.monotonic() + limit
+            return aborted
+
+        return self._control(_pause)
+
+    def start_drain(self, *, max_pause_s: float | None = None) -> int:
+        """Begin a ``wait`` pause: admit nothing new, pause once the running batch is empty.
+
+        Returns the resume epoch; the drain (and the pause it becomes) is cancelled by any
+        resume, or by :meth:`cancel_pause` with this epoch.
+        """
+        limit = self._pause_limit(max_pause_s)
+
+        def _drain() -> int:
+            with self._cond:
+                if not self._paused:
+                    self._draining = True
+                self._pause_deadline = time.monotonic() + limit
+                return self._epoch
+
+        return self._control(_drain)
 
     def resume(self) -> None:
+        """End any pause or drain now (and cancel a pending ``wait`` pause)."""
         with self._cond:
-            self._paused = False
-            self._cond.notify_all()
+            self._resume_locked()
+
+    def cancel_pause(self, epoch: int) -> bool:
+        """Resume only if no resume happened since ``epoch`` (a pause whose requester left)."""
+        with self._cond:
+            if self._epoch != epoch or not (self._paused or self._draining):
+                return False
+            self._resume_locked()
+            return True
+
+    def _resume_locked(self) -> None:
+        self._paused = self._draining = False
+        self._epoch += 1
+        self._cond.notify_all()
+
+    def _pause_limit(self, max_pause_s: float | None) -> float:
+        if max_pause_s is None:
+            return self.max_pause_s
+        if not (math.isfinite(max_pause_s) and max_pause_s > 0):
+            raise EngineRequestError(f"timeout_s={max_pause_s!r}; use a value > 0", "timeout_s")
+        return min(float(max_pause_s), self.max_pause_s)
 
     def abort_all(self) -> int:
         """Finish every running and waiting request now (finish reason ``abort``); returns how many."""
         return self._control(self._abort_all_now)
 
+    # ---- probe: served between steps, even while paused -------------------------------------
+    def probe(
+        self,
+        prompt_ids: list[int],
+        *,
+        temperature: float = 1.0,
+        max_tokens: int = 8,
+        seed: int = 0,
+        token_ids: list[int] | None = None,
+    ) -> EngineOutput:
+        """Generate (or, with ``token_ids``, score) a short sequence *ahead of the queue*.
+
+        Runs as a control operation: between two decode steps, and also while the engine is
+        paused, so a weight push can check the new weights before anything else is served.
+        With ``token_ids`` the output holds those tokens and their processed logprobs under
+        the current weights (teacher forcing); without, ``max_tokens`` sampled tokens
+        (``seed``; greedy below :data:`MIN_TEMPERATURE`). No top-k/top-p, no EOS stop.
+        """
+        prompt = [int(t) for t in prompt_ids]
+        forced = None if token_ids is None else [int(t) for t in token_ids]
+        n = len(forced) if forced is not None else int(max_tokens)
+        sampling = SamplingParams(max_tokens=n, temperature=temperature, seed=seed)
+        if n > PROBE_MAX_TOKENS:
+            raise EngineRequestError(
+                f"a probe makes at most {PROBE_MAX_TOKENS} tokens, got {n}", "max_tokens"
+            )
+        self.validate(prompt + (forced or []), sampling.model_copy(update={"max_tokens": 0}))
+        self.validate(prompt, sampling)
+        sampling = normalize_sampling(sampling)
+        return self._control(lambda: self._run_probe(prompt, sampling, forced))
+
+    @torch.no_grad()
+    def _run_probe(
+        self, prompt: list[int], sampling: SamplingParams, forced: list[int] | None
+    ) -> EngineOutput:
+        t0 = time.monotonic()
+        gen = torch.Generator().manual_seed(int(sampling.seed or 0))
+        ids = prompt + (forced or [])
+        out_ids: list[int] = []
+        logprobs: list[float] = []
+        x = torch.tensor([ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=x, use_cache=forced is None)
+        cache = out.past_key_values if forced is None else None
+        rows = out.logits[0, len(prompt) - 1 :].float().cpu()
+        for i in range(sampling.max_tokens):
+            lp = process_logits(
+                rows[i] if forced is not None else rows[-1], sampling.temperature, -1, 1.0
+            )
+            tok = forced[i] if forced is not None else sample_token(lp, sampling.temperature, gen)
+            value = float(lp[tok])
+            if not math.isfinite(value):
+                raise EngineStepError(
+                    f"probe: the logprob of token {tok} at position {i} is {value}: the weights "
+                    "give non-finite logits"
+                )
+            out_ids.append(tok)
+            logprobs.append(value)
+            if forced is None and i + 1 < sampling.max_tokens:
+                step = self.model(
+                    input_ids=torch.tensor([[tok]], device=self.device),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                cache, rows = step.past_key_values, step.logits[0].float().cpu()
+        self.stats["probes"] += 1
+        return EngineOutput(
+            request_id=f"probe-{next(self._ids)}",
+            prompt_ids=prompt,
+            token_ids=out_ids,
+            logprobs=logprobs,
+            finish_reason="length",
+            weight_version=self._version,
+            token_versions=[self._version] * len(out_ids),
+            total_s=time.monotonic() - t0,
+        )
+
+    # ---- weights ----------------------------------------------------------------------------
+    def staging_buffer(self, num_bytes: int) -> memoryview:
+        """A reusable buffer of ``num_bytes`` for receiving weights (hold :attr:`staging_lock`).
+
+        Reused across pushes, so its pages are already mapped: writing into fresh memory costs
+        more than the copy itself (page faults).
+        """
+        if len(self._staging) < num_bytes:
+            self._staging = bytearray(num_bytes)
+        return memoryview(self._staging)[:num_bytes]
+
     def load_state_dict(
-        self, state_dict: dict[str, torch.Tensor], version: int | None = None
+        self, state_dict: Mapping[str, torch.Tensor], version: int | None = None
     ) -> int:
         """Swap weights between decode steps; returns the new version (``version`` or current + 1).
 
-        Every tensor must name a model parameter with the same shape; every parameter must be
-        given (tied copies excepted). On any mismatch nothing changes (:class:`WeightLoadError`).
+        Checked completely first (names, shapes, dtype equal or losslessly widened, finite
+        values, every parameter given except tied copies, a valid version; a lossless widening
+        such as float16 -> float32 is applied and reported in :attr:`last_load_casts`, anything
+        else that differs in dtype is refused); on any problem nothing changes and :class:`WeightLoadError` (or :class:`EngineRequestError` for the
+        version) is raised. The check runs in the caller's thread, so decoding goes on.
         """
-        return self._control(lambda: self._apply_state_dict(state_dict, version))
+        if version is not None:
+            check_version(version)
+        casts = check_state_dict(state_dict, self._params)
+        if casts:
+            log.warning("weight update widened dtypes losslessly: %s", casts)
+
+        def _apply() -> int:
+            new = self._version + 1 if version is None else int(version)
+            check_version(new)
+            with torch.no_grad():
+                for k, v in state_dict.items():
+                    self._params[k].copy_(v)
+            self._version = new
+            self._checksum = None
+            self.last_load_casts = casts
+            self.stats["weight_updates"] += 1
+            return new
+
+        return self._control(_apply)
 
     def load_weights_from_path(self, path: str | Path, version: int | None = None) -> int:
         """Load every ``*.safetensors`` file of a directory (or one file); see :meth:`load_state_dict`."""
-        from safetensors.torch import load_file
-
+        if version is not None:
+            check_version(version)
         p = Path(path)
-        files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
-        if not files or not all(f.is_file() for f in files):
+        try:
+            files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
+            sizes = [f.stat().st_size for f in files if f.is_file()]
+        except OSError as e:
+            raise WeightLoadError(f"cannot read weights at {str(p)!r}: {e.strerror}") from e
+        if not files or len(sizes) != len(files):
             raise WeightLoadError(
                 f"no safetensors weights at {str(p)!r}; pass a directory holding *.safetensors "
                 "files (e.g. one written by save_pretrained) or a .safetensors file"
             )
-        state: dict[str, torch.Tensor] = {}
-        for f in files:
-            state.update(load_file(str(f)))
-        return self.load_state_dict(state, version)
+        with self.staging_lock:
+            buf = self.staging_buffer(sum(sizes))
+            state: dict[str, torch.Tensor] = {}
+            offset = 0
+            for f, size in zip(files, sizes, strict=True):
+                part = buf[offset : offset + size]
+                try:
+                    with f.open("rb") as fh:
+                        got = fh.readinto(part)
+                except OSError as e:
+                    raise WeightLoadError(f"cannot read {f.name!r}: {e.strerror}") from e
+                if got != size:
+                    raise WeightLoadError(f"{f.name!r} changed while being read; push again")
+                try:
+                    state.update(parse_safetensors(part))
+                except WeightLoadError as e:
+                    raise WeightLoadError(f"{f.name!r} is not a valid safetensors file: {e}") from e
+                offset += size
+            return self.load_state_dict(state, version)
 
-    def load_weights_from_bytes(self, data: bytes, version: int | None = None) -> int:
+    def load_weights_from_url(
+        self, url: str, version: int | None = None, *, timeout_s: float = 60.0
+    ) -> int:
+        """Pull a safetensors file over plain HTTP straight into the staging buffer (one
+        ``readinto``, no per-chunk work; see :class:`~agentrl.inference.weights.WeightServer`),
+        then load it; see :meth:`load_state_dict`."""
+        if version is not None:
+            check_version(version)
+        with self.staging_lock:
+            buf = fetch_into(
+                url,
+                self.staging_buffer,
+                max_bytes=self.state_bytes + MAX_HEADER_BYTES,
+                timeout_s=timeout_s,
+            )
+            try:
+                state = parse_safetensors(buf)
+            except WeightLoadError as e:
+                raise WeightLoadError(f"the fetched weights are not a safetensors file: {e}") from e
+            return self.load_state_dict(state, version)
+
+    def load_weights_from_bytes(self, data: bytes | bytearray, version: int | None = None) -> int:
         """Load a serialized safetensors blob (an HTTP body); see :meth:`load_state_dict`."""
-        from safetensors.torch import load
-
-        try:
-            state = load(data)
-        except Exception as e:  # safetensors raises its own error types for malformed blobs
-            raise WeightLoadError(f"the body is not a valid safetensors blob: {e}") from e
-        return self.load_state_dict(state, version)
+        with self.staging_lock:
+            buf = self.staging_buffer(len(data))
+            buf[:] = data
+            try:
+                state = parse_safetensors(buf)
+            except WeightLoadError as e:
+                raise WeightLoadError(f"the body is not a valid safetensors blob: {e}") from e
+            return self.load_state_dict(state, version)
 
     def set_weight_version(self, version: int) -> int:
+        """Label the current weights ``version`` (an int in ``[0, 2**63 - 1]``)."""
+        v = check_version(version)
+
         def _set() -> int:
-            self._version = int(version)
-            return self._version
+            self._version = v
+            return v
 
         return self._control(_set)
 
-    def weight_info(self) -> dict[str, Any]:
-        """``{"version", "checksum" (sha256 over name+bytes of the state dict), "num_params"}``."""
+    def weight_info(self, checksum: bool = False) -> dict[str, Any]:
+        """``{"version", "num_params"}``, plus ``"checksum"`` (sha256 over name + bytes of the
+        state dict, cached until the weights change) when asked: it reads every weight."""
 
         def _info() -> dict[str, Any]:
-            h = hashlib.sha256()
-            for name, t in sorted(self.model.state_dict().items()):
-                h.update(name.encode())
-                h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes())
             n = sum(p.numel() for p in self.model.parameters())
-            return {"version": self._version, "checksum": h.hexdigest(), "num_params": int(n)}
+            info: dict[str, Any] = {"version": self._version, "num_params": int(n)}
+            if checksum:
+                if self._checksum is None:
+                    h = hashlib.sha256()
+                    for name, t in sorted(self._params.items()):
+                        h.update(name.encode())
+                        h.update(
+                            t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().data
+                        )
+                    self._checksum = h.hexdigest()
+                info["checksum"] = self._checksum
+            return info
 
         return self._control(_info)
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+    def shutdown_nowait(self) -> None:
+        """Ask the engine to stop (safe from a signal handler: takes no lock, never blocks)."""
+        self._closing = True
 
     def close(self, timeout_s: float = 30.0) -> None:
         """Abort everything pending and stop the engine thread (idempotent)."""
         with self._cond:
-            if self._closing:
-                return
             self._closing = True
             self._cond.notify_all()
-        self._thread.join(timeout=timeout_s)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=timeout_s)
 
     # ---- control plumbing ------------------------------------------------------------------
     def _control(self, fn: Callable[[], T]) -> T:
@@ -432,19 +779,6 @@ class InferenceEngine:
             self._cond.notify_all()
         return fut.result()
 
-    def cancel(self, fut: concurrent.futures.Future[EngineOutput]) -> None:
-        """Abort the request behind ``fut`` (from :meth:`submit`) at the next step; no-op if done."""
-
-        def _mark() -> None:
-            for r in itertools.chain(self._rows, self._waiting):
-                if r.future is fut:
-                    r.aborted = True
-
-        with self._cond:
-            if not self._closing:
-                self._controls.append((_mark, concurrent.futures.Future()))
-                self._cond.notify_all()
-
     def _abort_all_now(self) -> int:
         with self._cond:
             waiting = list(self._waiting)
@@ -455,99 +789,116 @@ class InferenceEngine:
             self._finish(r, "abort")
         return len(rows) + len(waiting)
 
-    def _apply_state_dict(self, state: dict[str, torch.Tensor], version: int | None) -> int:
-        params = self.model.state_dict()
-        unknown = sorted(k for k in state if k not in params)
-        if unknown:
-            raise WeightLoadError(
-                f"{len(unknown)} tensor(s) do not name a parameter of this model, e.g. "
-                f"{unknown[:3]}; send the names of model.state_dict()"
-            )
-        for k, v in state.items():
-            if tuple(v.shape) != tuple(params[k].shape):
-                raise WeightLoadError(
-                    f"tensor {k!r} has shape {tuple(v.shape)} but the model expects "
-                    f"{tuple(params[k].shape)}"
-                )
-        given_ptrs = {params[k].data_ptr() for k in state}
-        missing = sorted(
-            k for k in params if k not in state and params[k].data_ptr() not in given_ptrs
-        )
-        if missing:
-            raise WeightLoadError(
-                f"{len(missing)} parameter(s) are missing from the update, e.g. {missing[:3]}; "
-                "send the full state dict"
-            )
-        with torch.no_grad():
-            for k, v in state.items():
-                params[k].copy_(v.to(device=params[k].device, dtype=params[k].dtype))
-        self._version = self._version + 1 if version is None else int(version)
-        self.stats["weight_updates"] += 1
-        return self._version
-
     # ---- the engine loop ---------------------------------------------------------------------
     def _loop(self) -> None:
         try:
             while True:
-                with self._cond:
-                    while (
-                        not self._closing
-                        and not self._controls
-                        and (self._paused or (not self._rows and not self._waiting))
-                    ):
-                        self._cond.wait(timeout=0.5)
-                    if self._closing:
-                        break
-                    controls = list(self._controls)
-                    self._controls.clear()
+                controls = self._next_controls()
+                if controls is None:
+                    break
                 for fn, fut in controls:
                     try:
                         fut.set_result(fn())
                     except Exception as e:  # reported to the caller, the engine goes on
                         fut.set_exception(e)
-                if self._paused:
-                    continue
-                try:
-                    self._admit()
-                    if self._rows:
-                        self._decode_step()
-                except Exception as e:  # fail the affected requests, keep serving others
-                    log.exception("engine step failed")
-                    rows = list(self._rows)
-                    self._reset_batch()
-                    for r in rows:
-                        if not r.future.done():
-                            r.future.set_exception(e)
+                self._expire(time.monotonic())
+                if not self._paused:
+                    self._step()
+        except BaseException:  # the thread must never die silently: callers would hang
+            log.exception("engine loop crashed; aborting every request")
+            raise
         finally:
             with self._cond:
                 self._closing = True
                 controls = list(self._controls)
                 self._controls.clear()
             for _, fut in controls:
-                fut.set_exception(RuntimeError("the engine is closed"))
+                if not fut.done():
+                    fut.set_exception(RuntimeError("the engine is closed"))
             self._abort_all_now()
+
+    def _next_controls(
+        self,
+    ) -> list[tuple[Callable[[], Any], concurrent.futures.Future[Any]]] | None:
+        """Wait for work; the queued control operations, or None when closing."""
+        with self._cond:
+            while (
+                not self._closing
+                and not self._controls
+                and (self._paused or (not self._rows and (self._draining or not self._waiting)))
+            ):
+                self._cond.wait(timeout=0.25)
+                if self._paused or self._draining or self._waiting:
+                    break  # deadlines (of the pause, of waiting requests) are checked each time
+            if self._closing:
+                return None
+            controls = list(self._controls)
+            self._controls.clear()
+            return controls
+
+    def _expire(self, now: float) -> None:
+        """End the pause past its deadline and abort requests past theirs."""
+        if (self._paused or self._draining) and now > self._pause_deadline:
+            log.warning("pause deadline passed with no resume; resuming by itself")
+            self.stats["pause_expired"] += 1
+            with self._cond:
+                self._resume_locked()
+        # A request whose caller cancelled its future (an HTTP client that went away) or whose
+        # deadline passed ends now, parked or not.
+        self._drop(lambda r: r.future.cancelled() or (r.deadline is not None and now > r.deadline))
+
+    def _drop(self, doomed: Callable[[_Request], bool]) -> None:
+        """Finish every waiting or running request for which ``doomed(r)`` with ``abort`` now
+        (also while paused: a parked request a client gave up on does not wait for a resume)."""
+        with self._cond:
+            gone = [r for r in self._waiting if doomed(r)]
+            for r in gone:
+                self._waiting.remove(r)
+        keep = [i for i, r in enumerate(self._rows) if not doomed(r)]
+        gone += [r for r in self._rows if doomed(r)]
+        if len(keep) < len(self._rows):
+            self._keep_rows(keep)
+        for r in gone:
+            self._finish(r, "abort")
+
+    def _step(self) -> None:
+        if not self._draining:
+            self._admit()
+        if self._rows:
+            self._decode_step()
+        if self._draining and not self._rows:
+            self._paused, self._draining = True, False
 
     def _admit(self) -> None:
         while len(self._rows) < self.max_batch_size:
+            if any(r.suspect for r in self._rows):
+                return  # a suspect decodes alone until it has done one step
             with self._cond:
-                if not self._waiting:
+                if not self._waiting or (self._waiting[0].suspect and self._rows):
                     return
                 req = self._waiting.popleft()
             if req.aborted:
                 self._finish(req, "abort")
                 continue
-            self._prefill(req)
+            try:
+                self._prefill(req)
+            except Exception as e:  # this request's prefill failed: it alone fails
+                log.exception("prefill of %s failed", req.request_id)
+                self._fail(req, EngineStepError(f"prefill failed: {type(e).__name__}: {e}"))
 
     @torch.no_grad()
     def _prefill(self, req: _Request) -> None:
         from transformers import DynamicCache
 
-        req.started = time.monotonic()
+        req.started = req.started or time.monotonic()
         if req.max_new <= 0:
             self._finish(req, "length")
             return
-        n = len(req.prompt_ids)
-        ids = torch.tensor([req.prompt_ids], dtype=torch.long, device=self.device)
+        # A recomputed row (its batch's forward failed) re-prefills prompt + output so far,
+        # without the last output token, which the next decode step feeds.
+        ids_list = req.prompt_ids + req.output_ids[:-1]
+        n = len(ids_list)
+        ids = torch.tensor([ids_list], dtype=torch.long, device=self.device)
         cache = DynamicCache()
         out = self.model(
             input_ids=ids,
@@ -558,7 +909,7 @@ class InferenceEngine:
             logits_to_keep=1,
         )
         self.stats["prompt_tokens"] += n
-        if self._accept(req, out.logits[0, -1]):
+        if not req.output_ids and self._accept(req, out.logits[0, -1]):
             return
         new_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
         self._join(req, new_kv, n)
@@ -585,40 +936,72 @@ class InferenceEngine:
                 [_left_pad(self._mask, new_width, dim=1), _left_pad(new_mask, new_width, dim=1)],
                 dim=0,
             )
+        cache = DynamicCache(ddp_cache_data=kv)
         self._rows.append(req)
         self._next_pos.append(n)
         self._mask = mask
-        self._cache = DynamicCache(ddp_cache_data=kv)
+        self._cache = cache
 
     @torch.no_grad()
     def _decode_step(self) -> None:
-        from transformers import DynamicCache
-
         rows = self._rows
+        live = [i for i, r in enumerate(rows) if not r.aborted]
+        if len(live) < len(rows):
+            for r in rows:
+                if r.aborted:
+                    self._finish(r, "abort")
+            self._keep_rows(live)
+            if not self._rows:
+                return
+            rows = self._rows
         b = len(rows)
         ids = torch.tensor([[r.output_ids[-1]] for r in rows], dtype=torch.long, device=self.device)
         mask = torch.cat([self._mask, torch.ones(b, 1, dtype=torch.long, device=self.device)], 1)
         pos = torch.tensor(self._next_pos, dtype=torch.long, device=self.device)[:, None]
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=self._cache,
-            use_cache=True,
-        )
+        try:
+            out = self.model(
+                input_ids=ids,
+                attention_mask=mask,
+                position_ids=pos,
+                past_key_values=self._cache,
+                use_cache=True,
+            )
+        except Exception as e:  # recompute each row alone: the failure finds its request
+            self._recompute_rows(e)
+            return
         self._mask = mask
         self._cache = out.past_key_values
         logits = out.logits[:, -1].float().cpu()
         self.stats["decode_steps"] += 1
         keep: list[int] = []
         for i, r in enumerate(rows):
+            r.suspect = False
             self._next_pos[i] += 1
-            if r.aborted:
-                self._finish(r, "abort")
-            elif not self._accept(r, logits[i]):
+            if not self._accept(r, logits[i]):
                 keep.append(i)
-        if len(keep) == b:
+        if len(keep) < b:
+            self._keep_rows(keep)
+
+    def _recompute_rows(self, error: Exception) -> None:
+        """The batched forward raised. A batch of one: that request is the cause, it fails.
+        Otherwise every row goes back to the head of the queue, marked suspect: each
+        re-prefills and decodes alone once, so the next failure names its request."""
+        log.warning("batched decode step failed (%s); isolating its rows", error)
+        self.stats["decode_step_failures"] += 1
+        rows = list(self._rows)
+        self._reset_batch()
+        if len(rows) == 1:
+            self._fail(rows[0], EngineStepError(f"decode failed: {type(error).__name__}: {error}"))
             return
+        for r in rows:
+            r.suspect = True
+        with self._cond:
+            self._waiting.extendleft(reversed(rows))
+
+    def _keep_rows(self, keep: list[int]) -> None:
+        """Keep only rows ``keep`` of the batch (trimming all-padding leading columns)."""
+        from transformers import DynamicCache
+
         if not keep:
             self._reset_batch()
             return
@@ -632,18 +1015,31 @@ class InferenceEngine:
             )
             for layer in self._cache.layers
         ]
-        self._rows = [rows[i] for i in keep]
+        self._rows = [self._rows[i] for i in keep]
         self._next_pos = [self._next_pos[i] for i in keep]
         self._mask = mask[:, first:]
         self._cache = DynamicCache(ddp_cache_data=kv)
 
     def _accept(self, req: _Request, logits: torch.Tensor) -> bool:
-        """Sample the next token of ``req`` from raw logits ``[V]``; True if the request is done."""
+        """Sample the next token of ``req`` from raw logits ``[V]``; True if the request is done
+        (finished, aborted, past its deadline, or failed because its logits are not finite)."""
+        if req.aborted:
+            self._finish(req, "abort")
+            return True
         sp = req.sampling
-        lp = process_logits(logits.float().cpu(), sp.temperature, sp.top_k, sp.top_p)
-        tok = sample_token(lp, sp.temperature, req.generator)
+        try:
+            lp = process_logits(logits.float().cpu(), sp.temperature, sp.top_k, sp.top_p)
+            if not bool(torch.isfinite(lp).any()):
+                raise EngineStepError("every logit is NaN or -inf")
+            tok = sample_token(lp, sp.temperature, req.generator)
+            value = float(lp[tok].item())
+            if not math.isfinite(value):
+                raise EngineStepError(f"the sampled token {tok} has logprob {value}")
+        except Exception as e:  # this row's numbers are broken: it alone fails
+            self._fail(req, EngineStepError(f"sampling failed (non-finite logits?): {e}"))
+            return True
         req.output_ids.append(tok)
-        req.logprobs.append(float(lp[tok].item()))
+        req.logprobs.append(value)
         req.versions.append(self._version)
         if req.num_top_logprobs:
             top = torch.topk(lp, min(req.num_top_logprobs, lp.shape[-1]))
@@ -651,6 +1047,7 @@ class InferenceEngine:
                 [
                     (int(i), float(v))
                     for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                    if math.isfinite(v)
                 ]
             )
         self.stats["generation_tokens"] += 1
@@ -662,12 +1059,25 @@ class InferenceEngine:
             return True
         return False
 
-    def _finish(self, req: _Request, reason: FinishReason) -> None:
-        if req.future.done():
+    def _fail(self, req: _Request, error: Exception) -> None:
+        if req.finished:
             return
+        req.finished = True
+        self.stats["requests_failed"] += 1
+        if not req.future.done():
+            req.future.set_exception(error)
+
+    def _finish(self, req: _Request, reason: FinishReason) -> None:
+        if req.finished:
+            return
+        req.finished = True
         now = time.monotonic()
+        if req.future.done() or (req.deadline is not None and now > req.deadline):
+            reason = "abort"  # the client has given up: never report it served
         self.stats["requests_finished"] += 1
         self.stats[f"finish_{reason}"] += 1
+        if req.future.done():  # cancelled by its caller: nobody to tell
+            return
         req.future.set_result(
             EngineOutput(
                 request_id=req.request_id,
@@ -688,6 +1098,19 @@ class InferenceEngine:
         self._next_pos = []
         self._cache = None
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+
+
+def _eos_ids(model_dir: Path, cfg: Any) -> frozenset[int]:
+    """EOS ids from the generation config, else the model config (both may hold a list)."""
+    from transformers import GenerationConfig
+
+    eos: Any = None
+    with contextlib.suppress(OSError, ValueError):
+        eos = GenerationConfig.from_pretrained(str(model_dir)).eos_token_id
+    if eos is None:
+        eos = getattr(cfg, "eos_token_id", None)
+    eos_list = [eos] if isinstance(eos, int) else list(eos or [])
+    return frozenset(int(e) for e in eos_list)
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

@@ -40,7 +40,8 @@ class ServerHandle:
     """A running server subprocess: its URL, pid and log file, and how to stop it.
 
     Attributes: ``base_url`` (e.g. ``http://127.0.0.1:8123``, no trailing slash), ``pid``,
-    ``log_path`` (stdout and stderr of the process), ``process`` (the ``Popen``).
+    ``log_path`` (stdout and stderr of the process), ``process`` (the ``Popen``), ``api_key``
+    (what clients must send, or None).
     """
 
     def __init__(
@@ -50,11 +51,14 @@ class ServerHandle:
         log_path: str | Path,
         *,
         health_path: str = "/health",
+        api_key: str | None = None,
     ) -> None:
         self.process = process
         self.base_url = base_url.rstrip("/")
         self.log_path = Path(log_path)
         self.health_path = health_path
+        self.api_key = api_key
+        """The key the server requires (None when it has none); clients send it."""
 
     @property
     def pid(self) -> int:

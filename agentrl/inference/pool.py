@@ -10,8 +10,12 @@ Invariants:
 
 - every ``generate`` call returns exactly one :class:`~agentrl.types.Generation` or raises
   exactly one error; a request is re-sent to another server only when its server could not
-  have delivered an answer (connection refused/dropped: the server is marked dead) or answered
-  with a 5xx; a 4xx is raised at once and never retried;
+  have delivered an answer (connection refused/dropped, a timeout, or a 5xx); a 4xx is raised at
+  once and never retried. A server that timed out or disconnected aborts that request itself
+  (the client's deadline travels with it, and the embedded server aborts on disconnect), so a
+  retry elsewhere does not make a duplicate;
+- a connection failure marks a server dead only if a health check right after it fails too: a
+  healthy server that closed one kept-alive connection stays in the pool;
 - a server's ``outstanding`` count goes up when a request is sent to it and down when that
   request ends, whatever the outcome (``completed`` or ``failures`` goes up by one);
 - a dead server gets no new requests until a health check finds it healthy again; the
@@ -110,11 +114,13 @@ class ServerPool:
         connect_timeout_s: float = 5.0,
         model: str | None = None,
         client_factory: Callable[[str], PolicyClient] | None = None,
+        api_key: str | None = None,
     ) -> None:
         """``health_check_interval_s=None`` disables the background loop (call
         :meth:`check_health` yourself). ``max_attempts`` bounds how many servers one request
         may try (default: twice the number of servers). ``client_factory(url)`` builds the
-        per-server client (tests pass in-process transports)."""
+        per-server client (tests pass in-process transports). ``api_key`` (default
+        ``$AGENTRL_API_KEY``) is sent to every server."""
         if not urls:
             raise ValueError("ServerPool needs at least one server URL in 'urls'")
         if len(set(urls)) != len(urls):
@@ -130,6 +136,7 @@ class ServerPool:
                 timeout_s=timeout_s,
                 connect_timeout_s=connect_timeout_s,
                 max_retries=0,
+                api_key=api_key,
             )
 
         factory = client_factory or default_factory
@@ -141,12 +148,15 @@ class ServerPool:
         self.max_sessions = max_sessions
         self.max_attempts = max_attempts or 2 * len(urls)
         self.retry_backoff_s = retry_backoff_s
+        self.failure_probe_timeout_s = min(2.0, connect_timeout_s)
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
         self._tiebreak = 0
 
     @classmethod
-    def from_config(cls, urls: Sequence[str], config: InferenceConfig) -> ServerPool:
+    def from_config(
+        cls, urls: Sequence[str], config: InferenceConfig, *, api_key: str | None = None
+    ) -> ServerPool:
         """A pool over ``urls`` with the ``inference`` section's health interval, request
         timeout and retries (``max_retries`` retries = ``max_retries + 1`` attempts)."""
         return cls(
@@ -154,6 +164,7 @@ class ServerPool:
             health_check_interval_s=config.health_check_interval_s,
             timeout_s=config.request_timeout_s,
             max_attempts=config.max_retries + 1,
+            api_key=api_key,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -255,6 +266,8 @@ class ServerPool:
         prompt_ids: list[int],
         sampling: SamplingParams,
         session_id: str | None = None,
+        *,
+        extra_body: dict[str, Any] | None = None,
     ) -> Generation:
         """Same contract as :meth:`PolicyClient.generate`; routes and fails over (module doc)."""
         request_id = uuid.uuid4().hex
@@ -271,7 +284,11 @@ class ServerPool:
             server.outstanding += 1
             try:
                 gen = await server.client.generate(
-                    prompt_ids, sampling, session_id, request_id=f"{request_id}-{attempt}"
+                    prompt_ids,
+                    sampling,
+                    session_id,
+                    request_id=f"{request_id}-{attempt}",
+                    extra_body=extra_body,
                 )
             except InferenceRequestError:
                 server.failures += 1
@@ -281,10 +298,7 @@ class ServerPool:
                 last_error = exc
                 tried.add(server.url)
                 if exc.connection_failed and server.alive:
-                    logger.warning(
-                        "server %s is unreachable (%s); marking it dead", server.url, exc
-                    )
-                    server.alive = False
+                    await self._mark_dead_unless_healthy(server, exc)
                 await asyncio.sleep(self.retry_backoff_s * attempt)
                 continue
             finally:
@@ -297,6 +311,15 @@ class ServerPool:
             f"dead servers: {self.dead_servers()}; last error: {last_error}",
             connection_failed=True,
         )
+
+    async def _mark_dead_unless_healthy(self, server: _Server, exc: BaseException) -> None:
+        """A connection failed: dead only if ``/health`` fails too (one short probe)."""
+        if await server.client.health(timeout_s=self.failure_probe_timeout_s):
+            logger.info("server %s dropped a connection but is healthy (%s)", server.url, exc)
+            return
+        if server.alive:
+            logger.warning("server %s is unreachable (%s); marking it dead", server.url, exc)
+            server.alive = False
 
     # ---- broadcasts ---------------------------------------------------------------------
     async def _broadcast(

@@ -6,11 +6,13 @@ temperatures ... become 400 errors naming the field); unknown fields are ignored
 
 Every response that carries tokens has a top-level ``weight_version`` (the oldest weight version
 that produced any of its tokens) and the server echoes it in the ``x-weight-version`` header.
+Numbers that no engine can use are refused here, naming the field: non-finite floats, seeds
+outside int64, versions outside ``[0, 2**63 - 1]`` or not integers (``"3"``, ``3.0``, ``true``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,10 +28,19 @@ __all__ = [
     "CompletionResponse",
     "ErrorBody",
     "ErrorResponse",
+    "ProbeRequest",
+    "ProbeResponse",
     "UpdateWeightsFromPathRequest",
+    "UpdateWeightsFromUrlRequest",
     "Usage",
     "WeightVersionRequest",
 ]
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+Version = Annotated[int, Field(ge=0, le=INT64_MAX, strict=True)]
+"""A weight version: a JSON integer in ``[0, 2**63 - 1]``."""
+Seed = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
 class _Request(BaseModel):
@@ -39,11 +50,12 @@ class _Request(BaseModel):
 class _SamplingFields(_Request):
     model: str | None = None
     """Served model name; must match the server's when given."""
-    temperature: float = Field(default=1.0, ge=0.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    """Below 1e-5 the server samples greedily (as vLLM)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int = Field(default=-1, ge=-1)
     """-1 or 0: off."""
-    seed: int | None = None
+    seed: Seed | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(default=1, ge=1, le=64)
     stream: bool = False
@@ -112,6 +124,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    """A Jinja chat template for this request; refused unless the server was started with
+    ``--trust-request-chat-template`` (vLLM's flag of the same name)."""
     chat_template_kwargs: dict[str, Any] | None = None
     stop: str | list[str] | None = None
 
@@ -159,12 +174,42 @@ class ErrorResponse(BaseModel):
 class UpdateWeightsFromPathRequest(_Request):
     path: str
     """A directory of ``*.safetensors`` files (or one file)."""
-    version: int | None = None
+    version: Version | None = None
+    """The new weight version; default: current + 1."""
+
+
+class UpdateWeightsFromUrlRequest(_Request):
+    """``POST /update_weights_from_url``: pull a safetensors file over plain HTTP."""
+
+    url: str = Field(max_length=4096)
+    """``http://host:port/path`` (e.g. a :class:`~agentrl.inference.weights.WeightServer` URL)."""
+    version: Version | None = None
     """The new weight version; default: current + 1."""
 
 
 class WeightVersionRequest(_Request):
-    version: int
+    version: Version
+
+
+class ProbeRequest(_Request):
+    """``POST /probe``: a short generation served ahead of the queue, also while paused.
+
+    With ``token_ids`` the server scores those tokens after ``prompt`` (teacher forcing);
+    without, it samples ``max_tokens`` tokens with ``seed``. No top-k/top-p, no EOS stop.
+    """
+
+    prompt: list[int] = Field(min_length=1)
+    token_ids: list[int] | None = Field(default=None, min_length=1, max_length=256)
+    max_tokens: int = Field(default=8, ge=1, le=256)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    seed: Seed = 0
+
+
+class ProbeResponse(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    """Processed logprob of each token under the weights the server holds now."""
+    weight_version: int
 
 
 class CollectiveRpcRequest(_Request):

@@ -3,20 +3,30 @@
 Why it exists: one client (``PolicyClient``) must talk to vLLM and to this server alike, so the
 server speaks the same endpoints and formats (DESIGN section 3): token-id completions with
 processed logprobs, chat completions with hermes tool calls, health/models/metrics, and the
-control plane (pause, resume, abort, weight updates, weight version).
+control plane (pause, resume, abort, weight updates, weight version, and a probe served while
+paused). The routes live in :mod:`agentrl.inference.routes` (generation, control, weights,
+metrics); :func:`create_app` assembles them.
 
 Guarantees:
 
 - every response that carries tokens has a top-level ``weight_version`` and an
   ``x-weight-version`` header (the oldest version that produced any of its tokens);
 - a client error (unknown model, prompt over the context limit, negative ``max_tokens``,
-  malformed tools, out-of-vocabulary token ids, malformed JSON, unsupported options) is a 4xx
-  with OpenAI's ``{"error": {"message", "type", "param", "code"}}`` naming the field, never a 500;
-- with a request log, each generation request appends exactly one JSON line
-  ``{"request_id", "session_id", "prompt_ids", "output_ids", "weight_version", "t"}`` with the
-  exact token ids the engine saw and produced (session id: ``x-session-id`` header, else the
-  OpenAI ``user`` field);
-- there is no prefix cache, so ``/reset_prefix_cache`` is a no-op that answers ok.
+  malformed tools, out-of-vocabulary token ids, malformed JSON, a seed outside int64, a version
+  that is not an int in ``[0, 2**63 - 1]``, text that is not Unicode, unsupported options, bad
+  weights) is a 4xx with OpenAI's ``{"error": {"message", "type", "param", "code"}}`` naming the
+  field; one bad request fails only itself; an answer >= 500 carries ``Connection: close``;
+- control routes need the API key (``--api-key`` / ``AGENTRL_API_KEY``) when one is set and a
+  loopback caller when none is (:mod:`agentrl.inference.routes.auth`); binding a non-loopback
+  address without a key prints a warning;
+- a client that disconnects has its generation aborted; every pause ends by its deadline; on
+  SIGTERM the server aborts whatever is running, parked or queued and exits within ~10 s;
+- with a request log (created 0600), each generation request appends exactly one JSON line
+  ``{"request_id", "session_id", "prompt_ids", "output_ids", "weight_version",
+  "finish_reason", "t"}`` with the exact token ids the engine saw and produced (session id:
+  ``x-session-id`` header, else the OpenAI ``user`` field);
+- there is no prefix cache, so ``/reset_prefix_cache`` is a no-op that answers ok; no response
+  contains a filesystem path of the server.
 
 Run it with ``agentrl serve-model MODEL_DIR`` or, from tests and the trainer, with
 :func:`launch_embedded_server` (a subprocess) or :func:`create_app` (in process).
@@ -27,43 +37,23 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
-import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    generate_latest,
-)
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
-from agentrl.inference import protocol as P
-from agentrl.inference.chat import (
-    ChatInputError,
-    normalize_messages,
-    parse_hermes_tool_calls,
-    render_chat,
-    validate_tools,
-)
-from agentrl.inference.engine import EngineOutput, EngineRequestError, WeightLoadError
 from agentrl.inference.handle import ServerHandle, free_port
-from agentrl.types import SamplingParams
+from agentrl.inference.routes import control, generation, metrics, weights
+from agentrl.inference.routes.auth import AccessControl, is_loopback
+from agentrl.inference.routes.common import RequestLog, ServerState, install_error_handlers
 
 __all__ = [
+    "ENV_API_KEY",
     "RequestLog",
     "add_arguments",
     "create_app",
@@ -71,85 +61,10 @@ __all__ = [
     "run",
 ]
 
-
-class APIError(Exception):
-    """An error answered with OpenAI's error body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        param: str | None = None,
-        type_: str | None = None,
-        code: int | str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.type = type_ or _ERROR_TYPES.get(status, "BadRequestError")
-        self.code = code if code is not None else status
-
-
-_ERROR_TYPES = {
-    400: "BadRequestError",
-    404: "NotFoundError",
-    405: "MethodNotAllowedError",
-    409: "ConflictError",
-    413: "RequestTooLargeError",
-    422: "BadRequestError",
-    500: "InternalServerError",
-    503: "ServiceUnavailableError",
-}
-
-
-def _error_json(err: APIError) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": err.message,
-            "type": err.type,
-            "param": err.param,
-            "code": err.code,
-        }
-    }
-
-
-class RequestLog:
-    """Appends one JSON line per generation request; thread-safe, flushed per line."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self._file = self.path.open("a", encoding="utf-8")
-
-    def write(
-        self,
-        *,
-        request_id: str,
-        session_id: str | None,
-        prompt_ids: list[int],
-        output_ids: list[int],
-        weight_version: int,
-    ) -> None:
-        line = json.dumps(
-            {
-                "request_id": request_id,
-                "session_id": session_id,
-                "prompt_ids": prompt_ids,
-                "output_ids": output_ids,
-                "weight_version": weight_version,
-                "t": time.time(),
-            }
-        )
-        with self._lock:
-            self._file.write(line + "\n")
-            self._file.flush()
-
-    def close(self) -> None:
-        with self._lock:
-            self._file.close()
+ENV_API_KEY = "AGENTRL_API_KEY"
+"""Environment variable holding the API key (server, and ``PolicyClient`` by default)."""
+SHUTDOWN_GRACE_S = 3
+"""How long uvicorn waits for open requests after SIGTERM (the engine aborts them at once)."""
 
 
 def create_app(
@@ -159,48 +74,34 @@ def create_app(
     served_model_name: str | None = None,
     request_log: str | Path | RequestLog | None = None,
     close_engine_on_shutdown: bool = False,
+    api_key: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> Any:
     """A FastAPI app serving ``engine`` (an :class:`~agentrl.inference.engine.InferenceEngine`).
 
     ``tokenizer`` defaults to ``AutoTokenizer`` of the engine's model directory;
-    ``served_model_name`` defaults to that directory's name. Use it in process with
-    ``httpx.AsyncClient(transport=httpx.ASGITransport(app))`` or uvicorn in a thread.
+    ``served_model_name`` defaults to that directory's name. ``api_key`` protects every route
+    but health, metrics and docs; without it the control routes answer loopback callers only.
+    Use it in process with ``httpx.AsyncClient(transport=httpx.ASGITransport(app))`` or uvicorn.
     """
     if tokenizer is None:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(engine.model_dir))
-    model_name = served_model_name or Path(engine.model_dir).name
     log_sink = (
         request_log
         if isinstance(request_log, RequestLog) or request_log is None
         else RequestLog(request_log)
     )
-
-    registry = CollectorRegistry()
-    m_requests = Counter(
-        "agentrl_requests",
-        "Generation requests finished, by endpoint and finish reason",
-        ["endpoint", "finish_reason"],
-        registry=registry,
+    st = ServerState(
+        engine=engine,
+        tokenizer=tokenizer,
+        model_name=served_model_name or Path(engine.model_dir).name,
+        log_sink=log_sink,
+        api_key=api_key or None,
+        trust_request_chat_template=trust_request_chat_template,
     )
-    m_prompt_tokens = Counter("agentrl_prompt_tokens", "Prompt tokens processed", registry=registry)
-    m_gen_tokens = Counter("agentrl_generation_tokens", "Tokens generated", registry=registry)
-    Gauge(
-        "agentrl_num_requests_running", "Requests in the running batch", registry=registry
-    ).set_function(lambda: engine.num_running)
-    Gauge(
-        "agentrl_num_requests_waiting", "Requests waiting to be admitted", registry=registry
-    ).set_function(lambda: engine.num_waiting)
-    Gauge("agentrl_weight_version", "Current weight version", registry=registry).set_function(
-        lambda: engine.weight_version
-    )
-    Gauge(
-        "agentrl_decode_steps", "Batched decode steps run so far", registry=registry
-    ).set_function(lambda: engine.stats["decode_steps"])
-    Gauge("agentrl_is_paused", "1 while generation is paused", registry=registry).set_function(
-        lambda: float(engine.is_paused)
-    )
+    registry = metrics.make_metrics(st)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: Any) -> AsyncIterator[None]:
@@ -208,445 +109,25 @@ def create_app(
             yield
         finally:
             if close_engine_on_shutdown:
-                await asyncio.to_thread(engine.close)
+                await asyncio.to_thread(engine.close, 5.0)
             if isinstance(log_sink, RequestLog) and log_sink is not request_log:
                 log_sink.close()
 
     app = FastAPI(title="agentrl embedded inference server", lifespan=lifespan)
     app.state.engine = engine
-
-    # ---- errors ------------------------------------------------------------------------------
-    @app.exception_handler(APIError)
-    async def _api_error(_req: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(_error_json(exc), status_code=exc.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_req: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            msg = f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}"
-            param = None
-        else:
-            param = ".".join(loc) or None
-            msg = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
-            if "input" in first and first.get("type") != "missing":
-                msg += f" (got {first['input']!r:.100})"
-        return JSONResponse(_error_json(APIError(400, msg, param=param)), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_req: Request, exc: StarletteHTTPException) -> JSONResponse:
-        err = APIError(exc.status_code, str(exc.detail))
-        return JSONResponse(_error_json(err), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _server_error(_req: Request, exc: Exception) -> JSONResponse:
-        err = APIError(500, f"internal server error: {type(exc).__name__}: {exc}")
-        return JSONResponse(_error_json(err), status_code=500)
-
-    # ---- helpers -----------------------------------------------------------------------------
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
-            raise APIError(
-                404,
-                f"The model `{name}` does not exist; this server serves `{model_name}`",
-                param="model",
-                type_="NotFoundError",
-            )
-
-    def check_unsupported(req: Any) -> None:
-        if req.stream:
-            raise APIError(
-                400, "stream=true is not supported by the embedded server", param="stream"
-            )
-        if getattr(req, "echo", False):
-            raise APIError(400, "echo=true is not supported by the embedded server", param="echo")
-        if req.stop:
-            raise APIError(
-                400,
-                "string 'stop' sequences are not supported; use stop_token_ids",
-                param="stop",
-            )
-
-    def sampling_of(req: Any, max_tokens: int) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            top_k=req.top_k if req.top_k > 0 else -1,
-            seed=req.seed,
-            stop_token_ids=list(req.stop_token_ids or []),
-        )
-
-    def token_str(tid: int, as_ids: bool) -> str:
-        return f"token_id:{tid}" if as_ids else tokenizer.decode([tid])
-
-    async def run_engine(
-        prompt_ids: list[int],
-        sampling: SamplingParams,
-        n: int,
-        request_id: str,
-        session_id: str | None,
-        num_top: int,
-        endpoint: str,
-        ignore_eos: bool = False,
-    ) -> list[EngineOutput]:
-        futures = []
-        try:
-            for i in range(n):
-                sp = sampling
-                if n > 1 and sampling.seed is not None:
-                    sp = sampling.model_copy(update={"seed": sampling.seed + i})
-                futures.append(
-                    engine.submit(
-                        prompt_ids,
-                        sp,
-                        f"{request_id}-{i}",
-                        num_top_logprobs=num_top,
-                        ignore_eos=ignore_eos,
-                    )
-                )
-        except EngineRequestError as e:
-            for f in futures:
-                engine.cancel(f)
-            raise APIError(400, str(e), param=e.param) from e
-        try:
-            outs: list[EngineOutput] = list(
-                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-            )
-        except asyncio.CancelledError:
-            for f in futures:
-                engine.cancel(f)
-            raise
-        for o in outs:
-            m_requests.labels(endpoint, o.finish_reason).inc()
-            m_prompt_tokens.inc(len(o.prompt_ids))
-            m_gen_tokens.inc(len(o.token_ids))
-            if log_sink is not None:
-                log_sink.write(
-                    request_id=o.request_id,
-                    session_id=session_id,
-                    prompt_ids=o.prompt_ids,
-                    output_ids=o.token_ids,
-                    weight_version=o.weight_version,
-                )
-        return outs
-
-    def versioned(body: dict[str, Any], version: int) -> JSONResponse:
-        body["weight_version"] = version
-        return JSONResponse(body, headers={"x-weight-version": str(version)})
-
-    def usage(outs: Sequence[EngineOutput]) -> dict[str, int]:
-        p = len(outs[0].prompt_ids) if outs else 0
-        c = sum(len(o.token_ids) for o in outs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
-
-    def default_max_tokens(n_prompt: int) -> int:
-        return max(0, engine.max_model_len - n_prompt)
-
-    # ---- generation ------------------------------------------------------------------------
-    @app.post("/v1/completions")
-    async def completions(req: P.CompletionRequest, request: Request) -> JSONResponse:
-        check_model(req.model)
-        check_unsupported(req)
-        prompt: Any = req.prompt
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list | str):
-            if len(prompt) != 1:
-                raise APIError(
-                    400, "batched prompts are not supported; send one prompt", param="prompt"
-                )
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = list(tokenizer.encode(prompt, add_special_tokens=False))
-        else:
-            prompt_ids = [int(t) for t in prompt]
-        max_tokens = (
-            req.max_tokens if req.max_tokens is not None else default_max_tokens(len(prompt_ids))
-        )
-        rid = request.headers.get("x-request-id") or f"cmpl-{uuid.uuid4().hex}"
-        session = request.headers.get("x-session-id") or req.user
-        num_top = req.logprobs or 0
-        outs = await run_engine(
-            prompt_ids,
-            sampling_of(req, max_tokens),
-            req.n,
-            rid,
-            session,
-            num_top,
-            "completions",
-            req.ignore_eos,
-        )
-        as_ids = req.return_tokens_as_token_ids
-        choices = []
-        for i, o in enumerate(outs):
-            lp = None
-            if req.logprobs is not None:
-                tokens = [token_str(t, as_ids) for t in o.token_ids]
-                offsets, off = [], 0
-                for t in o.token_ids:
-                    offsets.append(off)
-                    off += len(tokenizer.decode([t]))
-                tops = []
-                for j, (t, v) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
-                    top = {token_str(t, as_ids): v}
-                    if o.top_logprobs is not None:
-                        for tid, tv in o.top_logprobs[j]:
-                            top.setdefault(token_str(tid, as_ids), tv)
-                    tops.append(top)
-                lp = {
-                    "text_offset": offsets,
-                    "token_logprobs": o.logprobs,
-                    "tokens": tokens,
-                    "top_logprobs": tops,
-                }
-            choices.append(
-                {
-                    "index": i,
-                    "text": tokenizer.decode(o.token_ids, skip_special_tokens=True),
-                    "logprobs": lp,
-                    "finish_reason": o.finish_reason,
-                    "stop_reason": None,
-                    "prompt_token_ids": o.prompt_ids if req.return_token_ids else None,
-                    "token_ids": o.token_ids if req.return_token_ids else None,
-                }
-            )
-        version = min(o.weight_version for o in outs)
-        body = P.CompletionResponse(
-            id=rid,
-            created=int(time.time()),
-            model=model_name,
-            choices=[P.CompletionChoice.model_validate(c) for c in choices],
-            usage=P.Usage(**usage(outs)),
-            weight_version=version,
-        ).model_dump()
-        return versioned(body, version)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: P.ChatCompletionRequest, request: Request) -> JSONResponse:
-        check_model(req.model)
-        check_unsupported(req)
-        try:
-            tools = validate_tools(req.tools)
-            messages = normalize_messages(req.messages)
-            if req.tool_choice not in (None, "auto", "none"):
-                raise ChatInputError(
-                    "only tool_choice 'auto' or 'none' is supported", "tool_choice"
-                )
-            prompt_ids = render_chat(
-                tokenizer,
-                messages,
-                tools if req.tool_choice != "none" else None,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
-        except ChatInputError as e:
-            raise APIError(400, str(e), param=e.param) from e
-        max_tokens = (
-            req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        )
-        if max_tokens is None:
-            max_tokens = default_max_tokens(len(prompt_ids))
-        rid = request.headers.get("x-request-id") or f"chatcmpl-{uuid.uuid4().hex}"
-        session = request.headers.get("x-session-id") or req.user
-        num_top = (req.top_logprobs or 0) if req.logprobs else 0
-        outs = await run_engine(
-            prompt_ids,
-            sampling_of(req, max_tokens),
-            req.n,
-            rid,
-            session,
-            num_top,
-            "chat",
-            req.ignore_eos,
-        )
-        as_ids = req.return_tokens_as_token_ids
-        choices = []
-        for i, o in enumerate(outs):
-            text = tokenizer.decode(o.token_ids, skip_special_tokens=True)
-            parsed = parse_hermes_tool_calls(text) if tools else None
-            content = parsed.content if parsed is not None else text
-            tool_calls = parsed.tool_calls if parsed is not None else []
-            finish = o.finish_reason
-            if tool_calls and finish == "stop":
-                finish = "tool_calls"
-            lp = None
-            if req.logprobs:
-                entries = []
-                for j, (t, v) in enumerate(zip(o.token_ids, o.logprobs, strict=True)):
-                    tops = []
-                    if o.top_logprobs is not None:
-                        tops = [
-                            {
-                                "token": token_str(tid, as_ids),
-                                "logprob": tv,
-                                "bytes": list(tokenizer.decode([tid]).encode()),
-                            }
-                            for tid, tv in o.top_logprobs[j]
-                        ]
-                    entries.append(
-                        {
-                            "token": token_str(t, as_ids),
-                            "logprob": v,
-                            "bytes": list(tokenizer.decode([t]).encode()),
-                            "top_logprobs": tops,
-                        }
-                    )
-                lp = {"content": entries}
-            choices.append(
-                P.ChatChoice(
-                    index=i,
-                    message=P.ChatMessage(content=content, tool_calls=tool_calls),
-                    logprobs=lp,
-                    finish_reason=finish,
-                    prompt_token_ids=o.prompt_ids if req.return_token_ids else None,
-                    token_ids=o.token_ids if req.return_token_ids else None,
-                )
-            )
-        version = min(o.weight_version for o in outs)
-        body = P.ChatCompletionResponse(
-            id=rid,
-            created=int(time.time()),
-            model=model_name,
-            choices=choices,
-            usage=P.Usage(**usage(outs)),
-            weight_version=version,
-        ).model_dump()
-        return versioned(body, version)
-
-    # ---- health, models, metrics ----------------------------------------------------------------
-    @app.get("/health")
-    async def health() -> JSONResponse:
-        return JSONResponse({"status": "ok", "weight_version": engine.weight_version})
-
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": model_name,
-                        "object": "model",
-                        "created": int(time.time()),
-                        "owned_by": "agentrl",
-                        "root": str(engine.model_dir),
-                        "max_model_len": engine.max_model_len,
-                    }
-                ],
-            }
-        )
-
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    # ---- control plane ---------------------------------------------------------------------
-    @app.post("/pause")
-    async def pause(mode: str = "keep") -> JSONResponse:
-        if mode not in ("keep", "abort", "wait"):
-            raise APIError(400, f"mode={mode!r}; use 'keep', 'abort' or 'wait'", param="mode")
-        aborted = 0
-        if mode == "abort":
-            aborted = await asyncio.to_thread(engine.abort_all)
-        if mode == "wait":
-            while engine.num_running or engine.num_waiting:
-                await asyncio.sleep(0.01)
-        await asyncio.to_thread(engine.pause)
-        return JSONResponse({"status": "paused", "mode": mode, "aborted": aborted})
-
-    @app.post("/resume")
-    async def resume() -> JSONResponse:
-        engine.resume()
-        return JSONResponse({"status": "resumed"})
-
-    @app.get("/is_paused")
-    async def is_paused() -> JSONResponse:
-        return JSONResponse({"is_paused": engine.is_paused})
-
-    @app.post("/abort_requests")
-    async def abort_requests() -> JSONResponse:
-        n = await asyncio.to_thread(engine.abort_all)
-        return JSONResponse({"status": "ok", "aborted": n})
-
-    @app.post("/reset_prefix_cache")
-    async def reset_prefix_cache() -> JSONResponse:
-        # The embedded engine has no prefix cache: nothing to reset.
-        return JSONResponse({"status": "ok", "prefix_cache": False})
-
-    async def _load(fn: Any, *args: Any, param: str) -> JSONResponse:
-        try:
-            version = await asyncio.to_thread(fn, *args)
-        except WeightLoadError as e:
-            raise APIError(400, str(e), param=param) from e
-        return JSONResponse(
-            {"status": "ok", "weight_version": version},
-            headers={"x-weight-version": str(version)},
-        )
-
-    @app.post("/update_weights_from_path")
-    async def update_weights_from_path(req: P.UpdateWeightsFromPathRequest) -> JSONResponse:
-        return await _load(engine.load_weights_from_path, req.path, req.version, param="path")
-
-    @app.post("/update_weights")
-    async def update_weights(request: Request) -> JSONResponse:
-        raw = request.headers.get("x-weight-version")
-        version: int | None = None
-        if raw is not None:
-            try:
-                version = int(raw)
-            except ValueError as e:
-                raise APIError(
-                    400,
-                    f"x-weight-version header {raw!r} is not an integer",
-                    param="x-weight-version",
-                ) from e
-        data = await request.body()
-        if not data:
-            raise APIError(400, "empty body; send the safetensors bytes as the body", param="body")
-        return await _load(engine.load_weights_from_bytes, data, version, param="body")
-
-    @app.post("/collective_rpc")
-    async def collective_rpc(req: P.CollectiveRpcRequest) -> JSONResponse:
-        if req.method != "reload_weights":
-            raise APIError(
-                400,
-                f"method {req.method!r} is not supported here; the embedded server knows "
-                "'reload_weights' (kwargs: weights_path, optional version)",
-                param="method",
-            )
-        path = req.kwargs.get("weights_path") or (req.args[0] if req.args else None)
-        if not isinstance(path, str):
-            raise APIError(
-                400, "reload_weights needs kwargs.weights_path", param="kwargs.weights_path"
-            )
-        version = req.kwargs.get("version")
-        try:
-            new = await asyncio.to_thread(engine.load_weights_from_path, path, version)
-        except WeightLoadError as e:
-            raise APIError(400, str(e), param="kwargs.weights_path") from e
-        return JSONResponse(
-            {"results": [None], "weight_version": new}, headers={"x-weight-version": str(new)}
-        )
-
-    @app.post("/update_weight_version")
-    async def update_weight_version(req: P.WeightVersionRequest) -> JSONResponse:
-        v = await asyncio.to_thread(engine.set_weight_version, req.version)
-        return JSONResponse(
-            {"status": "ok", "weight_version": v}, headers={"x-weight-version": str(v)}
-        )
-
-    @app.get("/weight_info")
-    async def weight_info() -> JSONResponse:
-        info = await asyncio.to_thread(engine.weight_info)
-        info["weight_version"] = info["version"]
-        return JSONResponse(info, headers={"x-weight-version": str(info["version"])})
-
+    app.state.server = st
+    install_error_handlers(app)
+    app.add_middleware(AccessControl, api_key=st.api_key)
+    generation.register(app, st)
+    control.register(app, st)
+    weights.register(app, st)
+    metrics.register(app, st, registry)
     return app
 
 
 # ---- CLI: ``agentrl serve-model MODEL_DIR`` ----------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``agentrl serve-model`` options."""
     parser.add_argument("model_dir", help="a local Hugging Face causal-LM directory")
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8000, help="bind port")
@@ -679,9 +160,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads (default: $AGENTRL_THREADS from the run's thread plan, "
         "else every usable cpu)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' (default: ${ENV_API_KEY}); prefer the "
+        "environment variable, which other users cannot read from the process list",
+    )
+    parser.add_argument(
+        "--max-pause-s",
+        type=float,
+        default=300.0,
+        help="longest a pause lasts before the server resumes by itself",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template in requests (rendered off the event loop, time-limited)",
+    )
+
+
+def _warn_if_exposed(host: str, api_key: str | None) -> None:
+    if api_key or is_loopback(host if host not in ("localhost", "") else "127.0.0.1"):
+        return
+    print(
+        f"WARNING: agentrl serve-model binds {host} without an API key: anyone who reaches this "
+        "port can generate. Control routes (pause, weights, versions) stay loopback-only, but "
+        f"set --api-key or ${ENV_API_KEY} to serve other machines safely.",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    """``agentrl serve-model``: load the model and serve it until SIGTERM/SIGINT."""
     if not (Path(args.model_dir) / "config.json").is_file():
         print(
             f"agentrl serve-model: {args.model_dir!r} is not a Hugging Face model directory "
@@ -694,9 +205,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         os.environ[ENV_THREADS] = str(args.threads)
     threads = apply_env_threads(len(available_cpus()))
+    api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
+    _warn_if_exposed(args.host, api_key)
     print(f"agentrl serve-model: loading {args.model_dir} ({threads} threads) ...", flush=True)
     import torch
-    import uvicorn
 
     from agentrl.inference.engine import InferenceEngine
 
@@ -708,19 +220,44 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         seed=args.seed,
         weight_version=args.weight_version,
+        max_pause_s=args.max_pause_s,
     )
     app = create_app(
         engine,
         served_model_name=args.served_model_name,
         request_log=args.request_log,
         close_engine_on_shutdown=True,
+        api_key=api_key,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     print(
-        f"agentrl embedded server: model {args.model_dir} on http://{args.host}:{args.port}",
+        f"agentrl embedded server: model {Path(args.model_dir).name} on "
+        f"http://{args.host}:{args.port} (api key: {'on' if api_key else 'off'})",
         flush=True,
     )
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    _serve(app, engine, args.host, args.port, args.log_level)
     return 0
+
+
+def _serve(app: Any, engine: Any, host: str, port: int, log_level: str) -> None:
+    """uvicorn, with SIGTERM/SIGINT first stopping the engine (it aborts whatever is running,
+    parked or queued, so every open request answers at once and the process exits)."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.shutdown_nowait()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        proxy_headers=False,  # the peer address decides what loopback-only routes answer
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    _Server(config).run()
 
 
 def launch_embedded_server(
@@ -733,13 +270,16 @@ def launch_embedded_server(
     extra_args: Sequence[str] = (),
     startup_timeout_s: float = 120.0,
     env: Mapping[str, str] | None = None,
+    api_key: str | None = None,
 ) -> ServerHandle:
     """Start ``python -m agentrl serve-model`` as a subprocess and wait for ``/health``.
 
     ``port=None`` picks a free port; ``log_path=None`` writes the server's output to a temp
     file; ``env`` is added to the child's environment (e.g. its share of the run's thread plan,
-    :meth:`agentrl.threads.ProcessThreads.env`). Raises :class:`~agentrl.inference.handle.ServerStartError` (with the log tail) if the
-    server exits or is not healthy within ``startup_timeout_s``.
+    :meth:`agentrl.threads.ProcessThreads.env`); ``api_key`` is handed to the child through
+    ``AGENTRL_API_KEY`` (never on its command line) and kept on the handle. Raises
+    :class:`~agentrl.inference.handle.ServerStartError` (with the log tail) if the server exits
+    or is not healthy within ``startup_timeout_s``.
     """
     port = port or free_port(host)
     if log_path is None:
@@ -760,9 +300,13 @@ def launch_embedded_server(
     if request_log is not None:
         cmd += ["--request-log", str(request_log)]
     cmd += list(extra_args)
-    env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
+    child_env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
+    if api_key:
+        child_env[ENV_API_KEY] = api_key
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env)
-    handle = ServerHandle(proc, f"http://{host}:{port}", log_path)
+        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=child_env)
+    handle = ServerHandle(
+        proc, f"http://{host}:{port}", log_path, api_key=api_key or child_env.get(ENV_API_KEY)
+    )
     handle.wait_healthy(startup_timeout_s)
     return handle

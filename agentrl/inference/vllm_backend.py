@@ -12,7 +12,11 @@ talks to the embedded server. The launcher guarantees:
 - :func:`launch_vllm_server` returns only once ``GET /health`` answers 200, with the server's
   stdout and stderr streamed to a log file; a failed start raises with the log's tail;
 - ``stop()`` ends the whole process group (the API server and its engine-core workers),
-  SIGTERM first, SIGKILL after a timeout, so no vLLM worker outlives its handle.
+  SIGTERM first, SIGKILL after a timeout, so no vLLM worker outlives its handle;
+- ``api_key`` reaches vLLM through ``VLLM_API_KEY`` (never its command line). Note that vLLM
+  0.32 checks the key on ``/v1/*`` only: its control endpoints (``/pause``, ``/collective_rpc``,
+  ...) answer anyone who reaches the port, so the launcher binds 127.0.0.1 by default and a
+  vLLM server must never be exposed beyond a trusted network (docs/operations.md).
 
 The python executable that runs vLLM comes from the ``python`` argument, else the
 ``AGENTRL_VLLM_PYTHON`` environment variable, else ``.venv-vllm/bin/python`` in the project
@@ -162,6 +166,24 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     return dtype if isinstance(dtype, str) and dtype in _VLLM_DTYPES else "auto"
 
 
+def _child_env(
+    env: Mapping[str, str] | None, cpu_kvcache_space_gb: int | None, api_key: str | None
+) -> dict[str, str]:
+    """vLLM's environment: dev mode on, our venv out, the key in ``VLLM_API_KEY``."""
+    child_env = dict(os.environ)
+    child_env["VLLM_SERVER_DEV_MODE"] = "1"
+    child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if cpu_kvcache_space_gb is not None:
+        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
+    # Our own venv must not leak into vLLM's interpreter.
+    child_env.pop("PYTHONPATH", None)
+    child_env.pop("VIRTUAL_ENV", None)
+    child_env.update(env or {})
+    if api_key:
+        child_env["VLLM_API_KEY"] = api_key
+    return child_env
+
+
 def launch_vllm_server(
     model_dir: str | Path,
     *,
@@ -178,14 +200,16 @@ def launch_vllm_server(
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
     startup_timeout_s: float = 600.0,
+    api_key: str | None = None,
 ) -> VLLMServerHandle:
     """Start ``vllm.entrypoints.openai.api_server`` on ``model_dir`` and wait until healthy.
 
     ``dtype=None`` serves the checkpoint's own dtype (:func:`checkpoint_dtype`); pass
     ``"auto"`` for vLLM's choice (it downcasts float32 checkpoints). ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
     vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
-    ``env`` adds environment variables. Raises :class:`VLLMNotAvailableError` when no vLLM
-    python is found, :class:`ServerStartError` when the server exits or times out.
+    ``env`` adds environment variables; ``api_key`` is required on vLLM's ``/v1`` routes
+    (``VLLM_API_KEY``) and kept on the handle. Raises :class:`VLLMNotAvailableError` when no
+    vLLM python is found, :class:`ServerStartError` when the server exits or times out.
     """
     exe = resolve_vllm_python(python)
     model_dir = Path(model_dir)
@@ -203,15 +227,7 @@ def launch_vllm_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    child_env = dict(os.environ)
-    child_env["VLLM_SERVER_DEV_MODE"] = "1"
-    child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    if cpu_kvcache_space_gb is not None:
-        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
-    # Our own venv must not leak into vLLM's interpreter.
-    child_env.pop("PYTHONPATH", None)
-    child_env.pop("VIRTUAL_ENV", None)
-    child_env.update(env or {})
+    child_env = _child_env(env, cpu_kvcache_space_gb, api_key)
 
     cmd = vllm_command(
         exe,
@@ -236,7 +252,7 @@ def launch_vllm_server(
             env=child_env,
             start_new_session=True,  # own process group: stop() reaches the engine workers
         )
-    handle = VLLMServerHandle(process, f"http://{host}:{port}", log_path)
+    handle = VLLMServerHandle(process, f"http://{host}:{port}", log_path, api_key=api_key)
     try:
         handle.wait_healthy(timeout_s=startup_timeout_s, poll_s=1.0)
     except BaseException:

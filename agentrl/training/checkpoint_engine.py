@@ -2,30 +2,43 @@
 
 Why it exists: a weight push is where RL stacks deadlock, leave servers paused forever (AReaL
 #1160) or silently serve half-updated weights. Here a push is one short, always-terminating
-procedure per server:
+procedure per server (DESIGN section 10, "Push protocol, revised"):
 
-    pause (keep | wait | abort) -> transfer -> reset prefix cache -> set version -> resume
+    pause (keep | wait | abort) -> transfer -> reset prefix cache -> set version
+        -> verify while still paused -> resume
 
-followed by **verification**: a fixed probe (token ids) is generated on each server at the
-training temperature, and the logprobs it returns are compared with the trainer's own
-log-probs of the same tokens; the max absolute difference is reported every push, and a value
-above ``verify_tolerance`` fails the push loudly.
+**Verification** runs a fixed probe (token ids) on the server at the training temperature and
+compares the logprobs it returns with the trainer's own log-probs of the same tokens; the max
+absolute difference is reported every push, and a value above ``verify_tolerance`` fails the
+push loudly. The embedded server serves the probe ahead of its queue *while still paused*
+(``POST /probe``), so no rollout is ever served by unverified weights and the probe never waits
+behind generation. vLLM (0.32) schedules nothing while paused, so for vLLM the probe runs right
+after the resume (``verified_while_paused`` is False in the report; docs/inference.md says why).
 
 Invariants:
 
 - A server that was paused by a push is resumed by the same push, whatever failed in between
-  (the resume runs in a ``finally``; a failed resume is reported, never swallowed).
+  (the resume runs in a ``finally``; a failed resume is reported, never swallowed). After the
+  resume the server's pause state is read back: a server still paused (e.g. a ``wait`` pause
+  that landed late) is resumed again, and reported ``PAUSED`` if it stays so, never "serving".
+  Every pause also carries a server-side deadline (``push_timeout_s`` + a margin), so even a
+  trainer that dies mid-push cannot leave an embedded server paused.
 - A push either succeeds on every server, or returns a :class:`PushReport` that names each
   server's state (version it is on, whether it is paused, the error) and
   :meth:`PushReport.raise_if_failed` raises :class:`WeightPushError` with that table.
-- Weights are serialized once per push (not once per server) and every transport moves the
-  same safetensors bytes, under the Hugging Face parameter names.
+- Weights are staged once per push (not once per server) and every transport moves the same
+  safetensors bytes, under the Hugging Face parameter names. A tied ``lm_head.weight`` is sent
+  explicitly to vLLM servers (vLLM 0.32's ``reload_weights`` does not re-tie it).
 
 Transports live behind :class:`WeightTransport` (two methods): :class:`SharedDirTransport`
 (safetensors on a shared directory, tmpfs when local; works for the embedded server and vLLM's
-``reload_weights``) and :class:`HttpStreamTransport` (the safetensors bytes in the request body;
-no shared filesystem; embedded server). The GPU path (vLLM's NCCL weight-transfer API) plugs in
-as a third transport (see docs/training.md).
+``reload_weights``) and :class:`HttpStreamTransport` (the safetensors bytes over HTTP straight
+from the tensors' memory, pulled by each server from a trainer-side weight server, or pushed in
+the request body; no shared filesystem; embedded server). The GPU
+path (vLLM's NCCL weight-transfer API) plugs in as a third transport (see docs/training.md).
+
+Timing: :meth:`PushReport.metrics` reports ``timing_s/push/{stage,pause,transfer,verify,
+resume}`` (the slowest server for the per-server stages) next to the ``weight_sync/*`` totals.
 """
 
 from __future__ import annotations
@@ -37,15 +50,21 @@ import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from agentrl.inference.client import InferenceServerError, PauseMode, PolicyClient
-from agentrl.types import SamplingParams
+from agentrl.inference.client import (
+    InferenceRequestError,
+    InferenceServerError,
+    PauseMode,
+    PolicyClient,
+)
+from agentrl.inference.weights import SafetensorsPayload, WeightServer
+from agentrl.types import Generation, SamplingParams
 
 __all__ = [
     "CheckpointEngine",
@@ -56,12 +75,18 @@ __all__ = [
     "WeightPushError",
     "WeightTransport",
     "make_transport",
+    "tied_aliases",
 ]
 
 logger = logging.getLogger(__name__)
 
 ScoreFn = Callable[[list[int], list[int]], Awaitable[list[float]] | list[float]]
 """``score(prompt_ids, token_ids) -> logprobs`` of ``token_ids`` under the trainer's weights."""
+
+PAUSE_MARGIN_S = 60.0
+"""The server-side pause deadline is ``push_timeout_s`` plus this (a safety net only)."""
+STAGES = ("stage", "pause", "transfer", "verify", "resume")
+"""The parts of a push that :meth:`PushReport.metrics` times."""
 
 
 class WeightPushError(RuntimeError):
@@ -72,14 +97,40 @@ class WeightPushError(RuntimeError):
         super().__init__(report.describe())
 
 
-@dataclass
 class StagedWeights:
-    """One version's weights, serialized once for every server."""
+    """One version's weights, staged once for every server: a ``path`` (shared directory), a
+    ``payload`` laid out over the trainer's tensors (HTTP), or explicit ``data`` bytes."""
 
-    version: int
-    num_bytes: int
-    path: Path | None = None
-    data: bytes | None = None
+    def __init__(
+        self,
+        version: int,
+        num_bytes: int,
+        path: Path | None = None,
+        payload: SafetensorsPayload | None = None,
+        data: bytes | None = None,
+        token: str | None = None,
+    ) -> None:
+        self.version = version
+        self.num_bytes = num_bytes
+        self.path = path
+        self.payload = payload
+        """The file laid out over the caller's tensors (HTTP): streamed without a copy."""
+        self.token = token
+        """Where the payload is published on the transport's weight server (HTTP pull)."""
+        self._data = data
+
+    @property
+    def data(self) -> bytes | None:
+        """The whole file as bytes: the explicit ``data``, else the payload's bytes (a copy,
+        made once; for tests and custom transports)."""
+        if self._data is None and self.payload is not None:
+            self._data = self.payload.to_bytes()
+        return self._data
+
+    @property
+    def explicit_bytes(self) -> bool:
+        """True when built from ``data`` (a custom transport's bytes), not from a payload."""
+        return self.payload is None and self._data is not None
 
 
 class WeightTransport(ABC):
@@ -89,7 +140,7 @@ class WeightTransport(ABC):
 
     @abstractmethod
     def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
-        """Serialize the weights once (before any server is paused)."""
+        """Prepare the weights once (before any server is paused)."""
 
     @abstractmethod
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
@@ -99,10 +150,17 @@ class WeightTransport(ABC):
         """Free staged data of versions other than ``keep_version``."""
 
 
-def _safetensors_bytes(state_dict: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
+def tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """``{"lm_head.weight": <embedding name>}`` when the state dict leaves out a tied LM head.
 
-    return save(state_dict, metadata={"format": "pt"})
+    A tied model's ``state_dict_for_push`` holds the shared tensor once (under the embedding's
+    name). The embedded server re-ties by itself; vLLM 0.32's ``reload_weights`` does not, so
+    the head must be sent explicitly, under its own name, with the embedding's bytes.
+    """
+    if "lm_head.weight" in state_dict:
+        return {}
+    embeddings = [k for k in state_dict if k.endswith(("embed_tokens.weight", "wte.weight"))]
+    return {"lm_head.weight": embeddings[0]} if len(embeddings) == 1 else {}
 
 
 class SharedDirTransport(WeightTransport):
@@ -122,17 +180,17 @@ class SharedDirTransport(WeightTransport):
         self.root.mkdir(parents=True, exist_ok=True)
 
     def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
-        from safetensors.torch import save_file
-
+        payload = SafetensorsPayload.from_state_dict(state_dict)
         out = self.root / f"v{version}"
         tmp = self.root / f".v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        save_file(state_dict, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        with (tmp / "model.safetensors").open("wb") as f:
+            for chunk in payload.chunks():
+                f.write(chunk)
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)  # atomic: a server never sees a half-written version directory
-        size = (out / "model.safetensors").stat().st_size
-        return StagedWeights(version=version, num_bytes=size, path=out)
+        return StagedWeights(version=version, num_bytes=payload.num_bytes, path=out)
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
         assert staged.path is not None
@@ -148,17 +206,88 @@ class SharedDirTransport(WeightTransport):
 
 
 class HttpStreamTransport(WeightTransport):
-    """POST the safetensors bytes to each server (no shared filesystem needed)."""
+    """The safetensors bytes over HTTP, from the tensors' own memory (no shared filesystem).
+
+    ``mode="pull"`` (default): staging publishes the payload on a trainer-side
+    :class:`~agentrl.inference.weights.WeightServer` (one unguessable URL per version, bound to
+    the interface that reaches each server, or ``advertise_host``) and each server pulls it with
+    one ``readinto`` (``POST /update_weights_from_url``). A server that cannot reach the trainer
+    falls back to ``mode="push"`` (the bytes streamed in the request body) for the rest of the
+    run, with a warning. Staging copies nothing, so the tensors must not change until the push
+    returns (the trainer awaits it).
+    """
 
     name = "http"
 
+    mode: Literal["pull", "push"] = "pull"
+    _advertise_host: str | None = None
+    _server: WeightServer | None = None
+
+    def __init__(
+        self, *, mode: Literal["pull", "push"] = "pull", advertise_host: str | None = None
+    ) -> None:
+        if mode not in ("pull", "push"):
+            raise ValueError(f"HttpStreamTransport mode={mode!r}; use 'pull' or 'push'")
+        self.mode = mode
+        self._advertise_host = advertise_host
+
+    @property
+    def _push_only(self) -> set[str]:
+        """Servers that could not pull (they get the bytes pushed). Created on first use, so a
+        subclass that does not call ``__init__`` still works."""
+        return vars(self).setdefault("_push_only_urls", set())
+
+    @property
+    def _tokens(self) -> dict[int, str]:
+        return vars(self).setdefault("_token_by_version", {})
+
     def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
-        data = _safetensors_bytes(state_dict)
-        return StagedWeights(version=version, num_bytes=len(data), data=data)
+        payload = SafetensorsPayload.from_state_dict(state_dict)
+        staged = StagedWeights(version=version, num_bytes=payload.num_bytes, payload=payload)
+        if self.mode == "pull":
+            if self._server is None:
+                self._server = WeightServer(self._advertise_host)
+            staged.token = self._server.publish(payload)
+            self._tokens[version] = staged.token
+        return staged
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
-        assert staged.data is not None
-        await client.update_weights_from_bytes(staged.data, staged.version)
+        if staged.explicit_bytes:
+            assert staged.data is not None
+            await client.update_weights_from_bytes(staged.data, staged.version)
+            return
+        assert staged.payload is not None
+        if self._server is None or staged.token is None or client.base_url in self._push_only:
+            await client.update_weights_from_bytes(staged.payload, staged.version)
+            return
+        try:
+            url = await asyncio.to_thread(self._server.url_for, client.base_url, staged.token)
+            await client.update_weights_from_url(url, staged.version)
+        except (OSError, InferenceRequestError) as exc:
+            if isinstance(exc, InferenceRequestError) and "could not fetch" not in exc.message:
+                raise
+            logger.warning(
+                "%s cannot pull weights from this trainer (%s); pushing them in the request "
+                "body from now on (set advertise_host if the trainer is reachable elsewhere)",
+                client.base_url,
+                exc,
+            )
+            self._push_only.add(client.base_url)
+            await client.update_weights_from_bytes(staged.payload, staged.version)
+
+    def cleanup(self, keep_version: int) -> None:
+        """Serve only ``keep_version`` (older URLs answer 404)."""
+        if self._server is not None:
+            keep = self._tokens.get(keep_version)
+            for version in [v for v in self._tokens if v != keep_version]:
+                del self._tokens[version]
+            self._server.unpublish(keep={keep} if keep is not None else set())
+
+    def close(self) -> None:
+        """Stop the weight server (it is a daemon thread; the process exit stops it too)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
 
 def make_transport(name: str, shared_dir: str | Path | None = None) -> WeightTransport:
@@ -181,22 +310,30 @@ class ServerPushStatus:
 
     url: str
     stage: str = "pending"
-    """The last stage reached: pause, transfer, reset_prefix_cache, set_version, resume, done."""
+    """The last stage reached: pause, transfer, reset_prefix_cache, set_version, verify,
+    resume, done."""
     paused: bool = False
     """True only if the server is still paused (a failed resume)."""
     version: int | None = None
     """The version the server reports after the push (None if it could not be asked)."""
     error: str | None = None
     verify_max_abs_diff: float | None = None
+    verified_while_paused: bool = False
+    """The probe ran before the resume (embedded server); False for vLLM (after the resume)."""
     seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+    """Seconds per stage on this server: pause, transfer, verify, resume."""
 
     @property
     def ok(self) -> bool:
+        """True when this server reached ``done`` without an error."""
         return self.error is None and self.stage == "done"
 
 
 @dataclass
 class PushReport:
+    """What one push did on every server (see the module docstring)."""
+
     version: int
     servers: dict[str, ServerPushStatus] = field(default_factory=dict)
     num_bytes: int = 0
@@ -204,18 +341,31 @@ class PushReport:
     verify_seconds: float = 0.0
     total_seconds: float = 0.0
     transport: str = ""
+    score_seconds: float = 0.0
+    """The trainer's scoring of the paused probe (before any pause; counted in verify)."""
 
     @property
     def ok(self) -> bool:
+        """True when every server reached ``done`` without an error."""
         return bool(self.servers) and all(s.ok for s in self.servers.values())
 
     @property
     def max_abs_diff(self) -> float | None:
+        """The largest verify difference over the servers (None when nothing was verified)."""
         diffs = [s.verify_max_abs_diff for s in self.servers.values()]
         known = [d for d in diffs if d is not None]
         return max(known) if known else None
 
+    def stage_time(self, stage: str) -> float:
+        """Seconds of one stage: staging itself, else the slowest server's (plus the trainer's
+        scoring for ``verify``)."""
+        if stage == "stage":
+            return self.stage_seconds
+        slowest = max((s.timings.get(stage, 0.0) for s in self.servers.values()), default=0.0)
+        return slowest + (self.score_seconds if stage == "verify" else 0.0)
+
     def describe(self) -> str:
+        """One line per server: version, serving/PAUSED/unreachable, ok or the failure."""
         lines = [f"weight push of version {self.version} ({self.transport}):"]
         for s in self.servers.values():
             state = "ok" if s.ok else f"FAILED at {s.stage}: {s.error}"
@@ -224,32 +374,114 @@ class PushReport:
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:
+        """``timing_s/push/*`` and ``weight_sync/*`` for the tracker."""
+        servers = self.servers.values()
         out = {
             "weight_sync/push_s": self.total_seconds,
             "weight_sync/stage_s": self.stage_seconds,
             "weight_sync/verify_s": self.verify_seconds,
             "weight_sync/bytes": float(self.num_bytes),
-            "weight_sync/failed_servers": float(sum(not s.ok for s in self.servers.values())),
+            "weight_sync/failed_servers": float(sum(not s.ok for s in servers)),
             # servers whose probe logprobs were compared with the trainer's (0 when verify is off)
             "weight_sync/verified_servers": float(
-                sum(s.ok and s.verify_max_abs_diff is not None for s in self.servers.values())
+                sum(s.ok and s.verify_max_abs_diff is not None for s in servers)
+            ),
+            "weight_sync/verified_while_paused": float(
+                sum(s.ok and s.verified_while_paused for s in servers)
             ),
         }
+        for stage in STAGES:
+            out[f"timing_s/push/{stage}"] = self.stage_time(stage)
         if self.max_abs_diff is not None:
             out["weight_sync/verify_max_abs_diff"] = self.max_abs_diff
         return out
 
     def raise_if_failed(self) -> None:
+        """Raise :class:`WeightPushError` (the :meth:`describe` table) unless :attr:`ok`."""
         if not self.ok:
             raise WeightPushError(self)
 
 
+class _Verifier:
+    """Runs the probe on one server and compares it with the trainer's score (scored once per
+    distinct token sequence, however many servers return it).
+
+    While paused (embedded server) the probe is teacher-forced: the server scores the fixed
+    ``probe_token_ids`` in one forward pass, and the trainer's side is computed before any
+    server is paused (:meth:`prepare`), so the pause lasts one short forward longer, no more.
+    After a resume (vLLM) the probe is a seeded generation, scored when it returns."""
+
+    def __init__(self, engine: CheckpointEngine, score: ScoreFn) -> None:
+        self.engine = engine
+        self.score = score
+        self._scored: dict[tuple[int, ...], asyncio.Future[list[float]]] = {}
+
+    async def prepare(self) -> None:
+        """Score the teacher-forced probe now, before anything is paused."""
+        forced = tuple(self.engine.probe_token_ids)
+        self._scored[forced] = asyncio.ensure_future(self._trainer_logprobs(forced))
+        await self._scored[forced]
+
+    async def _trainer_logprobs(self, tokens: tuple[int, ...]) -> list[float]:
+        result = self.score(self.engine.probe_prompt_ids, list(tokens))
+        if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
+            result = await result
+        assert isinstance(result, list)
+        return [float(x) for x in result]
+
+    async def check(self, status: ServerPushStatus, gen: Generation, version: int) -> None:
+        """Fill ``status.verify_max_abs_diff``; set ``status.error`` on a mismatch."""
+        if gen.weight_version != version:
+            status.error = (
+                f"verify probe was served by version {gen.weight_version}, expected {version}"
+            )
+            return
+        if not gen.token_ids:
+            status.verify_max_abs_diff = 0.0
+            return
+        key = tuple(gen.token_ids)
+        if key not in self._scored:
+            self._scored[key] = asyncio.ensure_future(self._trainer_logprobs(key))
+        expected = await self._scored[key]
+        diff = max(abs(a - b) for a, b in zip(expected, gen.logprobs, strict=True))
+        status.verify_max_abs_diff = diff
+        tolerance = self.engine.verify_tolerance
+        if diff > tolerance:
+            status.error = (
+                f"verify: server logprobs differ from the trainer's by {diff:.3g} > "
+                f"checkpoint.verify_tolerance={tolerance:g} (weights not loaded, a different "
+                "temperature/logprob mode, a dtype mismatch, or an untied lm_head)"
+            )
+
+    async def probe_paused(self, client: PolicyClient) -> Generation:
+        """The teacher-forced probe, served while the (embedded) server is paused."""
+        e = self.engine
+        return await client.probe(
+            e.probe_prompt_ids, temperature=e.temperature, token_ids=list(e.probe_token_ids)
+        )
+
+    async def probe_serving(self, client: PolicyClient) -> Generation:
+        """The seeded-generation probe, after the resume (vLLM)."""
+        sampling = SamplingParams(
+            max_tokens=self.engine.probe_tokens, temperature=self.engine.temperature, seed=1234
+        )
+        return await client.generate(self.engine.probe_prompt_ids, sampling)
+
+
 class CheckpointEngine:
-    """Push weights to servers and verify them; see the module docstring for the invariants."""
+    """Push weights to servers and verify them; see the module docstring for the invariants.
+
+    ``clients`` are :class:`PolicyClient` objects (or base URLs, for which a client with
+    ``api_key`` and ``push_timeout_s`` is built). ``tied_weights`` maps a name to send
+    explicitly to vLLM servers onto the tensor that holds its bytes; None detects a tied
+    ``lm_head.weight`` (:func:`tied_aliases`). The probe is ``probe_prompt_ids`` followed by
+    ``probe_token_ids`` (default ``9 .. 8 + probe_tokens``) scored while paused, or by
+    ``probe_tokens`` sampled tokens (seed 1234) after a resume (vLLM).
+    """
 
     def __init__(
         self,
-        clients: Sequence[PolicyClient],
+        clients: Sequence[PolicyClient | str],
         transport: WeightTransport,
         *,
         pause_mode: PauseMode = "keep",
@@ -259,18 +491,41 @@ class CheckpointEngine:
         probe_tokens: int = 8,
         temperature: float = 1.0,
         push_timeout_s: float = 300.0,
+        api_key: str | None = None,
+        tied_weights: Mapping[str, str] | None = None,
+        probe_token_ids: Sequence[int] | None = None,
     ) -> None:
         if not clients:
             raise ValueError("CheckpointEngine needs at least one server client")
-        self.clients = list(clients)
+        self.clients = [
+            c
+            if isinstance(c, PolicyClient)
+            else PolicyClient(c, timeout_s=push_timeout_s, api_key=api_key)
+            for c in clients
+        ]
         self.transport = transport
         self.pause_mode: PauseMode = pause_mode
         self.verify = verify
         self.verify_tolerance = verify_tolerance
         self.probe_prompt_ids = list(probe_prompt_ids)
         self.probe_tokens = probe_tokens
+        self.probe_token_ids = (
+            list(probe_token_ids)
+            if probe_token_ids is not None
+            else list(range(9, 9 + probe_tokens))
+        )
+        """What the paused probe scores (teacher forcing) after ``probe_prompt_ids``."""
         self.temperature = temperature
         self.push_timeout_s = push_timeout_s
+        self.tied_weights = None if tied_weights is None else dict(tied_weights)
+
+    async def aclose(self) -> None:
+        """Close the clients and the transport's weight server (the shared directory stays;
+        ``SharedDirTransport.remove()`` deletes it)."""
+        await asyncio.gather(*(c.aclose() for c in self.clients))
+        close = getattr(self.transport, "close", None)
+        if callable(close):
+            close()
 
     async def push(
         self,
@@ -281,129 +536,150 @@ class CheckpointEngine:
         """Push ``state_dict`` as ``version`` to every server; verify with ``score`` if given.
 
         Never raises for a server-side failure (it is in the report; call
-        :meth:`PushReport.raise_if_failed`); raises only for bad arguments or if serializing
-        the weights fails (before any server is touched).
+        :meth:`PushReport.raise_if_failed`); raises only for bad arguments or if staging the
+        weights fails (before any server is touched).
         """
         t0 = time.perf_counter()
         report = PushReport(version=version, transport=self.transport.name)
-        # Serialized in a thread: a 100M-parameter model takes about a second, and the event
-        # loop (agent loops, other servers' requests) keeps running meanwhile.
-        staged = await asyncio.to_thread(self.transport.stage, state_dict, version)
+        state = await self._with_tied_copies(state_dict)
+        # Staged in a thread: writing a file (shared_dir) takes a while for a big model, and
+        # the event loop (agent loops, other servers' requests) keeps running meanwhile.
+        staged = await asyncio.to_thread(self.transport.stage, state, version)
         report.num_bytes = staged.num_bytes
         report.stage_seconds = time.perf_counter() - t0
-        statuses = await asyncio.gather(*(self._push_one(c, staged) for c in self.clients))
+        verifier = _Verifier(self, score) if self.verify and score is not None else None
+        if verifier is not None:
+            t_score = time.perf_counter()
+            await verifier.prepare()
+            report.score_seconds = time.perf_counter() - t_score
+        statuses = await asyncio.gather(
+            *(self._push_one(c, staged, verifier) for c in self.clients)
+        )
         report.servers = {s.url: s for s in statuses}
-        if self.verify and score is not None:
-            t_verify = time.perf_counter()
-            await self._verify(report, score)
-            report.verify_seconds = time.perf_counter() - t_verify
+        report.verify_seconds = report.stage_time("verify")
         self.transport.cleanup(keep_version=version)
         report.total_seconds = time.perf_counter() - t0
         if not report.ok:
             logger.error("%s", report.describe())
         return report
 
-    async def _push_one(self, client: PolicyClient, staged: StagedWeights) -> ServerPushStatus:
+    async def _with_tied_copies(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        aliases = tied_aliases(state) if self.tied_weights is None else self.tied_weights
+        if not aliases:
+            return state
+        backends = await asyncio.gather(
+            *(c.resolve_backend() for c in self.clients), return_exceptions=True
+        )
+        if "vllm" not in backends:
+            return state
+        extra = {name: state[source] for name, source in aliases.items() if name not in state}
+        return {**state, **extra}
+
+    async def _push_one(
+        self, client: PolicyClient, staged: StagedWeights, verifier: _Verifier | None
+    ) -> ServerPushStatus:
         status = ServerPushStatus(url=client.base_url)
         t0 = time.perf_counter()
         pause_sent = False
-        paused = False
         try:
             async with asyncio.timeout(self.push_timeout_s):
                 status.stage = "pause"
                 # A pause whose answer is lost (timeout, dropped connection) may still take
                 # effect on the server, so the resume below runs once the pause was sent.
                 pause_sent = True
-                await client.pause(self.pause_mode)
-                paused = True
-                status.stage = "transfer"
-                await self.transport.load(client, staged)
-                status.stage = "reset_prefix_cache"
-                await client.reset_prefix_cache()
-                status.stage = "set_version"
-                await client.set_weight_version(staged.version)
+                await self._timed(
+                    status,
+                    "pause",
+                    client.pause(self.pause_mode, timeout_s=self.push_timeout_s + PAUSE_MARGIN_S),
+                )
+                await self._transfer(client, staged, status)
+                if verifier is not None and await client.resolve_backend() == "embedded":
+                    status.stage = "verify"
+                    gen = await self._timed(status, "verify", verifier.probe_paused(client))
+                    await self._timed(status, "verify", verifier.check(status, gen, staged.version))
+                    status.verified_while_paused = status.error is None
         except BaseException as exc:  # recorded per server; the resume below still runs
-            status.error = f"{type(exc).__name__}: {exc}"
+            status.error = status.error or f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, Exception):
                 raise
         finally:
             if pause_sent:
-                try:
-                    await asyncio.wait_for(client.resume(), timeout=30.0)
-                except Exception as exc:
-                    # An unreachable server (dead, or never reached by the pause) is reported
-                    # as unreachable below (version None), not as paused.
-                    gone = isinstance(exc, InferenceServerError) and exc.connection_failed
-                    status.paused = paused and not gone
-                    if paused:
-                        status.error = (status.error + "; " if status.error else "") + (
-                            f"resume failed: {type(exc).__name__}: {exc}"
-                        )
-            try:
-                # Generous: the embedded server checksums its weights for /weight_info
-                # (about a second per 100M parameters on a busy CPU).
-                status.version = await asyncio.wait_for(client.weight_version(), timeout=60.0)
-            except Exception:
-                status.version = None
-            if status.error is None:
-                if status.version != staged.version:
-                    status.error = (
-                        f"server reports version {status.version} after the push, "
-                        f"expected {staged.version}"
-                    )
-                else:
-                    status.stage = "done"
-            status.seconds = time.perf_counter() - t0
+                await self._resume(client, status)
+            await self._read_version(client, status, staged.version)
+        if verifier is not None and status.ok and not status.verified_while_paused:
+            await self._verify_serving(client, status, verifier, staged.version)
+        status.seconds = time.perf_counter() - t0
         return status
 
-    async def _verify(self, report: PushReport, score: ScoreFn) -> None:
-        sampling = SamplingParams(
-            max_tokens=self.probe_tokens, temperature=self.temperature, seed=1234
-        )
-        by_url = {c.base_url: c for c in self.clients}
-        # Servers on the same weights usually sample the same probe tokens (fixed seed): the
-        # trainer scores each distinct token sequence once per push.
-        scored: dict[tuple[int, ...], list[float]] = {}
+    async def _transfer(
+        self, client: PolicyClient, staged: StagedWeights, status: ServerPushStatus
+    ) -> None:
+        status.stage = "transfer"
+        await self._timed(status, "transfer", self.transport.load(client, staged))
+        status.stage = "reset_prefix_cache"
+        await self._timed(status, "transfer", client.reset_prefix_cache())
+        status.stage = "set_version"
+        await self._timed(status, "transfer", client.set_weight_version(staged.version))
 
-        async def one(status: ServerPushStatus) -> None:
-            if not status.ok:
-                return
-            client = by_url[status.url]
-            try:
-                gen = await client.generate(self.probe_prompt_ids, sampling)
-            except Exception as exc:
-                status.error = f"verify probe failed: {type(exc).__name__}: {exc}"
-                status.stage = "verify"
-                return
-            if gen.weight_version != report.version:
-                status.error = (
-                    f"verify probe was served by version {gen.weight_version}, "
-                    f"expected {report.version}"
-                )
-                status.stage = "verify"
-                return
-            if not gen.token_ids:
-                status.verify_max_abs_diff = 0.0
-                return
-            key = tuple(gen.token_ids)
-            if key not in scored:
-                result = score(self.probe_prompt_ids, list(gen.token_ids))
-                if asyncio.iscoroutine(result) or isinstance(result, Awaitable):
-                    result = await result
-                assert isinstance(result, list)
-                scored[key] = result
-            expected = scored[key]
-            diff = max(abs(a - b) for a, b in zip(expected, gen.logprobs, strict=True))
-            status.verify_max_abs_diff = diff
-            if diff > self.verify_tolerance:
-                status.error = (
-                    f"verify: server logprobs differ from the trainer's by {diff:.3g} > "
-                    f"checkpoint.verify_tolerance={self.verify_tolerance:g} (weights not loaded, "
-                    "a different temperature/logprob mode, or a dtype mismatch)"
-                )
-                status.stage = "verify"
+    @staticmethod
+    async def _timed(status: ServerPushStatus, stage: str, work: Awaitable[Any]) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return await work
+        finally:
+            status.timings[stage] = status.timings.get(stage, 0.0) + time.perf_counter() - t0
 
-        await asyncio.gather(*(one(s) for s in report.servers.values()))
+    async def _resume(self, client: PolicyClient, status: ServerPushStatus) -> None:
+        """Resume, then read the pause state back: a server still paused (a ``wait`` pause that
+        landed after the first resume) is resumed once more, and reported paused if it stays."""
+        t0 = time.perf_counter()
+        try:
+            for _attempt in range(2):
+                await asyncio.wait_for(client.resume(), timeout=30.0)
+                if not await asyncio.wait_for(client.is_paused(), timeout=30.0):
+                    break
+            else:
+                status.paused = True
+                status.error = (status.error + "; " if status.error else "") + (
+                    "the server is still paused after two resumes"
+                )
+        except Exception as exc:
+            # An unreachable server (dead, or never reached by the pause) is reported as
+            # unreachable below (version None), not as paused.
+            gone = isinstance(exc, InferenceServerError) and exc.connection_failed
+            status.paused = not gone
+            status.error = (status.error + "; " if status.error else "") + (
+                f"resume failed: {type(exc).__name__}: {exc}"
+            )
+        status.timings["resume"] = time.perf_counter() - t0
+
+    @staticmethod
+    async def _read_version(client: PolicyClient, status: ServerPushStatus, expected: int) -> None:
+        try:
+            status.version = await asyncio.wait_for(client.weight_version(), timeout=60.0)
+        except Exception:
+            status.version = None
+        if status.error is None:
+            if status.version != expected:
+                status.error = (
+                    f"server reports version {status.version} after the push, expected {expected}"
+                )
+            else:
+                status.stage = "done"
+
+    async def _verify_serving(
+        self, client: PolicyClient, status: ServerPushStatus, verifier: _Verifier, version: int
+    ) -> None:
+        """vLLM: nothing is served while paused, so the probe runs right after the resume."""
+        t0 = time.perf_counter()
+        try:
+            gen = await verifier.probe_serving(client)
+            await verifier.check(status, gen, version)
+        except Exception as exc:
+            status.error = f"verify probe failed: {type(exc).__name__}: {exc}"
+        if status.error is not None:
+            status.stage = "verify"
+        status.timings["verify"] = time.perf_counter() - t0
 
 
 def describe_versions(report: PushReport) -> dict[str, Any]:

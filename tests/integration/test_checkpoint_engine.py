@@ -150,10 +150,18 @@ async def test_push_moves_every_server_to_the_new_weights_and_verifies(
             "weight_sync/bytes",
             "weight_sync/failed_servers",
             "weight_sync/verified_servers",
+            "weight_sync/verified_while_paused",
             "weight_sync/verify_max_abs_diff",
+            "timing_s/push/stage",
+            "timing_s/push/pause",
+            "timing_s/push/transfer",
+            "timing_s/push/verify",
+            "timing_s/push/resume",
         }
         assert metrics["weight_sync/failed_servers"] == 0.0
         assert metrics["weight_sync/verified_servers"] == len(servers)
+        # Verified before the resume: no rollout was served by unverified weights.
+        assert metrics["weight_sync/verified_while_paused"] == len(servers)
         assert metrics["weight_sync/bytes"] > 0
         for c, old in zip(clients, before, strict=True):
             assert await c.weight_version() == v
@@ -272,6 +280,7 @@ class KillDuringTransfer(HttpStreamTransport):
     """Kills the victim's process after the push paused it, right before its transfer."""
 
     def __init__(self, victim: ServerHandle) -> None:
+        super().__init__()
         self.victim = victim
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
@@ -322,6 +331,7 @@ class RecordWhilePaused(HttpStreamTransport):
     """Records, while the server is paused for the transfer, which requests are still open."""
 
     def __init__(self, tasks: list[asyncio.Task]) -> None:
+        super().__init__()
         self.tasks = tasks
         self.open_during_transfer: list[int] = []
         self.paused_during_transfer = False
@@ -430,3 +440,71 @@ async def test_push_and_verify_against_vllm(vllm_server, tiny_model_dir, tmp_pat
         restore.raise_if_failed()
         restored = await client.generate(PROMPT, sampling)
         assert restored.token_ids == before.token_ids
+
+
+def push_state_of(model) -> dict[str, torch.Tensor]:
+    """What ``Actor.state_dict_for_push`` sends: tied tensors once, under the first name."""
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor.detach().contiguous().clone()
+    return out
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(1500)
+async def test_a_tied_model_on_vllm_verifies_every_push(tmp_path, report_metric):
+    """vLLM 0.32's reload_weights leaves a tied lm_head on the old embedding; the engine sends
+    ``lm_head.weight`` explicitly to vLLM, so every push of a tied model verifies."""
+    from agentrl.inference.tiny_model import build_tiny_model
+    from agentrl.inference.vllm_backend import launch_vllm_server
+    from tests.integration.conftest import vllm_python_or_fail
+
+    python = vllm_python_or_fail()
+    tied_dir = build_tiny_model(tmp_path / "tied", seed=3, tie_embeddings=True)
+    temperature = 0.7
+    handle = launch_vllm_server(
+        tied_dir,
+        python=python,
+        log_path=tmp_path / "vllm-tied.log",
+        dtype="float32",
+        max_model_len=256,
+        startup_timeout_s=900,
+    )
+    try:
+        async with PolicyClient(handle.base_url) as client:
+            v = await client.weight_version()
+            for seed in (71, 72):
+                model = perturbed(tied_dir, seed=seed)
+                state = push_state_of(model)
+                assert "lm_head.weight" not in state  # tied: the head is the embedding
+                v += 1
+                engine = CheckpointEngine(
+                    [client],
+                    SharedDirTransport(tmp_path / "weights"),
+                    temperature=temperature,
+                    verify_tolerance=1e-3,
+                )
+                report = await engine.push(state, v, score=scorer(model, temperature))
+                diff = report.max_abs_diff
+                assert diff is not None
+                report_metric(f"vllm_tied_verify_max_abs_diff_{seed}", diff)
+                report.raise_if_failed()
+                assert diff <= 1e-3 and not await client.is_paused()
+            # Without the explicit head, vLLM keeps the old one: the verification catches it.
+            model = perturbed(tied_dir, seed=73)
+            untied = CheckpointEngine(
+                [client],
+                SharedDirTransport(tmp_path / "weights"),
+                temperature=temperature,
+                tied_weights={},
+            )
+            failed = await untied.push(
+                push_state_of(model), v + 1, score=scorer(model, temperature)
+            )
+            report_metric("vllm_tied_without_head_diff", failed.max_abs_diff or 0.0)
+            assert not failed.ok and (failed.max_abs_diff or 0.0) > 1e-2
+    finally:
+        handle.stop()

@@ -206,7 +206,7 @@ def test_weight_updates_change_outputs_and_version(server, models) -> None:
         )
 
     lp0, v0, h0 = complete()
-    info0 = httpx.get(base + "/weight_info", timeout=60).json()
+    info0 = httpx.get(base + "/weight_info", params={"checksum": "true"}, timeout=60).json()
     assert v0 == 0 and h0 == "0"
 
     # 1) from a directory (pause -> update -> resume, as the checkpoint engine does)
@@ -219,7 +219,7 @@ def test_weight_updates_change_outputs_and_version(server, models) -> None:
     assert httpx.post(base + "/resume", timeout=60).status_code == 200
     lp1, v1, h1 = complete()
     assert (v1, h1) == (1, "1") and lp1 != lp0
-    info1 = httpx.get(base + "/weight_info", timeout=60).json()
+    info1 = httpx.get(base + "/weight_info", params={"checksum": "true"}, timeout=60).json()
     assert info1["version"] == 1 and info1["checksum"] != info0["checksum"]
 
     # 2) streamed safetensors body back to the original weights, explicit version
@@ -230,7 +230,10 @@ def test_weight_updates_change_outputs_and_version(server, models) -> None:
     assert r.status_code == 200 and r.json()["weight_version"] == 5
     lp5, v5, _ = complete()
     assert v5 == 5 and lp5 == pytest.approx(lp0, abs=1e-6)
-    assert httpx.get(base + "/weight_info", timeout=60).json()["checksum"] == info0["checksum"]
+    assert (
+        httpx.get(base + "/weight_info", params={"checksum": "true"}, timeout=60).json()["checksum"]
+        == info0["checksum"]
+    )
 
     # 3) vLLM's collective_rpc reload_weights, then restore and reset the version
     r = httpx.post(

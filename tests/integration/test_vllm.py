@@ -128,68 +128,38 @@ async def test_weight_reload_from_a_directory_changes_outputs_and_version(
     assert max(abs(a - b) for a, b in zip(restored.logprobs, before.logprobs, strict=True)) < 1e-4
 
 
-async def running_requests(base_url: str) -> float:
-    """Requests in the server's running batch, from ``/metrics`` (both servers export a gauge
-    named ``*num_requests_running``)."""
-    import httpx
-
-    async with httpx.AsyncClient() as http:
-        text = (await http.get(base_url + "/metrics", timeout=10)).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if not line.startswith("#") and "num_requests_running" in line.split(" ", 1)[0]
-    )
-
-
-async def wait_until_all_running(
-    base_url: str, tasks: list[asyncio.Task], timeout_s: float = 120
-) -> None:
-    """Wait until every unfinished task's request is in the server's running batch (a request
-    still on its way would be queued by a pause and only run after the resume)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pending = sum(not t.done() for t in tasks)
-        if pending == 0:
-            raise AssertionError("every request finished before the test could pause")
-        if await running_requests(base_url) >= pending:
-            return
-        assert time.monotonic() < deadline, f"requests not running after {timeout_s} s"
-        await asyncio.sleep(0.05)
-
-
 async def test_pause_abort_ends_in_flight_requests_and_resume_serves_again(inference_server):
-    # A paused server queues new requests, so pause only once requests are really running.
-    # The tiny random model may emit EOS early; vLLM is told to ignore it (the embedded server
-    # ignores the unknown field).
+    # Deterministic: the server is paused (keep) *before* the requests are sent, so none can
+    # finish, whatever the machine's speed, and it stays paused while pauses in abort mode end
+    # whatever has arrived (a request still on its way is queued, then ended by the next one).
     url = inference_server.base_url
-    sampling = SamplingParams(max_tokens=1900, temperature=1.0)
+    sampling = SamplingParams(max_tokens=64, temperature=1.0)
     async with PolicyClient(url) as client:
-        tasks = [
-            asyncio.create_task(
-                client.generate([i + 1, 7, 9], sampling, extra_body={"ignore_eos": True})
-            )
-            for i in range(4)
-        ]
+        await client.weight_version()  # the vLLM client brackets generations with this
+        await client.pause("keep")
+        tasks: list[asyncio.Task] = []
         try:
-            await wait_until_all_running(url, tasks)
-            # On a fast machine a request can finish before the pause lands; only the requests
-            # still in flight when the pause is sent must end as aborted.
-            in_flight = [i for i, t in enumerate(tasks) if not t.done()]
-            await client.pause("abort")
-            gens = await asyncio.wait_for(asyncio.gather(*tasks), timeout=120)
+            tasks = [
+                asyncio.create_task(
+                    client.generate([i + 1, 7, 9], sampling, extra_body={"ignore_eos": True})
+                )
+                for i in range(4)
+            ]
+            deadline = time.monotonic() + 120
+            while not all(t.done() for t in tasks):
+                assert time.monotonic() < deadline, "the requests were not aborted"
+                await client.pause("abort")
+                await asyncio.wait(tasks, timeout=0.5)
+            gens = [t.result() for t in tasks]
         finally:
             await client.resume()
             for t in tasks:
                 t.cancel()
         assert not await client.is_paused()
         short = await client.generate(PROMPTS[0], SamplingParams(max_tokens=4))
-    assert in_flight, "every request finished before the test could pause"
-    aborted = [gens[i] for i in in_flight]
-    assert all(g.finish_reason == "abort" for g in aborted), [g.finish_reason for g in gens]
-    assert all(len(g.token_ids) < 1900 for g in aborted)
-    assert all(g.finish_reason in ("abort", "stop", "length") for g in gens)
-    assert short.finish_reason in ("length", "stop")
+    assert [g.finish_reason for g in gens] == ["abort"] * 4
+    assert all(len(g.token_ids) < 64 for g in gens)
+    assert short.finish_reason in ("length", "stop") and short.token_ids
 
 
 # ---- vLLM only -----------------------------------------------------------------------------
@@ -238,19 +208,31 @@ async def test_vllm_version_bracketing_detects_a_keep_mode_update(vllm_server):
     the older version and counted."""
     async with PolicyClient(vllm_server.base_url) as client:
         v0 = await client.weight_version()
-        # Near the 2,048-token context: long enough to be caught running on a fast, idle machine.
-        sampling = SamplingParams(max_tokens=2000, temperature=1.0)
-        long = asyncio.create_task(
-            client.generate(PROMPTS[0], sampling, extra_body={"ignore_eos": True})
-        )
+        # Deterministic: the request is sent to a paused server (keep), so it cannot run before
+        # the version changes; the change waits until the client has read the version it
+        # brackets the request with (its first /weight_info read inside generate()).
+        read = asyncio.Event()
+        plain_read = client.weight_version
+
+        async def traced_read() -> int:
+            version = await plain_read()
+            read.set()
+            return version
+
+        client.weight_version = traced_read  # type: ignore[method-assign]  # observe the read
+        await client.pause("keep")
         try:
-            await wait_until_all_running(vllm_server.base_url, [long])
-            await client.pause("keep")
+            parked = asyncio.create_task(
+                client.generate(
+                    PROMPTS[0], SamplingParams(max_tokens=32), extra_body={"ignore_eos": True}
+                )
+            )
+            await asyncio.wait_for(read.wait(), timeout=60)
             await client.set_weight_version(v0 + 1)
         finally:
             await client.resume()
-        gen = await asyncio.wait_for(long, timeout=600)
-        assert len(gen.token_ids) == 2000  # it was parked, not aborted, and finished afterwards
+        gen = await asyncio.wait_for(parked, timeout=600)
+        assert len(gen.token_ids) == 32  # it was parked, not aborted, and finished afterwards
         assert gen.weight_version == v0
         assert client.version_straddles == 1
         after = await client.generate(PROMPTS[0], SamplingParams(max_tokens=2))

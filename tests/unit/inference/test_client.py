@@ -175,9 +175,10 @@ async def test_control_calls_reach_their_endpoints():
         "/update_weights",
     ]
     assert fake.control_calls[0][1] == {"mode": "abort"}
+    # The embedded server takes the version with the weights (both change or neither).
     assert fake.control_calls[6][1] == {
         "method": "reload_weights",
-        "kwargs": {"weights_path": "/weights/v5"},
+        "kwargs": {"weights_path": "/weights/v5", "version": 5},
     }
 
 
@@ -249,3 +250,30 @@ async def test_timeout_is_not_a_connection_failure():
         with pytest.raises(InferenceServerError) as info:
             await client.weight_info()
     assert not info.value.connection_failed
+
+
+async def test_the_api_key_defaults_to_the_environment_and_travels_on_every_request(monkeypatch):
+    monkeypatch.setenv("AGENTRL_API_KEY", "from-env")
+    fake = FakeInferenceServer()
+    async with make_client(fake, timeout_s=42) as client:
+        await client.generate([1], SamplingParams(max_tokens=1))
+    headers = fake.generate_requests[-1]["headers"]
+    assert headers["authorization"] == "Bearer from-env"
+    assert headers["x-request-timeout-s"] == "42"  # the server aborts it once we give up
+    async with make_client(fake, api_key="explicit") as client:
+        await client.generate([1], SamplingParams(max_tokens=1))
+    assert fake.generate_requests[-1]["headers"]["authorization"] == "Bearer explicit"
+
+
+async def test_probe_and_url_loads_are_embedded_only():
+    fake = FakeInferenceServer(version=2)
+    async with make_client(fake) as client:
+        gen = await client.probe([4, 5], temperature=0.5, token_ids=[9, 8])
+    assert gen.token_ids == [9, 8] and gen.logprobs == [-0.5, -0.5] and gen.weight_version == 2
+    assert fake.probe_requests[-1]["body"]["temperature"] == 0.5
+    vllm = FakeInferenceServer(version_in_body=False)
+    async with make_client(vllm) as client:
+        with pytest.raises(NotImplementedError, match="paused"):
+            await client.probe([1])
+        with pytest.raises(NotImplementedError, match="shared-directory"):
+            await client.update_weights_from_url("http://127.0.0.1:1/w", 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import threading
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ import torch
 
 from agentrl.inference.engine import (
     EngineRequestError,
+    EngineStepError,
     InferenceEngine,
     WeightLoadError,
     process_logits,
@@ -105,17 +107,32 @@ def test_batched_equals_single_and_matches_hf_forward(engine, hf_model, temperat
 
 
 def test_requests_join_a_running_batch(engine) -> None:
-    long = engine.submit(
-        [1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[])
-    )
-    time.sleep(0.05)
-    short = engine.submit([4, 5], SamplingParams(max_tokens=2, temperature=0.0)).result(timeout=60)
-    assert not long.done() or long.result().finish_reason == "stop"
-    assert len(short.token_ids) <= 2
-    ref = engine.submit([1, 2, 3], SamplingParams(max_tokens=40, temperature=0.0)).result(
-        timeout=60
-    )
-    assert long.result(timeout=60).token_ids == ref.token_ids
+    # The long request is parked by a pause while it is in the running batch (checked, not
+    # assumed), the short one is queued behind the pause, and the resume admits it into that
+    # batch. The long one fills the context (~2,000 greedy steps), so it cannot finish in the
+    # step or two between seeing it run and the pause landing, however fast the machine.
+    n = engine.max_model_len - 3
+    greedy = SamplingParams(max_tokens=n, temperature=0.0)
+    two = SamplingParams(max_tokens=2, temperature=0.0)
+    ref_long = engine.submit([1, 2, 3], greedy, ignore_eos=True).result(timeout=300)
+    ref_short = engine.submit([4, 5], two, ignore_eos=True).result(timeout=60)
+    long = engine.submit([1, 2, 3], greedy, ignore_eos=True)
+    deadline = time.monotonic() + 60
+    # Waiting 0 and running 1 means the long request was admitted (a finished row can linger a
+    # moment after its future resolves, so "running >= 1" alone could be the previous request).
+    while not (engine.num_waiting == 0 and engine.num_running == 1):
+        assert time.monotonic() < deadline, "the long request was never admitted"
+        time.sleep(0.001)
+    engine.pause()
+    try:
+        assert engine.num_running == 1 and not long.done(), "the long request was not running"
+        short_fut = engine.submit([4, 5], two, ignore_eos=True)
+    finally:
+        engine.resume()
+    short = short_fut.result(timeout=60)
+    assert not long.done()  # it was decoding beside the short one, which joined and left
+    assert short.token_ids == ref_short.token_ids
+    assert long.result(timeout=300).token_ids == ref_long.token_ids
 
 
 def test_stop_token_and_max_tokens_zero(engine) -> None:
@@ -177,13 +194,13 @@ def test_weight_swap_changes_outputs_and_version(tmp_path: Path, tiny_model_dir:
     try:
         sp = SamplingParams(max_tokens=8, temperature=0.0)
         before = eng.submit([5, 6, 7], sp).result()
-        info0 = eng.weight_info()
+        info0 = eng.weight_info(checksum=True)
         other = build_tiny_model(tmp_path / "other", seed=123)
         assert eng.load_weights_from_path(other) == 1
         after = eng.submit([5, 6, 7], sp).result()
         assert after.weight_version == 1
         assert after.logprobs != before.logprobs
-        info1 = eng.weight_info()
+        info1 = eng.weight_info(checksum=True)
         assert info1["version"] == 1 and info1["checksum"] != info0["checksum"]
         assert info1["num_params"] == info0["num_params"]
         # Back to the original weights from bytes, with an explicit version.
@@ -196,7 +213,7 @@ def test_weight_swap_changes_outputs_and_version(tmp_path: Path, tiny_model_dir:
         assert eng.load_weights_from_bytes((tmp_path / "orig.safetensors").read_bytes(), 7) == 7
         again = eng.submit([5, 6, 7], sp).result()
         assert again.token_ids == before.token_ids and again.weight_version == 7
-        assert eng.weight_info()["checksum"] == info0["checksum"]
+        assert eng.weight_info(checksum=True)["checksum"] == info0["checksum"]
         # Bad updates change nothing.
         with pytest.raises(WeightLoadError, match="do not name a parameter"):
             eng.load_state_dict({"nope": torch.zeros(1)})
@@ -206,7 +223,8 @@ def test_weight_swap_changes_outputs_and_version(tmp_path: Path, tiny_model_dir:
             eng.load_state_dict({"lm_head.weight": state["lm_head.weight"]})
         with pytest.raises(WeightLoadError, match="safetensors"):
             eng.load_weights_from_bytes(b"not safetensors")
-        assert eng.weight_version == 7 and eng.weight_info()["checksum"] == info0["checksum"]
+        assert eng.weight_version == 7
+        assert eng.weight_info(checksum=True)["checksum"] == info0["checksum"]
         assert eng.set_weight_version(9) == 9
     finally:
         eng.close()
@@ -274,3 +292,173 @@ def test_parked_request_across_a_weight_swap_reports_both_versions(tiny_model_di
     assert out.token_versions[0] == 0 and out.token_versions[-1] == 1
     assert out.token_versions == sorted(out.token_versions)
     assert out.weight_version == 0  # the oldest version: conservative for staleness
+
+
+# ---- one bad request fails only itself -------------------------------------------------------
+class _Poisoned:
+    """Wraps a model: a prefill containing ``prefill_token`` raises, and a batched decode step
+    (more than one row) with a row at position >= ``decode_position`` raises."""
+
+    def __init__(self, model, *, prefill_token: int = -1, decode_position: int = 10**9) -> None:
+        self.model = model
+        self.prefill_token = prefill_token
+        self.decode_position = decode_position
+
+    def __call__(self, *, input_ids, position_ids=None, **kwargs):
+        if input_ids.shape[1] > 1 and (input_ids == self.prefill_token).any():
+            raise RuntimeError("poisoned prefill")
+        if (
+            input_ids.shape[1] == 1
+            and position_ids is not None
+            and (position_ids >= self.decode_position).any()
+        ):
+            raise RuntimeError("poisoned decode")
+        return self.model(input_ids=input_ids, position_ids=position_ids, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+@pytest.fixture
+def fresh(tiny_model_dir: Path):
+    eng = InferenceEngine(tiny_model_dir, max_batch_size=8, seed=0)
+    yield eng
+    eng.close()
+
+
+def test_a_failing_prefill_fails_only_its_request(fresh) -> None:
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    refs = [fresh.submit([3, 4, i + 5], greedy).result(timeout=60) for i in range(3)]
+    fresh.model = _Poisoned(fresh.model, prefill_token=250)
+    fresh.pause()
+    futs = [fresh.submit([3, 4, i + 5], greedy) for i in range(3)]
+    bad = fresh.submit([250, 1, 2], greedy)
+    futs.insert(1, fresh.submit([3, 4, 9], greedy))
+    fresh.resume()
+    with pytest.raises(EngineStepError, match="prefill failed"):
+        bad.result(timeout=60)
+    outs = [f.result(timeout=60) for f in futs]
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [r.token_ids for r in refs]
+    assert fresh.stats["requests_failed"] == 1
+
+
+def test_a_failing_decode_step_is_isolated_to_the_row_that_causes_it(fresh) -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0.0)
+    refs = [fresh.submit([7, i + 1], greedy).result(timeout=60) for i in range(3)]
+    fresh.model = _Poisoned(fresh.model, decode_position=40)
+    fresh.pause()  # everything joins the same batch
+    futs = [fresh.submit([7, i + 1], greedy) for i in range(3)]
+    bad = fresh.submit(list(range(1, 41)), greedy)  # its first decode is at position 40
+    fresh.resume()
+    with pytest.raises(EngineStepError, match="decode failed"):
+        bad.result(timeout=60)
+    # The others were re-prefilled and decoded alone once, and finished token-exact.
+    assert [f.result(timeout=60).token_ids for f in futs] == [r.token_ids for r in refs]
+    assert fresh.stats["decode_step_failures"] >= 1 and fresh.stats["requests_failed"] == 1
+
+
+def test_non_finite_logits_fail_fast_instead_of_hanging(fresh) -> None:
+    with torch.no_grad():
+        fresh.model.lm_head.weight.fill_(float("nan"))
+    for temperature in (0.0, 1.0):
+        fut = fresh.submit([1, 2, 3], SamplingParams(max_tokens=4, temperature=temperature))
+        with pytest.raises(EngineStepError, match="non-finite"):
+            fut.result(timeout=60)
+    with pytest.raises(EngineStepError, match="non-finite"):
+        fresh.probe([1, 2], token_ids=[3, 4])
+
+
+def test_sampling_is_normalised_and_checked_at_the_door(engine) -> None:
+    tiny_t = engine.submit([9, 9], SamplingParams(max_tokens=4, temperature=1e-50)).result(60)
+    greedy = engine.submit([9, 9], SamplingParams(max_tokens=4, temperature=0.0)).result(60)
+    assert tiny_t.token_ids == greedy.token_ids and tiny_t.logprobs == greedy.logprobs
+    for seed in (2**63, -(2**63) - 1):
+        with pytest.raises(EngineRequestError) as e:
+            engine.submit([1], SamplingParams(seed=seed))
+        assert e.value.param == "seed"
+    out = engine.submit(
+        [1, 2], SamplingParams(max_tokens=5, top_p=0.01, seed=1), num_top_logprobs=5
+    ).result(60)
+    assert out.top_logprobs is not None
+    assert all(len(top) == 1 and all(math.isfinite(v) for _, v in top) for top in out.top_logprobs)
+
+
+# ---- the probe, pauses, deadlines, cancellation ------------------------------------------------
+def test_the_probe_is_served_while_paused_and_matches_a_forward_pass(engine, hf_model) -> None:
+    engine.pause()
+    try:
+        forced = engine.probe([5, 6, 7], temperature=0.7, token_ids=[8, 9, 10, 11])
+        sampled = engine.probe([5, 6, 7], temperature=0.7, max_tokens=4, seed=3)
+    finally:
+        engine.resume()
+    ref = _reference_logprobs(hf_model, [5, 6, 7], [8, 9, 10, 11], 0.7)
+    assert forced.token_ids == [8, 9, 10, 11] and forced.weight_version == engine.weight_version
+    assert torch.allclose(torch.tensor(forced.logprobs), ref, atol=1e-5)
+    ref = _reference_logprobs(hf_model, [5, 6, 7], sampled.token_ids, 0.7)
+    assert torch.allclose(torch.tensor(sampled.logprobs), ref, atol=1e-5)
+    with pytest.raises(EngineRequestError):
+        engine.probe([1], max_tokens=10_000)
+
+
+def test_a_pause_ends_by_its_deadline(fresh) -> None:
+    fresh.pause(max_pause_s=0.2)
+    fut = fresh.submit([1, 2], SamplingParams(max_tokens=2))
+    assert len(fut.result(timeout=30).token_ids) >= 1  # served once the pause expired
+    assert not fresh.is_paused and fresh.stats["pause_expired"] == 1
+    with pytest.raises(EngineRequestError):
+        fresh.pause(max_pause_s=float("nan"))
+
+
+def test_a_drain_pauses_once_the_batch_is_empty_and_a_resume_cancels_it(fresh) -> None:
+    long = fresh.submit([1, 2], SamplingParams(max_tokens=60), ignore_eos=True)
+    deadline = time.monotonic() + 60
+    while fresh.num_running == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    epoch = fresh.start_drain()
+    queued = fresh.submit([3, 4], SamplingParams(max_tokens=2))
+    assert fresh.pause_state in ("draining", "paused") and fresh.is_paused
+    long.result(timeout=60)
+    deadline = time.monotonic() + 30
+    while fresh.pause_state != "paused" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert fresh.pause_state == "paused" and not queued.done()  # nothing new was admitted
+    assert not fresh.cancel_pause(epoch - 1)  # a stale requester cannot resume it
+    assert fresh.cancel_pause(epoch) and fresh.pause_state == "running"
+    assert queued.result(timeout=60).finish_reason in ("stop", "length")
+
+
+def test_deadlines_and_cancellation_end_parked_requests_at_once(fresh) -> None:
+    fresh.pause()
+    try:
+        late = fresh.submit([1, 2], SamplingParams(max_tokens=8), timeout_s=0.1)
+        assert late.result(timeout=30).finish_reason == "abort"  # while still paused
+        gone = fresh.submit([1, 2], SamplingParams(max_tokens=8))
+        fresh.cancel(gone)
+        assert gone.result(timeout=30).finish_reason == "abort"
+        assert fresh.num_waiting == 0 and fresh.stats["finish_abort"] == 2
+    finally:
+        fresh.resume()
+
+
+# ---- weights: checked completely, version and weights together ---------------------------------
+def test_bad_updates_change_neither_weights_nor_version(fresh, tmp_path: Path) -> None:
+    state = {k: v.clone() for k, v in fresh.model.state_dict().items()}
+    before = fresh.weight_info(checksum=True)
+    nan = dict(state, **{"lm_head.weight": state["lm_head.weight"].clone().fill_(float("nan"))})
+    with pytest.raises(WeightLoadError, match="non-finite"):
+        fresh.load_state_dict(nan)
+    with pytest.raises(WeightLoadError, match="dtype"):
+        fresh.load_state_dict({k: v.double() for k, v in state.items()})
+    for version in (-1, 2**63, "3", True):
+        with pytest.raises(EngineRequestError):
+            fresh.load_state_dict({k: v + 1 for k, v in state.items()}, version)  # type: ignore[arg-type]
+    with pytest.raises(EngineRequestError):
+        fresh.set_weight_version(10**400)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x00" * 64)
+    for path in (tmp_path / "bad.safetensors", tmp_path / "nope", tmp_path):
+        with pytest.raises(WeightLoadError):
+            fresh.load_weights_from_path(path)
+    assert fresh.weight_info(checksum=True) == before
+    # A lossless widening is applied and reported.
+    assert fresh.load_state_dict({k: v.half() for k, v in state.items()}, 4) == 4
+    assert fresh.last_load_casts == {"float16->float32": len(state)}

@@ -267,3 +267,39 @@ async def test_from_config_takes_interval_timeout_and_retries():
     assert pool.health_check_interval_s == 2.5
     assert pool.max_attempts == 5
     await pool.aclose()
+
+
+async def test_a_dropped_connection_on_a_healthy_server_does_not_mark_it_dead():
+    # A server that closed one kept-alive connection (e.g. after a 500) still answers /health.
+    pool, (a, b) = make_pool()
+    async with pool:
+        first = await pool.generate([1], SP, session_id="ep")
+        home = a if first.server == a.url else b
+        home.fail_next = ["drop"]
+        gen = await pool.generate([5], SP, session_id="ep")
+        assert gen.token_ids == [6, 7]
+        assert pool.dead_servers() == []
+        assert pool.stats()[home.url].failures == 1
+        assert "/health" in home.paths  # it was asked before being judged
+
+
+async def test_extra_body_and_the_api_key_reach_the_server():
+    fakes = [FakeInferenceServer("http://s0")]
+    pool = ServerPool(
+        ["http://s0"],
+        health_check_interval_s=None,
+        client_factory=lambda url: PolicyClient(
+            url, transport=fakes[0].transport(), max_retries=0, api_key="k9"
+        ),
+    )
+    async with pool:
+        await pool.generate([1], SP, extra_body={"ignore_eos": True})
+    request = fakes[0].generate_requests[-1]
+    assert request["body"]["ignore_eos"] is True
+    assert request["headers"]["authorization"] == "Bearer k9"
+    assert float(request["headers"]["x-request-timeout-s"]) > 0
+    keyed = ServerPool(["http://127.0.0.1:9"], health_check_interval_s=None, api_key="k10")
+    assert keyed.stats() and all(
+        s.client._http.headers["authorization"] == "Bearer k10" for s in keyed._servers.values()
+    )
+    await keyed.aclose()

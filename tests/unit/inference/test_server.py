@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -73,6 +74,7 @@ async def test_completions_token_ids_with_logprobs(client, engine) -> None:
         "prompt_ids",
         "output_ids",
         "weight_version",
+        "finish_reason",
         "t",
     }
 
@@ -203,16 +205,113 @@ async def test_malformed_json_and_unknown_route(client) -> None:
 
 async def test_pause_resume_abort_and_version(client, engine) -> None:
     r = await client.post("/pause")
-    assert r.status_code == 200 and (await client.get("/is_paused")).json() == {"is_paused": True}
+    paused = (await client.get("/is_paused")).json()
+    assert r.status_code == 200 and paused == {"is_paused": True, "state": "paused"}
     assert (await client.post("/abort_requests")).json()["aborted"] == 0
     assert (await client.post("/resume")).status_code == 200
-    assert (await client.get("/is_paused")).json() == {"is_paused": False}
+    assert (await client.get("/is_paused")).json()["is_paused"] is False
     assert (await client.post("/reset_prefix_cache")).json()["status"] == "ok"
     assert (await client.post("/pause", params={"mode": "bogus"})).status_code == 400
     r = await client.post("/update_weight_version", json={"version": 4})
     assert r.json()["weight_version"] == 4 and r.headers["x-weight-version"] == "4"
-    info = (await client.get("/weight_info")).json()
+    info = (await client.get("/weight_info", params={"checksum": "true"})).json()
     assert info["version"] == 4 and len(info["checksum"]) == 64 and info["num_params"] > 0
     r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
     assert r.json()["weight_version"] == 4
     await client.post("/update_weight_version", json={"version": 0})
+
+
+# ---- who may call what -----------------------------------------------------------------------
+def _client_from(app, host: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app, client=(host, 40000)), base_url="http://test"
+    )
+
+
+async def test_without_a_key_control_answers_loopback_callers_only(engine) -> None:
+    app = create_app(engine, served_model_name="tiny")
+    async with _client_from(app, "10.0.0.7") as remote, _client_from(app, "127.0.0.1") as local:
+        for path in ("/pause", "/resume", "/abort_requests", "/update_weight_version", "/probe"):
+            r = await remote.post(path, json={"version": 1, "prompt": [1]})
+            assert r.status_code == 403, (path, r.text)
+            assert "--api-key" in r.json()["error"]["message"]
+        r = await remote.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 1})
+        assert r.status_code == 200  # generation stays open, as on vLLM without a key
+        assert (await remote.get("/weight_info")).status_code == 200
+        assert (await local.post("/resume")).status_code == 200
+
+
+async def test_with_a_key_everything_but_health_and_metrics_needs_it(engine) -> None:
+    app = create_app(engine, served_model_name="tiny", api_key="k1")
+    async with _client_from(app, "127.0.0.1") as c:
+        for method, path in (
+            ("POST", "/v1/completions"),
+            ("GET", "/v1/models"),
+            ("POST", "/resume"),
+            ("GET", "/weight_info"),
+        ):
+            r = await c.request(method, path, json={"prompt": [1], "max_tokens": 1})
+            assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", path
+            r = await c.request(
+                method,
+                path,
+                json={"prompt": [1], "max_tokens": 1},
+                headers={"Authorization": "Bearer k1"},
+            )
+            assert r.status_code == 200, (path, r.text)
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/metrics")).status_code == 200
+
+
+async def test_oversized_or_unsized_json_bodies_are_refused(client) -> None:
+    r = await client.post(
+        "/v1/completions",
+        content=b"{}",
+        headers={"content-length": str(10**9), "content-type": "application/json"},
+    )
+    assert r.status_code == 413
+
+    async def chunks():
+        yield b'{"prompt": [1]}'
+
+    r = await client.post(
+        "/v1/completions", content=chunks(), headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 411
+
+
+async def test_a_trusted_request_template_renders_off_the_event_loop(engine) -> None:
+    app = create_app(engine, served_model_name="tiny", trust_request_chat_template=True)
+    # ~1e6 template steps (the sandbox caps one range at 1e5, so two nested loops).
+    heavy = "{% for i in range(5000) %}{% for j in range(200) %}{{ (i * j) % 7 }}{% endfor %}{% endfor %}"
+    async with _client_from(app, "127.0.0.1") as c:
+        chat = asyncio.create_task(
+            c.post(
+                "/v1/chat/completions",
+                json={
+                    "messages": [{"role": "user", "content": "x"}],
+                    "chat_template": heavy,
+                    "max_tokens": 1,
+                },
+            )
+        )
+        await asyncio.sleep(0)
+        health = await c.get("/health")  # answered while the template renders elsewhere
+        assert health.status_code == 200 and not chat.done()
+        r = await chat
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]  # too long
+
+
+async def test_models_shows_no_path(client, engine) -> None:
+    card = (await client.get("/v1/models")).json()["data"][0]
+    assert card["root"] == "tiny" and str(engine.model_dir) not in json.dumps(card)
+
+
+def test_a_non_loopback_bind_without_a_key_warns_loudly(capsys) -> None:
+    from agentrl.inference.server import _warn_if_exposed
+
+    _warn_if_exposed("127.0.0.1", None)
+    _warn_if_exposed("0.0.0.0", "key")
+    assert capsys.readouterr().err == ""
+    _warn_if_exposed("0.0.0.0", None)
+    assert "WARNING" in capsys.readouterr().err

@@ -88,11 +88,15 @@ def test_launch_sets_dev_mode_and_processed_logprobs_and_stop_reaches_workers(
         log_path=tmp_path / "vllm.log",
         extra_args=["--max-num-seqs", "8"],
         startup_timeout_s=60,
+        api_key="vk",
     )
     try:
         assert handle.is_running()
         seen = json.loads(record.read_text())
         argv = seen["argv"]
+        # The key travels in the environment, never on the command line (ps shows argv).
+        assert seen["env"]["VLLM_API_KEY"] == "vk" and "vk" not in argv
+        assert handle.api_key == "vk"
         assert argv[argv.index("--logprobs-mode") + 1] == "processed_logprobs"
         assert argv[argv.index("--model") + 1] == str(model_dir)
         assert "--enforce-eager" in argv and argv[-2:] == ["--max-num-seqs", "8"]

@@ -21,6 +21,7 @@ from agentrl.training.checkpoint_engine import (
     StagedWeights,
     WeightPushError,
     make_transport,
+    tied_aliases,
 )
 from tests.fakes import FakeInferenceServer
 
@@ -179,6 +180,7 @@ class _FailingLoad(HttpStreamTransport):
     paused state while loading."""
 
     def __init__(self, fail_url: str, fakes: list[FakeInferenceServer]) -> None:
+        super().__init__()
         self.fail_url = fail_url
         self.fakes = fakes
         self.paused_during_load: dict[str, bool] = {}
@@ -208,14 +210,25 @@ async def test_push_pauses_loads_resets_sets_version_and_resumes_in_order() -> N
             "/reset_prefix_cache",
             "/update_weight_version",
             "/resume",
+            "/is_paused",  # read back: a push never reports serving for a paused server
         ]
         assert fake.control_calls[0][1]["mode"] == "abort"
-    assert set(report.metrics()) >= {
+        # The server resumes by itself if the trainer dies mid-push.
+        assert float(fake.control_calls[0][1]["timeout_s"]) > engine.push_timeout_s
+    metrics = report.metrics()
+    assert set(metrics) >= {
         "weight_sync/push_s",
         "weight_sync/stage_s",
         "weight_sync/bytes",
         "weight_sync/failed_servers",
+        "timing_s/push/stage",
+        "timing_s/push/pause",
+        "timing_s/push/transfer",
+        "timing_s/push/verify",
+        "timing_s/push/resume",
     }
+    parts = sum(metrics[f"timing_s/push/{k}"] for k in ("stage", "pause", "transfer", "resume"))
+    assert 0 < parts <= metrics["weight_sync/push_s"] * 1.01 + 1e-3
 
 
 async def test_a_failed_transfer_still_resumes_and_reports_the_old_version() -> None:
@@ -292,12 +305,111 @@ async def test_verify_compares_probe_logprobs_with_the_trainers_score() -> None:
     )
     report = await engine.push(_state(), 1, score=score)
     assert report.ok
-    assert seen == [([5, 6], [7, 8, 9])]
+    # The teacher-forced probe (9, 10, 11 after the prompt) is scored once, before the pause.
+    assert seen == [([5, 6], [9, 10, 11])]
     assert report.max_abs_diff == pytest.approx(1e-6, abs=1e-9)
     assert report.metrics()["weight_sync/verify_max_abs_diff"] == pytest.approx(1e-6, abs=1e-9)
     assert 0 < report.verify_seconds < report.total_seconds
-    probe = a.generate_requests[-1]["body"]
-    assert probe["temperature"] == 1.0 and probe["max_tokens"] == 3
+    # Verified while still paused, through the probe route, before the resume.
+    (probe,) = a.probe_requests
+    assert probe["paused"] and probe["body"]["temperature"] == 1.0
+    assert probe["body"]["token_ids"] == [9, 10, 11] and probe["body"]["prompt"] == [5, 6]
+    paths = [p for p, _ in a.control_calls]
+    assert paths.index("/update_weight_version") < paths.index("/resume")
+    assert not a.generate_requests  # nothing was generated through the queue
+    assert report.servers["http://a"].verified_while_paused
+    assert report.metrics()["weight_sync/verified_while_paused"] == 1.0
+
+
+async def test_vllm_is_verified_right_after_the_resume() -> None:
+    # vLLM serves nothing while paused: the probe is a generation after the resume.
+    a = FakeInferenceServer("http://a", version_in_body=False)
+    engine = CheckpointEngine(_clients(a), SharedDirTransportStub(), probe_tokens=2)
+    report = await engine.push(_state(), 1, score=lambda p, t: [-0.5] * len(t))
+    assert report.ok, report.describe()
+    status = report.servers["http://a"]
+    assert not status.verified_while_paused and status.verify_max_abs_diff == 0.0
+    assert not a.probe_requests and len(a.generate_requests) == 1
+    assert a.paths.index("/v1/completions") > a.paths.index("/resume")
+
+
+class SharedDirTransportStub(HttpStreamTransport):
+    """Stages like the HTTP transport but loads through ``update_weights_from_path`` (what a
+    vLLM server takes), recording the staged names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+        assert staged.payload is not None
+        self.names = [name for name, _ in staged.payload.tensors]
+        await client.update_weights_from_path(f"/weights/v{staged.version}", staged.version)
+
+
+def _tied_state() -> dict[str, torch.Tensor]:
+    state = _state()
+    del state["lm_head.weight"]  # what state_dict_for_push gives for a tied model
+    return state
+
+
+@pytest.mark.parametrize("vllm", [True, False])
+async def test_a_tied_lm_head_is_sent_explicitly_to_vllm_only(vllm: bool) -> None:
+    a = FakeInferenceServer("http://a", version_in_body=not vllm)
+    transport = SharedDirTransportStub()
+    report = await CheckpointEngine(_clients(a), transport).push(_tied_state(), 1)
+    assert report.ok, report.describe()
+    assert ("lm_head.weight" in transport.names) is vllm
+    assert tied_aliases(_tied_state()) == {"lm_head.weight": "model.embed_tokens.weight"}
+    assert tied_aliases(_state()) == {}
+
+
+async def test_a_pause_that_lands_after_the_resume_is_resumed_again_and_never_reported_serving():
+    # A `wait` pause whose answer timed out can land on the server after the push's resume.
+    a = FakeInferenceServer("http://a")
+    late = {"n": 1}
+
+    class LatePause(HttpStreamTransport):
+        async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+            await asyncio.sleep(3600)  # the push times out in the transfer
+
+    original = a._handle
+
+    async def handle(request):  # the first resume is overtaken by the late pause
+        response = await original(request)
+        if request.url.path == "/resume" and late["n"]:
+            late["n"] -= 1
+            a.paused = True
+        return response
+
+    a._handle = handle  # type: ignore[method-assign]  # scripted race
+    engine = CheckpointEngine(_clients(a), LatePause(), push_timeout_s=0.2)
+    report = await asyncio.wait_for(engine.push(_state(), 1), timeout=10)
+    status = report.servers["http://a"]
+    assert not a.paused and not status.paused
+    assert [p for p, _ in a.control_calls].count("/resume") == 2
+    assert "serving" in report.describe() and status.stage == "transfer"
+
+
+async def test_a_server_that_stays_paused_is_reported_paused():
+    a = FakeInferenceServer("http://a")
+    original = a._handle
+
+    async def handle(request):
+        response = await original(request)
+        a.paused = True  # nothing resumes it
+        return response
+
+    a._handle = handle  # type: ignore[method-assign]  # scripted stuck server
+    report = await CheckpointEngine(_clients(a), HttpStreamTransport()).push(_state(), 1)
+    status = report.servers["http://a"]
+    assert status.paused and not report.ok
+    assert "PAUSED" in report.describe() and "still paused" in (status.error or "")
+
+
+def test_url_clients_carry_the_api_key() -> None:
+    engine = CheckpointEngine(["http://a:1"], HttpStreamTransport(), api_key="sekret")
+    assert engine.clients[0]._http.headers["authorization"] == "Bearer sekret"
 
 
 async def test_verify_scores_each_distinct_probe_once() -> None:
@@ -335,3 +447,13 @@ async def test_verify_mismatch_fails_loudly_and_async_score_is_awaited() -> None
 def test_engine_needs_a_server() -> None:
     with pytest.raises(ValueError, match="at least one server"):
         CheckpointEngine([], HttpStreamTransport())
+
+
+async def test_aclose_closes_the_clients_and_stops_the_weight_server() -> None:
+    a = FakeInferenceServer("http://a")
+    transport = HttpStreamTransport()
+    engine = CheckpointEngine(_clients(a), transport)
+    await engine.push(_state(), 1)
+    assert transport._server is not None  # pull mode published the payload
+    await engine.aclose()
+    assert transport._server is None and engine.clients[0]._http.is_closed
