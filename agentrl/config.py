@@ -258,6 +258,8 @@ class InferenceConfig(Section):
     """Most sequences a server decodes at once (embedded: batch slots; vLLM: --max-num-seqs)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the embedded servers (auto = cuda when available); their dtype is `model.dtype`."""
+    api_key: str | None = Field(default=None, exclude=True, repr=False)
+    """Bearer token of the inference servers; null = $AGENTRL_API_KEY, else a random key per run for the servers it launches (never logged or written)."""
     vllm_python: str | None = None
     """Python interpreter that has vLLM; None = $AGENTRL_VLLM_PYTHON or `.venv-vllm/bin/python`."""
     vllm_extra_args: list[str] = Field(default_factory=list)

@@ -123,6 +123,9 @@ class InferenceServerActor:
         vllm_python: str | None = None,
         vllm_extra_args: list[str] | None = None,
         env: dict[str, str] | None = None,
+        api_key: str | None = None,
+        device: str = "cpu",
+        dtype: str = "float32",
     ) -> None:
         if backend not in ("embedded", "vllm"):
             raise ValueError(
@@ -138,6 +141,9 @@ class InferenceServerActor:
         self.vllm_python = vllm_python
         self.vllm_extra_args = list(vllm_extra_args or [])
         self.env = dict(env or {})
+        self.api_key = api_key
+        """The servers' bearer token (the run's; never logged)."""
+        self.device, self.dtype = device, dtype
         """Added to the server's environment (its share of the run's thread plan)."""
         self._handle: ServerHandle | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
@@ -165,8 +171,12 @@ class InferenceServerActor:
                 self.model_dir,
                 host=self.bind_host,
                 log_path=log,
-                extra_args=["--max-batch-size", str(self.max_batch_size), "--seed", str(self.seed)],
+                extra_args=[
+                    *("--max-batch-size", str(self.max_batch_size), "--seed", str(self.seed)),
+                    *("--device", self.device, "--dtype", self.dtype),
+                ],
                 env=self.env,
+                api_key=self.api_key,
             )
         else:
             from agentrl.inference.vllm_backend import launch_vllm_server
@@ -178,6 +188,7 @@ class InferenceServerActor:
                 log_path=log,
                 seed=self.seed,
                 extra_args=["--max-num-seqs", str(self.max_batch_size), *self.vllm_extra_args],
+                api_key=self.api_key,
             )
         self._handle = handle
         self._reaper = subprocess.Popen(
@@ -322,7 +333,9 @@ class AgentLoopWorkerActor:
 
         # The user's agents, tools and rewards register themselves when imported: here too.
         import_user_modules(self.cfg.imports, self.cfg.base_dir)
-        self._pool = ServerPool.from_config(self.server_urls, self.cfg.inference)
+        self._pool = ServerPool.from_config(
+            self.server_urls, self.cfg.inference, api_key=self.cfg.inference.api_key
+        )
         self._pool.start()
         scorer: Any = (
             RemoteScorer(self.reward)
@@ -478,10 +491,13 @@ def run_with_ray(
     import ray
 
     from agentrl.threads import make_plan
-    from agentrl.training.build import worker_config
+    from agentrl.training.build import server_api_key, worker_config
     from agentrl.training.resolve import model_dir, resolve_experiment
 
     cfg = _absolute(cfg)
+    # One bearer token for the servers this run places; every actor gets it inside the config
+    # (an excluded field: never in the logged params or the written config).
+    cfg.inference.api_key = server_api_key(cfg, launching=cfg.inference.backend != "external")
     # Every name and file resolves in the driver first: a mistake fails before any actor starts.
     plan = resolve_experiment(cfg).plan
     inf, dist = cfg.inference, cfg.distributed
@@ -537,9 +553,12 @@ def _place_servers(
     started (up to 600 s)."""
     import ray
 
+    from agentrl.training.build import embedded_device
+
     inf, dist = cfg.inference, cfg.distributed
     if inf.backend == "external":
         return [], list(inf.urls)
+    device, dtype = embedded_device(cfg)
     server_cls = ray.remote(InferenceServerActor).options(
         num_cpus=0, num_gpus=dist.num_gpus_per_server
     )
@@ -556,6 +575,9 @@ def _place_servers(
             vllm_python=inf.vllm_python,
             vllm_extra_args=list(inf.vllm_extra_args),
             env=threads.servers[i].env() if inf.backend == "embedded" else None,
+            api_key=inf.api_key,
+            device=device,
+            dtype=dtype,
         )
         servers.append(a)
         actors.append(a)

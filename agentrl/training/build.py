@@ -166,7 +166,12 @@ def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:
 
 
 def server_launch(
-    cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path
+    cfg: ExperimentConfig,
+    path: Path,
+    i: int,
+    plan: ThreadPlan,
+    logs: Path,
+    api_key: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """The launcher function of server ``i`` and its keyword arguments (nothing started)."""
     inf = cfg.inference
@@ -177,6 +182,7 @@ def server_launch(
         device, dtype = embedded_device(cfg)
         return launch_embedded_server, {
             "model_dir": path,
+            "api_key": api_key,
             "log_path": logs / f"server-{i}.log",
             "env": plan.servers[i].env() if i < len(plan.servers) else None,
             "extra_args": [
@@ -189,11 +195,24 @@ def server_launch(
     trust = ["--trust-remote-code"] if cfg.model.trust_remote_code else []
     return launch_vllm_server, {
         "model_dir": path,
+        "api_key": api_key,
         "python": inf.vllm_python,
         "log_path": logs / f"vllm-{i}.log",
         "seed": seed,
         "extra_args": ["--max-num-seqs", str(inf.max_batch_size), *trust, *inf.vllm_extra_args],
     }
+
+
+def server_api_key(cfg: ExperimentConfig, *, launching: bool) -> str | None:
+    """The inference servers' bearer token: ``inference.api_key``, else ``$AGENTRL_API_KEY``,
+    else (for servers this run launches) a fresh random key that only this run knows."""
+    import os
+    import secrets
+
+    key = cfg.inference.api_key or os.environ.get("AGENTRL_API_KEY") or None
+    if key is None and launching:
+        key = secrets.token_urlsafe(32)
+    return key
 
 
 def embedded_device(cfg: ExperimentConfig) -> tuple[str, str]:
@@ -210,13 +229,19 @@ def embedded_device(cfg: ExperimentConfig) -> tuple[str, str]:
     return device, dtype
 
 
-def _launch_one(cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path) -> Any:
-    launch, kwargs = server_launch(cfg, path, i, plan, logs)
+def _launch_one(
+    cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path, api_key: str | None
+) -> Any:
+    launch, kwargs = server_launch(cfg, path, i, plan, logs, api_key)
     return launch(**kwargs)
 
 
 async def start_servers(
-    cfg: ExperimentConfig, path: Path, plan: ThreadPlan, stack: contextlib.AsyncExitStack
+    cfg: ExperimentConfig,
+    path: Path,
+    plan: ThreadPlan,
+    stack: contextlib.AsyncExitStack,
+    api_key: str | None = None,
 ) -> list[str]:
     """Launch ``inference.num_servers`` servers in parallel; each is stopped by ``stack``.
 
@@ -228,7 +253,8 @@ async def start_servers(
     logs = Path(cfg.trainer.output_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     launches = [
-        asyncio.to_thread(_launch_one, cfg, path, i, plan, logs) for i in range(inf.num_servers)
+        asyncio.to_thread(_launch_one, cfg, path, i, plan, logs, api_key)
+        for i in range(inf.num_servers)
     ]
     results = await asyncio.gather(*launches, return_exceptions=True)
     handles = [r for r in results if not isinstance(r, BaseException)]
@@ -240,12 +266,14 @@ async def start_servers(
     return [h.base_url for h in handles]
 
 
-def _engine(cfg: ExperimentConfig, urls: list[str], temperature: float, transport: Any) -> Any:
+def _engine(
+    cfg: ExperimentConfig, urls: list[str], temperature: float, transport: Any, api_key: str | None
+) -> Any:
     from agentrl.inference.client import PolicyClient
     from agentrl.training.checkpoint_engine import CheckpointEngine, make_transport
 
     ck = cfg.checkpoint
-    control = [PolicyClient(u, timeout_s=ck.push_timeout_s) for u in urls]
+    control = [PolicyClient(u, timeout_s=ck.push_timeout_s, api_key=api_key) for u in urls]
     transport = transport or make_transport(ck.transport, ck.resolved_shared_dir())
     # `rollout.partial_rollout` and `checkpoint.pause_mode` name the same choice from the rollout
     # and the server side; either one set to `abort` aborts in-flight turns (the agent loop
@@ -264,8 +292,7 @@ def _engine(cfg: ExperimentConfig, urls: list[str], temperature: float, transpor
 
 
 async def _close_engine(engine: Any, remove_staging: bool) -> None:
-    for c in engine.clients:
-        await c.aclose()
+    await engine.aclose()  # the control clients and the transport's weight server
     if remove_staging and hasattr(engine.transport, "remove"):
         engine.transport.remove()
 
@@ -298,10 +325,12 @@ async def build_serving(
         path = model_dir(cfg)
         tokenizer = load_tokenizer(cfg, path)
         models = asyncio.to_thread(load_models) if load_models is not None else None
+        launching = server_urls is None and cfg.inference.backend != "external"
+        key = server_api_key(cfg, launching=launching)
         servers = (
             _given(server_urls)
             if server_urls is not None
-            else start_servers(cfg, path, plan, stack)
+            else start_servers(cfg, path, plan, stack, key)
         )
         results = await asyncio.gather(
             servers, *([models] if models else []), return_exceptions=True
@@ -310,10 +339,10 @@ async def build_serving(
             if isinstance(r, BaseException):
                 raise r
         urls = list(results[0])  # type: ignore[arg-type]  # checked above
-        pool = ServerPool.from_config(urls, cfg.inference)
+        pool = ServerPool.from_config(urls, cfg.inference, api_key=key)
         stack.push_async_callback(pool.aclose)
         temperature = cfg.inference.temperature or 1.0
-        engine = _engine(cfg, urls, temperature, transport)
+        engine = _engine(cfg, urls, temperature, transport, key)
         stack.push_async_callback(_close_engine, engine, cfg.checkpoint.shared_dir is None)
         rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)
         stack.callback(rewards.close)
