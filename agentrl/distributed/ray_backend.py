@@ -631,7 +631,6 @@ def run_with_ray(
     info = placement_info if placement_info is not None else {}
     actors: list[Any] = []
     servers: list[Any] = []
-    group = None
     try:
         model_path = str(model_dir(cfg))  # builds the tiny model (if any); starts nothing
         workers_cfg = worker_config(cfg, greedy_baseline=plan.advantage.needs_greedy_baseline)
@@ -668,35 +667,56 @@ def run_with_ray(
             for i in range(cfg.rollout.num_workers)
         ]
         actors.extend(workers)
-        group = _trainer_group(cfg)
-        trainer = (
-            ray.remote(TrainerActor)
-            .options(num_cpus=0, num_gpus=dist.num_trainer_gpus, **_in_bundle(group, 0))
-            .remote(cfg, resume=resume, stop_after_step=stop_after_step, placement_group=group)
-        )
-        actors.append(trainer)
         info["servers"] = ray.get([a.info.remote() for a in servers], timeout=60)
-        info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
-        t0 = time.perf_counter()
-        try:
-            result = ray.get(trainer.run.remote(urls, workers))
-        finally:
-            with contextlib.suppress(Exception):
-                info["trainer_ranks"] = ray.get(trainer.rank_info.remote(), timeout=60)
-        info["train_wall_s"] = time.perf_counter() - t0
+        result = _run_trainer(
+            cfg, urls, workers, actors, info, resume=resume, stop_after_step=stop_after_step
+        )
         info["workers"] = ray.get([w.info.remote() for w in workers], timeout=60)
         info["worker_counts"] = ray.get([w.counts.remote() for w in workers], timeout=60)
         info["reward"] = ray.get(reward.info.remote(), timeout=60)
         return result
     finally:
         _shutdown(actors)
+        if started:
+            ray.shutdown()
+
+
+def _run_trainer(
+    cfg: ExperimentConfig,
+    urls: list[str],
+    workers: list[Any],
+    actors: list[Any],
+    info: dict[str, Any],
+    *,
+    resume: bool,
+    stop_after_step: int | None,
+) -> Any:
+    """Place the trainer actor (trainer rank 0; in a placement group with its ranks' GPUs when
+    :func:`trainer_bundles` asks for one), run it to the end and return its ``TrainResult``."""
+    import ray
+
+    group = _trainer_group(cfg)
+    try:
+        trainer = (
+            ray.remote(TrainerActor)
+            .options(num_cpus=0, num_gpus=cfg.distributed.num_trainer_gpus, **_in_bundle(group, 0))
+            .remote(cfg, resume=resume, stop_after_step=stop_after_step, placement_group=group)
+        )
+        actors.append(trainer)
+        info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
+        t0 = time.perf_counter()
+        try:
+            return ray.get(trainer.run.remote(urls, workers))
+        finally:
+            info["train_wall_s"] = time.perf_counter() - t0
+            with contextlib.suppress(Exception):
+                info["trainer_ranks"] = ray.get(trainer.rank_info.remote(), timeout=60)
+    finally:
         if group is not None:
             from ray.util.placement_group import remove_placement_group
 
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
-        if started:
-            ray.shutdown()
 
 
 def _trainer_group(cfg: ExperimentConfig) -> Any:

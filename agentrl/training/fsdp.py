@@ -3,8 +3,11 @@
 Why it exists: one trainer process per GPU (``torchrun`` or Ray actors) must train on one rollout
 batch as if a single process had trained on all of it, and hand the CheckpointEngine the same
 Hugging Face-named full state dict a single-process :class:`~agentrl.training.actor.Actor` would.
-This module holds every piece of that which is not the update loop itself; the loop stays in
-``Actor.update_with_log_probs`` and only asks :class:`DistContext` for a :class:`MiniBatchPlan`.
+This module holds every piece of that which is not the update loop itself; the loops stay in
+``Actor.update_with_log_probs`` and ``Critic.update`` and only ask :class:`DistContext` for a
+:class:`MiniBatchPlan`. ``Actor``, ``FrozenPolicy`` (the reference) and ``Critic`` all take
+``dist=``; :mod:`agentrl.training.ranks` runs the ranks from ``agentrl train``
+(``trainer.world_size``).
 
 Guarantees:
 

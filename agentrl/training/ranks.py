@@ -340,6 +340,10 @@ def rank_threads(trainer: ProcessThreads, world_size: int) -> list[ProcessThread
     ]
 
 
+class _OutOfStep(RuntimeError):
+    """A call after an earlier one failed: the ranks can no longer agree on what runs next."""
+
+
 class Ranks:
     """Rank 0's side of the trainer ranks: the channel, the launcher, the order of calls."""
 
@@ -357,8 +361,8 @@ class Ranks:
     def call(self, model: Any, role: str, method: str, *args: Any, **kwargs: Any) -> Any:
         """Announce ``role.method(*args, **kwargs)`` to every rank, then run it on rank 0."""
         with self._lock:
-            self._send(Command("call", role, method, args=args, kwargs=kwargs))
             try:
+                self._send(Command("call", role, method, args=args, kwargs=kwargs))
                 return getattr(model, method)(*args, **kwargs)
             except Exception as exc:
                 error = self._failed(exc, f"{role}.{method}")
@@ -374,8 +378,8 @@ class Ranks:
     ) -> Any:
         """``fn(model, rank, world_size, *args)`` on every rank (rank 0's result), then a barrier."""
         with self._lock:
-            self._send(Command("every_rank", role, fn=fn, args=args))
             try:
+                self._send(Command("every_rank", role, fn=fn, args=args))
                 result = fn(model, 0, self.world_size, *args)
                 assert self.channel is not None  # _send checked
                 self.channel.barrier()
@@ -393,22 +397,24 @@ class Ranks:
         if self._stopped or self.channel is None:
             raise RuntimeError("the trainer ranks are not running (stopped, or never joined)")
         if self._broken is not None:
-            raise RuntimeError(
+            raise _OutOfStep(
                 f"the trainer ranks are out of step since {self._broken} failed; the run must stop"
             )
         failures = self.launcher.failures()
         if failures:
-            self._broken = "a follower rank ended"
             raise RuntimeError(self._describe(failures, f"{command.role}.{command.method}"))
         self.channel.send(command)
 
     def _failed(self, exc: Exception, what: str) -> Exception:
         """The error to raise for a failed call: the follower's failure when one ended, else
         the call's own error."""
+        if isinstance(exc, _OutOfStep):
+            return exc
         self._broken = what
         deadline = time.monotonic() + 10.0  # a crashed follower's exit may lag its closed socket
         failures = self.launcher.failures()
-        while not failures and time.monotonic() < deadline and "closed" in str(exc).lower():
+        lost_peer = any(w in str(exc).lower() for w in ("closed", "reset", "peer"))
+        while not failures and lost_peer and time.monotonic() < deadline:
             time.sleep(0.2)
             failures = self.launcher.failures()
         return RuntimeError(self._describe(failures, what)) if failures else exc
@@ -443,8 +449,9 @@ class Ranks:
         clean = self.channel is not None and self._broken is None
         if clean and self._lock.acquire(timeout=5.0):
             try:
-                if not self.launcher.failures():
-                    self.channel.send(Command("stop"))  # type: ignore[union-attr]  # clean
+                clean = not self.launcher.failures()
+                if clean:
+                    self.channel.send(Command("stop"))  # type: ignore[union-attr]  # joined
             except Exception as exc:  # the stop goes on by signal
                 logger.warning("could not send stop to the trainer ranks: %s", exc)
                 clean = False
@@ -453,8 +460,15 @@ class Ranks:
         else:
             clean = False
         self.launcher.stop(STOP_TIMEOUT_S if clean else 0.0)
-        if self.channel is not None and dist.is_initialized():
+        if self.channel is None or not dist.is_initialized():
+            return
+        # A call still running in another thread fails now that the followers are gone; leave
+        # the group once it has (it releases the lock), not under its feet.
+        if self._lock.acquire(timeout=30.0):
+            self._lock.release()
             dist.destroy_process_group()
+        else:
+            logger.warning("a model call is still running on rank 0; its process group stays")
 
 
 class RankedModel:
@@ -513,6 +527,23 @@ def _join_as_rank0(store: Any, ranks: Ranks, device: str) -> None:
     ranks.dist, ranks.channel = box["joined"]
 
 
+def _check_local_gpus(device: str, world_size: int) -> None:
+    """On CUDA every local rank needs a GPU of its own (NCCL refuses two ranks on one)."""
+    import torch
+
+    from agentrl.training.actor import resolve_device
+
+    if resolve_device(device).type != "cuda":
+        return
+    gpus = torch.cuda.device_count()
+    if gpus < world_size:
+        raise ValueError(
+            f"trainer.world_size={world_size} with trainer.device={device!r}: each rank needs a "
+            f"GPU of its own, and this machine has {gpus}; set trainer.world_size<={gpus}, or "
+            "trainer.device=cpu, or place the ranks on a Ray cluster (distributed.backend=ray)"
+        )
+
+
 def start_ranks(
     cfg: Any,
     model_dir: Path,
@@ -537,6 +568,8 @@ def start_ranks(
             "already initialized in this process (torchrun?); run `agentrl train` as one process"
         )
     launcher = _LAUNCHER.get() or LocalRankLauncher(Path(cfg.trainer.output_dir) / "logs")
+    if isinstance(launcher, LocalRankLauncher):
+        _check_local_gpus(cfg.trainer.device, world)
     ranks = Ranks(launcher, world)
     register(ranks.stop)
     addr = launcher.master_addr()

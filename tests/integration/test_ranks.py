@@ -191,6 +191,77 @@ def test_two_ranks_train_like_one(tiny_model_dir: Path, tmp_path: Path, report_m
     report_metric("max_rel_metric_diff", worst_metric)
 
 
+# ---- failures: a follower dies, rank 0 dies -----------------------------------------------------
+async def _kill_follower_mid_update(cfg: Any, model_dir: Path) -> list[str]:
+    """Start 2 ranks, SIGKILL the follower during an actor update; the errors rank 0 raises."""
+    from agentrl.batch import trajectories_to_batch
+
+    plan = build_algorithm(cfg.algorithm)
+    errors: list[str] = []
+    async with contextlib.AsyncExitStack() as stack:
+        policies = await asyncio.to_thread(start_policies, cfg, model_dir, plan, stack)
+        (proc,) = policies.actor.ranks.launcher.procs.values()
+        batch = trajectories_to_batch(random_trajectories(16, seed=3), pad_token_id=PAD)
+        batch["old_log_probs"] = batch["rollout_log_probs"]
+        batch["advantages"] = torch.ones_like(batch["rollout_log_probs"])
+        killer = asyncio.get_running_loop().call_later(0.3, proc.kill)
+        for _ in range(2):  # the first call sees the death; the next one is refused
+            try:
+                await asyncio.to_thread(policies.actor.update_with_log_probs, batch)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        killer.cancel()
+    return errors
+
+
+def test_a_dead_follower_fails_the_run_naming_its_rank(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    import torch.distributed as dist
+
+    # many micro-batches, so that the update is still running when the follower is killed
+    cfg = _cfg(
+        tiny_model_dir, tmp_path, "trainer.world_size=2", "trainer.micro_batch_max_tokens=16"
+    )
+    cfg.trainer.ppo_epochs = 16
+    errors = asyncio.run(_kill_follower_mid_update(cfg, tiny_model_dir))
+    assert len(errors) == 2, errors
+    assert re.search(
+        r"trainer rank failed during actor\.update_with_log_probs: rank 1 exited "
+        r"with status -9; log .*rank1\.log",
+        errors[0],
+    ), errors[0]
+    assert "out of step" in errors[1]
+    assert not dist.is_initialized()  # the exit stack stopped the ranks and left the group
+
+
+FOLLOWER_OF_A_DYING_RANK0 = """
+import contextlib, os, signal, sys
+from pathlib import Path
+from agentrl.training.algorithm import build_algorithm
+from agentrl.training.build import start_policies
+from tests.integration.test_ranks import _cfg
+
+model_dir, out = Path(sys.argv[1]), Path(sys.argv[2])
+cfg = _cfg(model_dir, out, "trainer.world_size=2")
+policies = start_policies(cfg, model_dir, build_algorithm(cfg.algorithm), contextlib.AsyncExitStack())
+print(policies.actor.ranks.launcher.info()[0]["pid"], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no exit stack, no stop: rank 0 just dies
+"""
+
+
+def test_followers_exit_when_rank0_dies(tiny_model_dir: Path, tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", FOLLOWER_OF_A_DYING_RANK0, str(tiny_model_dir), str(tmp_path)],
+        capture_output=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == -9, proc.stderr.decode()[-3000:]
+    pid = int(proc.stdout.decode().split()[0])
+    assert _wait_dead([pid], 30) == [], "a follower outlived its rank 0"
+
+
 # ---- agentrl train with 2 ranks ----------------------------------------------------------------
 def test_agentrl_train_with_two_ranks(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"

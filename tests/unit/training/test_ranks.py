@@ -127,3 +127,18 @@ def test_ray_trainer_bundles_and_rank_actor_pickle() -> None:
     assert actor.env == {"OMP_NUM_THREADS": "1"}
     trainer = pickle.loads(pickle.dumps(TrainerActor(gpus, placement_group=None)))
     assert trainer.cfg.trainer.world_size == 3 and trainer.rank_info() == []
+
+
+def test_local_cuda_ranks_need_a_gpu_each(tmp_path: Path) -> None:
+    import torch
+
+    from agentrl.training.ranks import start_ranks
+
+    gpus = torch.cuda.device_count()
+    cfg = experiment(
+        f"trainer.world_size={gpus + 1}", "trainer.device=cuda", f"trainer.output_dir={tmp_path}"
+    )
+    registered: list[Any] = []
+    with pytest.raises(ValueError, match=rf"trainer\.world_size={gpus + 1}.*has {gpus}"):
+        start_ranks(cfg, tmp_path, threads=ProcessThreads("trainer", 1), register=registered.append)
+    assert registered == []  # nothing was started
