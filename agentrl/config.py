@@ -532,6 +532,8 @@ class TrainerConfig(OptimizerFields):
     """Steps that train only the critic before the actor starts (GAE only)."""
     critic_micro_batch_max_tokens: int | None = Field(default=None, ge=1)
     """Critic token budget per micro-batch (GAE only; null = trainer.micro_batch_max_tokens)."""
+    world_size: int = Field(default=1, ge=1)
+    """Data-parallel trainer ranks (FSDP2 shards actor, reference and critic; rank 0 runs the loop); see docs/distributed.md."""
 
 
 class CheckpointConfig(Section):

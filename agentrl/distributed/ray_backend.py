@@ -16,6 +16,8 @@ Placement (see docs/distributed.md)::
           scoring through RemoteScorer(reward actor)
       TrainerActor                                    (num_gpus = distributed.num_trainer_gpus)
           -> Trainer(cfg, server_urls=..., workers=[RemoteWorker(actor), ...]).run()
+          TrainerRankActor x (trainer.world_size - 1)  (the same GPUs each; started by the
+              trainer actor as trainer ranks 1..N-1, in one placement group with it on GPUs)
 
 Guarantees:
 
@@ -56,11 +58,14 @@ if TYPE_CHECKING:
 __all__ = [
     "AgentLoopWorkerActor",
     "InferenceServerActor",
+    "RayRankLauncher",
     "RemoteScorer",
     "RemoteWorker",
     "RewardWorkerActor",
     "TrainerActor",
+    "TrainerRankActor",
     "run_with_ray",
+    "trainer_bundles",
 ]
 
 logger = logging.getLogger(__name__)
@@ -410,18 +415,158 @@ async def _await_ref(ref: Any) -> Any:
         raise
 
 
+class TrainerRankActor:
+    """A follower trainer rank (rank 1..N-1 of ``trainer.world_size``) as a Ray actor: it joins
+    rank 0 (the :class:`TrainerActor`) and runs :func:`agentrl.training.ranks.follow`, mirroring
+    every model call of rank 0 until rank 0 sends stop."""
+
+    def __init__(self, env: dict[str, str] | None = None) -> None:
+        self.env = dict(env or {})
+        """Its share of the trainer's threads (applied when it starts serving)."""
+
+    def serve(self, spec: Any) -> int:
+        """Join, build the models, run rank 0's commands until stop (the number run)."""
+        from agentrl.threads import apply_env_threads
+        from agentrl.training.ranks import follow
+
+        os.environ.update(self.env)
+        apply_env_threads()
+        try:
+            return follow(spec)
+        except Exception:
+            logger.exception("trainer rank %d failed", spec.rank)
+            raise
+
+    def info(self) -> dict[str, Any]:
+        return {"actor_pid": os.getpid()}
+
+
+def _in_bundle(placement_group: Any, index: int) -> dict[str, Any]:
+    """Ray ``.options()`` placing an actor in bundle ``index`` of ``placement_group`` (if any)."""
+    if placement_group is None:
+        return {}
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return {
+        "scheduling_strategy": PlacementGroupSchedulingStrategy(
+            placement_group=placement_group, placement_group_bundle_index=index
+        )
+    }
+
+
+class RayRankLauncher:
+    """Trainer ranks 1..N-1 as :class:`TrainerRankActor` s (the
+    :class:`~agentrl.training.ranks.RankLauncher` of a run on Ray). Created by the trainer actor,
+    which owns them: they die with it. Each gets ``num_gpus`` (``distributed.num_trainer_gpus``)
+    and, with a placement group, its own bundle of it (bundle ``rank``)."""
+
+    def __init__(self, num_gpus: float = 0.0, placement_group: Any = None) -> None:
+        self.num_gpus = num_gpus
+        self.placement_group = placement_group
+        self.actors: dict[int, Any] = {}
+        self.serving: dict[int, Any] = {}
+        self._info: dict[int, Any] = {}
+
+    def master_addr(self) -> str:
+        """This node's IP, as Ray knows it."""
+        import ray.util
+
+        return ray.util.get_node_ip_address()
+
+    def launch(self, spec: Any, env: dict[str, str]) -> None:
+        """Create the rank's actor and start it serving (returns at once)."""
+        import ray
+
+        options = {"num_cpus": 0, "num_gpus": self.num_gpus}
+        options.update(_in_bundle(self.placement_group, spec.rank))
+        actor = ray.remote(TrainerRankActor).options(**options).remote(env)
+        self.actors[spec.rank] = actor
+        self._info[spec.rank] = actor.info.remote()  # before serve, which holds the actor
+        self.serving[spec.rank] = actor.serve.remote(spec)
+
+    def failures(self) -> dict[int, str]:
+        """Ranks whose ``serve`` has ended (with its error, when it raised)."""
+        import ray
+
+        refs = list(self.serving.values())
+        if not refs:
+            return {}
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        out: dict[int, str] = {}
+        for rank, ref in self.serving.items():
+            if ref in ready:
+                try:
+                    ray.get(ref)
+                    out[rank] = "ended before the run stopped it"
+                except Exception as exc:  # the rank's own error, reported to rank 0
+                    out[rank] = f"failed: {exc}"
+        return out
+
+    def stop(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for every rank to return, then kill every rank actor."""
+        import ray
+
+        refs = list(self.serving.values())
+        if refs and timeout_s > 0:
+            with contextlib.suppress(Exception):
+                ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        for actor in self.actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(actor)
+
+    def info(self) -> list[dict[str, Any]]:
+        """Rank and actor pid of each rank actor started."""
+        import ray
+
+        out = []
+        for rank, ref in self._info.items():
+            pid = None
+            with contextlib.suppress(Exception):
+                details: dict[str, Any] = ray.get(ref, timeout=30)
+                pid = details["actor_pid"]
+            out.append({"rank": rank, "pid": pid})
+        return out
+
+
+def trainer_bundles(cfg: ExperimentConfig) -> list[dict[str, float]] | None:
+    """The placement-group bundles of the trainer ranks: one ``{"GPU": num_trainer_gpus}`` per
+    rank when ``trainer.world_size`` > 1 and the trainer asks for GPUs (so that Ray reserves
+    them together; strategy ``PACK``), else None (no placement group)."""
+    gpus = cfg.distributed.num_trainer_gpus
+    if cfg.trainer.world_size == 1 or gpus <= 0:
+        return None
+    return [{"GPU": gpus} for _ in range(cfg.trainer.world_size)]
+
+
 class TrainerActor:
-    """Runs ``Trainer(cfg, server_urls=, workers=)`` in the actor and returns its ``TrainResult``."""
+    """Runs ``Trainer(cfg, server_urls=, workers=)`` in the actor and returns its ``TrainResult``.
+
+    With ``trainer.world_size`` N > 1 it is trainer rank 0, and ranks 1..N-1 are
+    :class:`TrainerRankActor` s it starts (:class:`RayRankLauncher`, in ``placement_group``).
+    """
 
     def __init__(
-        self, cfg: ExperimentConfig, *, resume: bool = False, stop_after_step: int | None = None
+        self,
+        cfg: ExperimentConfig,
+        *,
+        resume: bool = False,
+        stop_after_step: int | None = None,
+        placement_group: Any = None,
     ) -> None:
         self.cfg = cfg
         self.resume = resume
         self.stop_after_step = stop_after_step
+        self.placement_group = placement_group
+        self._ranks: list[dict[str, Any]] = []
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_ranks"] = []
+        return state
 
     async def run(self, server_urls: list[str], worker_handles: list[Any]) -> Any:
         """Train to the end with these servers and remote workers; returns the ``TrainResult``."""
+        from agentrl.training.ranks import launcher_scope
         from agentrl.training.trainer import Trainer
 
         workers = [RemoteWorker(h, i) for i, h in enumerate(worker_handles)]
@@ -432,11 +577,23 @@ class TrainerActor:
             stop_after_step=self.stop_after_step,
             workers=workers or None,
         )
-        return await trainer.run()
+        launcher = None
+        if self.cfg.trainer.world_size > 1:
+            launcher = RayRankLauncher(self.cfg.distributed.num_trainer_gpus, self.placement_group)
+        try:
+            with launcher_scope(launcher):
+                return await trainer.run()
+        finally:
+            if launcher is not None:
+                self._ranks = launcher.info()
 
     def info(self) -> dict[str, Any]:
         """The actor's pid."""
         return {"actor_pid": os.getpid()}
+
+    def rank_info(self) -> list[dict[str, Any]]:
+        """Rank and pid of each follower rank actor of the last run (empty with one rank)."""
+        return list(self._ranks)
 
 
 # ---- placement ----------------------------------------------------------------------------------
@@ -519,17 +676,10 @@ def run_with_ray(
             for i in range(cfg.rollout.num_workers)
         ]
         actors.extend(workers)
-        trainer = (
-            ray.remote(TrainerActor)
-            .options(num_cpus=0, num_gpus=dist.num_trainer_gpus)
-            .remote(cfg, resume=resume, stop_after_step=stop_after_step)
-        )
-        actors.append(trainer)
         info["servers"] = ray.get([a.info.remote() for a in servers], timeout=60)
-        info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
-        t0 = time.perf_counter()
-        result = ray.get(trainer.run.remote(urls, workers))
-        info["train_wall_s"] = time.perf_counter() - t0
+        result = _run_trainer(
+            cfg, urls, workers, actors, info, resume=resume, stop_after_step=stop_after_step
+        )
         info["workers"] = ray.get([w.info.remote() for w in workers], timeout=60)
         info["worker_counts"] = ray.get([w.counts.remote() for w in workers], timeout=60)
         info["reward"] = ray.get(reward.info.remote(), timeout=60)
@@ -583,6 +733,66 @@ def _place_servers(
         actors.append(a)
     urls = ray.get([a.start.remote() for a in servers], timeout=600)
     return servers, urls
+
+
+def _run_trainer(
+    cfg: ExperimentConfig,
+    urls: list[str],
+    workers: list[Any],
+    actors: list[Any],
+    info: dict[str, Any],
+    *,
+    resume: bool,
+    stop_after_step: int | None,
+) -> Any:
+    """Place the trainer actor (trainer rank 0; in a placement group with its ranks' GPUs when
+    :func:`trainer_bundles` asks for one), run it to the end and return its ``TrainResult``."""
+    import ray
+
+    group = _trainer_group(cfg)
+    try:
+        trainer = (
+            ray.remote(TrainerActor)
+            .options(num_cpus=0, num_gpus=cfg.distributed.num_trainer_gpus, **_in_bundle(group, 0))
+            .remote(cfg, resume=resume, stop_after_step=stop_after_step, placement_group=group)
+        )
+        actors.append(trainer)
+        info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
+        t0 = time.perf_counter()
+        try:
+            return ray.get(trainer.run.remote(urls, workers))
+        finally:
+            info["train_wall_s"] = time.perf_counter() - t0
+            with contextlib.suppress(Exception):
+                info["trainer_ranks"] = ray.get(trainer.rank_info.remote(), timeout=60)
+    finally:
+        if group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+
+
+def _trainer_group(cfg: ExperimentConfig) -> Any:
+    """A ready placement group for the trainer ranks' GPUs (:func:`trainer_bundles`), or None."""
+    bundles = trainer_bundles(cfg)
+    if bundles is None:
+        return None
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    group = placement_group(bundles, strategy="PACK")
+    try:
+        ray.get(group.ready(), timeout=600)
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            remove_placement_group(group)
+        raise RuntimeError(
+            f"Ray could not reserve {len(bundles)} x {bundles[0]['GPU']} GPU(s) for the trainer "
+            f"ranks (trainer.world_size={cfg.trainer.world_size}, distributed.num_trainer_gpus="
+            f"{cfg.distributed.num_trainer_gpus}) within 600 s: {exc}"
+        ) from exc
+    return group
 
 
 def _shutdown(actors: list[Any]) -> None:

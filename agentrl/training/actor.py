@@ -9,13 +9,18 @@ Guarantees:
 
 - Micro-batches are packed by a token budget (``micro_batch_max_tokens``) and trimmed to their
   own padded length; losses are aggregated with the *mini-batch's* token/sequence counts, so
-  gradient accumulation gives the full mini-batch gradient whatever the packing.
+  gradient accumulation gives the full mini-batch gradient whatever the packing; the loss's
+  diagnostics (``actor/ppo_kl``, clip fractions, ...) are token-weighted means over the batch,
+  so they do not depend on the packing either (nor on the number of ranks).
 - float32 on CPU; bf16 weights on GPU with the log-softmax in float32.
 - Any local Hugging Face causal-LM directory loads (``AutoModelForCausalLM``).
 - ``state_dict_for_push()`` returns contiguous CPU tensors under the Hugging Face parameter
   names, so the same file serves the embedded server and vLLM's ``reload_weights``.
-- ``Actor(..., dist=DistContext)`` (optional; :mod:`agentrl.training.fsdp`) trains one FSDP2
-  shard per rank with the single-process full-batch gradient; without ``dist`` nothing changes.
+- ``Actor(..., dist=DistContext)`` and ``FrozenPolicy(..., dist=...)`` (optional;
+  :mod:`agentrl.training.fsdp`) hold one FSDP2 shard per rank: every log-prob pass, update,
+  weight gather and save is then a collective (every rank calls it with the same arguments;
+  :mod:`agentrl.training.ranks` makes the follower ranks do so), and the update gives the
+  single-process full-batch gradient. Without ``dist`` nothing changes.
 """
 
 from __future__ import annotations
@@ -41,7 +46,9 @@ __all__ = [
     "FrozenPolicy",
     "OptimizerSettings",
     "lr_factor",
+    "merge_rank_rows",
     "optimizer_settings",
+    "rank_micro_batches",
 ]
 
 
@@ -157,8 +164,44 @@ def load_causal_lm(
     return module.to(device)
 
 
+def rank_micro_batches(
+    batch: TensorDict, max_tokens: int, dist: DistContext | None
+) -> tuple[list[TensorDict], list[list[int]]]:
+    """The micro-batches this process runs for a forward-only pass over ``batch``, and the batch
+    rows of each: all rows packed by ``max_tokens`` (one process), or this rank's token-balanced
+    share (``dist``; an empty row list marks a padding micro-batch that only keeps the ranks'
+    collectives in step)."""
+    if dist is None:
+        return split_by_token_budget(batch, max(1, max_tokens))
+    plan = dist.plan_mini_batch(batch, max(1, max_tokens))
+    return plan.micro, plan.rows
+
+
+def merge_rank_rows(
+    outputs: list[torch.Tensor],
+    rows: list[list[int]],
+    n_rows: int,
+    width: int,
+    dist: DistContext | None,
+) -> torch.Tensor:
+    """Per-micro-batch results ``[b_i, T_i]`` as one ``[n_rows, width]`` float32 CPU tensor;
+    under ``dist`` every rank's rows (a collective: every rank gets the whole result)."""
+    if dist is not None:
+        return dist.merge_rows(outputs, rows, n_rows=n_rows, width=width)
+    if not outputs:
+        return torch.zeros(n_rows, width)
+    return merge_micro_batches([o.cpu() for o in outputs], rows, width=width)
+
+
 class FrozenPolicy:
-    """A causal LM used only for log-probs: the reference policy for KL, and the base of Actor."""
+    """A causal LM used only for log-probs: the reference policy for KL, and the base of Actor.
+
+    With ``dist`` (a :class:`~agentrl.training.fsdp.DistContext`, one process per device) the
+    model is loaded on CPU (float32 master weights when ``dtype="auto"``) and sharded with
+    FSDP2 onto ``dist.device`` (``device`` is then ignored); each rank scores its token-balanced
+    share of a batch and every rank gets the whole result, so every rank must call the log-prob
+    methods with the same batch (they are collectives).
+    """
 
     def __init__(
         self,
@@ -169,7 +212,13 @@ class FrozenPolicy:
         device: str,
         dtype: str,
         trust_remote_code: bool,
+        dist: DistContext | None = None,
     ) -> None:
+        self.dist = dist
+        if dist is not None:
+            # Load whole on CPU, shard onto the device: no rank ever holds the full model there.
+            device = "cpu"
+            dtype = "float32" if dtype == "auto" else dtype
         self.temperature = temperature
         self.micro_batch_max_tokens = micro_batch_max_tokens
         self.device = resolve_device(device)
@@ -177,6 +226,9 @@ class FrozenPolicy:
         self.model = load_causal_lm(
             model_dir, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code
         )
+        if dist is not None:
+            self.model = dist.shard(self.model)
+            self.device = dist.device
         # Dropout off: the recomputed π_old must equal the π_θ of the first update step.
         self.model.eval()
 
@@ -212,47 +264,71 @@ class FrozenPolicy:
         return split_by_token_budget(batch, max(1, self.micro_batch_max_tokens))
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
-        """π of every response token under the current weights, ``[B, R]`` float32 (0 on padding)."""
+    def _score(
+        self, batch: TensorDict, *, with_sum_pi_squared: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and Σ_v π(v)²) ``[B, R]`` of the whole batch, 0 on padding; under ``dist``
+        each rank runs its share (padding micro-batches still run the collectives)."""
         was_training = self.model.training
         self.model.eval()
-        resp_len = batch["responses"].shape[1]
-        micro, indices = self._micro_batches(batch)
-        outputs = [self._forward(mb, with_entropy=False)[0].cpu() for mb in micro]
+        n, resp_len = batch.batch_size[0], batch["responses"].shape[1]
+        micro, rows = rank_micro_batches(batch, self.micro_batch_max_tokens, self.dist)
+        logps, extras, kept = [], [], []
+        for mb, ix in zip(micro, rows, strict=True):
+            lp, extra = self._forward(
+                mb, with_entropy=False, with_sum_pi_squared=with_sum_pi_squared
+            )
+            if ix:
+                logps.append(lp)
+                kept.append(ix)
+                if extra is not None:
+                    extras.append(extra)
         self.model.train(was_training)
-        if not outputs:
-            return torch.zeros(0, resp_len)
-        out = merge_micro_batches(outputs, indices, width=resp_len)
-        return out * batch["response_mask"].float()
+        mask = batch["response_mask"].float()
+        logp = merge_rank_rows(logps, kept, n, resp_len, self.dist) * mask
+        if not with_sum_pi_squared:
+            return logp, None
+        return logp, merge_rank_rows(extras, kept, n, resp_len, self.dist) * mask
 
-    @torch.no_grad()
+    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
+        """π of every response token under the current weights, ``[B, R]`` float32 (0 on
+        padding); under ``dist`` a collective (every rank passes the same batch)."""
+        return self._score(batch, with_sum_pi_squared=False)[0]
+
     def compute_log_probs_and_sum_pi_squared(
         self, batch: TensorDict
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`compute_log_probs` and Σ_v π(v)² at every response position (``[B, R]``
         each; 0 on padding), in one forward pass (the optimal token baseline needs both)."""
-        was_training = self.model.training
-        self.model.eval()
-        resp_len = batch["responses"].shape[1]
-        micro, indices = self._micro_batches(batch)
-        pairs = [self._forward(mb, with_entropy=False, with_sum_pi_squared=True) for mb in micro]
-        self.model.train(was_training)
-        mask = batch["response_mask"].float()
-        logp = merge_micro_batches([p[0].cpu() for p in pairs], indices, width=resp_len)
-        spp = merge_micro_batches([p[1].cpu() for p in pairs], indices, width=resp_len)  # type: ignore[union-attr]  # requested above
-        return logp * mask, spp * mask
+        logp, spp = self._score(batch, with_sum_pi_squared=True)
+        assert spp is not None  # requested above
+        return logp, spp
+
+
+_SUMMED_TERMS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+"""Loss terms aggregated with the mini-batch's normalizers: their micro-batch values add up."""
 
 
 class _Stats:
-    """Running sums and counts of per-micro-batch metrics."""
+    """Running (weighted) sums and weights of per-micro-batch metrics."""
 
     def __init__(self) -> None:
         self.sums: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, float] = {}
 
-    def add(self, key: str, value: float) -> None:
-        self.sums[key] = self.sums.get(key, 0.0) + float(value)
-        self.counts[key] = self.counts.get(key, 0) + 1
+    def add(self, key: str, value: float, weight: float = 1.0) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
+        self.counts[key] = self.counts.get(key, 0.0) + weight
+
+    def add_terms(self, terms: dict[str, float], tokens: float) -> None:
+        """One micro-batch's loss terms (summed) and diagnostics (weighted by its ``tokens``,
+        so that they are token means over the mini-batch whatever the micro-batching, on any
+        number of ranks)."""
+        for key, value in terms.items():
+            if key in _SUMMED_TERMS:
+                self.add(key, value)
+            else:
+                self.add(key, value, tokens)
 
 
 _FirstPass = tuple[list[torch.Tensor], list[list[int]]]
@@ -262,11 +338,9 @@ _FirstPass = tuple[list[torch.Tensor], list[list[int]]]
 class Actor(FrozenPolicy):
     """A Hugging Face causal LM with AdamW, warmup + constant/cosine LR, and the policy update.
 
-    With ``dist`` (a :class:`~agentrl.training.fsdp.DistContext`, one process per device) the
-    model is loaded on CPU (float32 master weights when ``dtype="auto"``), sharded with FSDP2
-    onto ``dist.device``, and every rank must call :meth:`update`, :meth:`compute_log_probs`
-    and :meth:`state_dict_for_push` with the same batch (they are collectives). ``device`` is
-    then ignored.
+    With ``dist`` (see :class:`FrozenPolicy`) every rank must also call :meth:`update`,
+    :meth:`score_tokens`, :meth:`state_dict_for_push` and :meth:`save_pretrained` with the same
+    arguments (they are collectives).
     """
 
     def __init__(
@@ -279,11 +353,6 @@ class Actor(FrozenPolicy):
         trust_remote_code: bool,
         dist: DistContext | None = None,
     ) -> None:
-        self.dist = dist
-        if dist is not None:
-            # Load whole on CPU, shard onto the device: no rank ever holds the full model there.
-            device = "cpu"
-            dtype = "float32" if dtype == "auto" else dtype
         super().__init__(
             model_dir,
             temperature=config.temperature,
@@ -291,10 +360,8 @@ class Actor(FrozenPolicy):
             device=device,
             dtype=dtype,
             trust_remote_code=trust_remote_code,
+            dist=dist,
         )
-        if dist is not None:
-            self.model = dist.shard(self.model)
-            self.device = dist.device
         self.config = config
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
@@ -339,11 +406,11 @@ class Actor(FrozenPolicy):
         sums, counts = stats.sums, stats.counts
         if self.dist is not None:
             sums, counts = self.dist.reduce_metric_sums(sums, counts)
-        metrics = {k: sums[k] / counts[k] for k in sums}
+        metrics = {k: sums[k] / counts[k] if counts[k] else 0.0 for k in sums}
         # pg_loss and entropy were accumulated per micro-batch with global normalizers: their
         # per-mini-batch value is the *sum* over micro-batches, so report sums per mini-batch.
         n_mini = c.ppo_epochs * math.ceil(n / mini)
-        for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+        for key in _SUMMED_TERMS:
             if key in sums:
                 metrics[key] = sums[key] / max(1, n_mini)
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
@@ -384,8 +451,7 @@ class Actor(FrozenPolicy):
                 loss = loss * (0.0 if padding else loss_scale)
             loss.backward()
             if not padding:
-                for k, v in terms.items():
-                    stats.add(k, v)
+                stats.add_terms(terms, float(mb["response_mask"].float().sum()))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         if self.dist is not None:
             from agentrl.training.fsdp import full_tensor
@@ -439,26 +505,6 @@ class Actor(FrozenPolicy):
         return loss, terms
 
     @torch.no_grad()
-    def compute_log_probs(self, batch: TensorDict) -> torch.Tensor:
-        """π of every response token, ``[B, R]`` float32 (0 on padding); each rank scores its
-        share under ``dist`` (a collective: every rank passes the same batch)."""
-        if self.dist is None:
-            return super().compute_log_probs(batch)
-        was_training = self.model.training
-        self.model.eval()
-        resp_len = batch["responses"].shape[1]
-        plan = self.dist.plan_mini_batch(batch, max(1, self.micro_batch_max_tokens))
-        outputs, rows = [], []
-        for mb, ix in zip(plan.micro, plan.rows, strict=True):
-            logp = self._forward(mb, with_entropy=False)[0]  # padding still runs the collectives
-            if ix:
-                outputs.append(logp)
-                rows.append(ix)
-        self.model.train(was_training)
-        out = self.dist.merge_rows(outputs, rows, n_rows=batch.batch_size[0], width=resp_len)
-        return out * batch["response_mask"].float()
-
-    @torch.no_grad()
     def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         """Log-probs of ``token_ids`` after ``prompt_ids`` by the servers' convention."""
         ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=self.device)
@@ -490,9 +536,20 @@ class Actor(FrozenPolicy):
         return out
 
     def save_pretrained(self, out_dir: str | Path) -> None:
-        self.model.save_pretrained(str(out_dir), safe_serialization=True)
+        """The model as a Hugging Face directory (safetensors); under ``dist`` a collective
+        (the full weights are gathered and rank 0 writes them)."""
+        if self.dist is None:
+            self.model.save_pretrained(str(out_dir), safe_serialization=True)
+            return
+        from agentrl.training.fsdp import full_state_dict_for_push
+
+        full = full_state_dict_for_push(self.model)
+        if self.dist.is_main:
+            self.model.save_pretrained(str(out_dir), state_dict=full, safe_serialization=True)
 
     def state_dict(self) -> dict[str, Any]:
+        """Model, optimizer, scheduler and step, to resume exactly; under ``dist`` this rank's
+        shard (``DTensor`` entries), loadable only by the same rank of the same world size."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
@@ -501,6 +558,7 @@ class Actor(FrozenPolicy):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -10,13 +10,16 @@ compose them:
   ``CheckpointEngine``, the reward manager and ``make_manager()``. The trainer, ``agentrl eval``,
   the Ray backend and the rollout service (``agentrl serve``) all build through it.
 - :func:`build_run` — serving plus the training side: the algorithm plan, the actor (and the
-  reference and critic the plan needs), the task sets and the tracker.
+  reference and critic the plan needs), the task sets and the tracker. With
+  ``trainer.world_size`` N > 1 the models are FSDP2-sharded over N trainer ranks: this process
+  is rank 0, the followers start here (:func:`start_policies`, :mod:`agentrl.training.ranks`).
 
 Guarantees:
 
 - everything started is registered with the exit stack the moment it exists, so any failure
   after the first server starts (a second server failing its health check, a model that does
-  not load) stops every server and closes every client; nothing is orphaned;
+  not load) stops every server, every trainer rank and closes every client; nothing is
+  orphaned;
 - servers start in parallel with loading the models (start-up is the slower of the two, not
   their sum; ``timing_s/startup`` reports it);
 - every process gets its share of the run's CPU-thread plan (:mod:`agentrl.threads`).
@@ -47,6 +50,8 @@ __all__ = [
     "Serving",
     "build_run",
     "build_serving",
+    "load_policies",
+    "start_policies",
     "thread_plan",
     "worker_config",
 ]
@@ -369,14 +374,21 @@ async def _given(urls: Sequence[str]) -> list[str]:
     return list(urls)
 
 
-def load_policies(cfg: ExperimentConfig, path: Path, plan: Any) -> Any:
-    """The actor, and the reference and critic the algorithm plan needs."""
+def load_policies(cfg: ExperimentConfig, path: Path, plan: Any, *, dist: Any = None) -> Any:
+    """The actor, and the reference and critic the algorithm plan needs; with ``dist`` (a
+    :class:`~agentrl.training.fsdp.DistContext`) this rank's FSDP2 shards of each (every rank
+    builds the same models: :mod:`agentrl.training.ranks`)."""
     from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
     from agentrl.training.critic import Critic, CriticConfig
     from agentrl.training.step import Policies
 
     t, m = cfg.trainer, cfg.model
-    common = {"device": t.device, "dtype": m.dtype, "trust_remote_code": m.trust_remote_code}
+    common = {
+        "device": t.device,
+        "dtype": m.dtype,
+        "trust_remote_code": m.trust_remote_code,
+        "dist": dist,
+    }
     actor = Actor(path, ActorConfig.from_config(cfg, plan), **common)
     reference = (
         FrozenPolicy(
@@ -389,7 +401,7 @@ def load_policies(cfg: ExperimentConfig, path: Path, plan: Any) -> Any:
         else None
     )
     critic = Critic(path, CriticConfig.from_config(cfg), **common) if plan.needs_critic else None
-    if critic is None and t.critic_warmup_steps:
+    if critic is None and t.critic_warmup_steps and (dist is None or dist.is_main):
         logger.warning(
             "trainer.critic_warmup_steps=%d is ignored: algorithm.advantage %r has no critic "
             "(use gae)",
@@ -397,6 +409,21 @@ def load_policies(cfg: ExperimentConfig, path: Path, plan: Any) -> Any:
             plan.advantage.name,
         )
     return Policies(actor=actor, reference=reference, critic=critic)
+
+
+def start_policies(
+    cfg: ExperimentConfig, path: Path, plan: Any, stack: contextlib.AsyncExitStack
+) -> Any:
+    """The run's models: in this process (``trainer.world_size`` 1), or sharded over
+    ``trainer.world_size`` trainer ranks with this process as rank 0 and the models wrapped in
+    :class:`~agentrl.training.ranks.RankedModel` proxies (the loop and the step call them as
+    plain models). The followers' stop is on ``stack`` before the first one starts."""
+    if cfg.trainer.world_size == 1:
+        return load_policies(cfg, path, plan)
+    from agentrl.training.ranks import start_ranks
+
+    ranks = start_ranks(cfg, path, threads=thread_plan(cfg).trainer, register=stack.callback)
+    return ranks.wrap(load_policies(cfg, path, plan, dist=ranks.dist))
 
 
 @contextlib.asynccontextmanager
@@ -416,7 +443,7 @@ async def build_run(
         path = model_dir(cfg)  # built once here, so both threads below see the same directory
 
         def load() -> Any:
-            return load_policies(cfg, path, resolved.plan)
+            return start_policies(cfg, path, resolved.plan, stack)
 
         serving = await stack.enter_async_context(
             build_serving(

@@ -20,30 +20,38 @@ Guarantees:
   *mini-batch's* token/sequence counts, so gradient accumulation gives the full mini-batch
   gradient whatever the packing (as the actor does).
 - ``state_dict()`` / ``load_state_dict()`` cover the backbone, the head, the optimizer, the LR
-  scheduler and the step counter: a resumed run continues the critic exactly.
+  scheduler and the step counter: a resumed run continues the critic exactly (under FSDP2 each
+  rank saves and loads its own shard).
+- ``Critic(..., dist=DistContext)`` shards backbone + value head with FSDP2; its values and its
+  update equal the single-process ones up to float summation order.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tensordict import TensorDict
 from torch import nn
 
 from agentrl.algos import masked_mean, masked_var, value_loss
-from agentrl.batch import merge_micro_batches, split_by_token_budget
+from agentrl.batch import split_by_token_budget
 from agentrl.training.actor import (
     OptimizerSettings,
     lr_factor,
+    merge_rank_rows,
     optimizer_settings,
+    rank_micro_batches,
     resolve_device,
     resolve_dtype,
 )
 
-__all__ = ["Critic", "CriticConfig", "load_backbone", "value_metrics"]
+if TYPE_CHECKING:
+    from agentrl.training.fsdp import DistContext
+
+__all__ = ["Critic", "CriticConfig", "ValueModel", "load_backbone", "value_metrics"]
 
 
 @dataclass
@@ -127,11 +135,48 @@ def value_metrics(
     }
 
 
+class ValueModel(nn.Module):
+    """The critic as one module: an LM backbone and its value head, so that FSDP2 shards them
+    as one root (the forward must enter through the root for its hooks to gather the weights)."""
+
+    def __init__(self, backbone: Any, value_head: nn.Linear) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = value_head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        prompt_len: int,
+        resp_len: int,
+    ) -> torch.Tensor:
+        """Values ``[b, resp_len]`` float32 at the positions that predict each response token
+        (inputs ``[b, prompt_len + resp_len]``)."""
+        hidden = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + resp_len].float()
+        # a copy, not a view: FSDP2's pre-backward hook must stay on the module's output
+        return self.value_head(hidden).squeeze(-1).clone()
+
+
 class Critic:
     """V(s_t) for every response token: an LM backbone + ``nn.Linear(hidden, 1)``, with AdamW.
 
     Use: ``values = critic.compute_values(batch)`` before the advantages, then
     ``critic.update(batch)`` once ``batch`` holds ``values``, ``returns`` and ``response_mask``.
+
+    With ``dist`` (a :class:`~agentrl.training.fsdp.DistContext`) backbone and value head are
+    loaded on CPU and sharded with FSDP2 as one module onto ``dist.device`` (the head computes in
+    float32 whatever the mixed precision); ``compute_values``, ``update`` and
+    ``full_state_dict`` are then collectives (every rank calls them with the same batch), and
+    the update is the single-process full-batch update (token-balanced rows, global normalizers,
+    padding micro-batches, as the actor's).
     """
 
     def __init__(
@@ -142,21 +187,30 @@ class Critic:
         device: str,
         dtype: str,
         trust_remote_code: bool,
+        dist: DistContext | None = None,
     ) -> None:
         self.config = config
+        self.dist = dist
+        if dist is not None:
+            device = "cpu"  # load whole on CPU, shard onto the device
+            dtype = "float32" if dtype == "auto" else dtype
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.backbone = load_backbone(
             model_dir, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code
         )
-        # Dropout stays off, in the update too (as for the actor): the update's first pass
-        # reproduces the batch's `values`, so the clipped loss starts unclipped.
-        self.backbone.eval()
         hidden = int(self.backbone.config.hidden_size)
         self.value_head = nn.Linear(hidden, 1).to(self.device)  # float32 on every device
         with torch.no_grad():
             self.value_head.weight.zero_()
             self.value_head.bias.zero_()
+        self.module = ValueModel(self.backbone, self.value_head)
+        if dist is not None:
+            dist.shard(self.module, layers_of=self.backbone, float32_units=[self.value_head])
+            self.device = dist.device
+        # Dropout stays off, in the update too (as for the actor): the update's first pass
+        # reproduces the batch's `values`, so the clipped loss starts unclipped.
+        self.module.eval()
         self.optimizer = torch.optim.AdamW(
             [p for p in self.parameters() if p.requires_grad],
             lr=config.lr,
@@ -169,21 +223,19 @@ class Critic:
         self.global_step = 0
 
     def parameters(self) -> list[nn.Parameter]:
-        return [*self.backbone.parameters(), *self.value_head.parameters()]
+        """The backbone's parameters, then the value head's."""
+        return list(self.module.parameters())
 
     # ---- forward ------------------------------------------------------------------------
     def _forward(self, mb: TensorDict) -> torch.Tensor:
         """Values ``[b, R]`` float32 at the positions that predict each response token."""
-        prompt_len = mb["prompts"].shape[1]
-        resp_len = mb["responses"].shape[1]
-        hidden = self.backbone(
-            input_ids=mb["input_ids"].to(self.device),
-            attention_mask=mb["attention_mask"].to(self.device),
-            position_ids=mb["position_ids"].to(self.device),
-            use_cache=False,
-        ).last_hidden_state
-        hidden = hidden[:, prompt_len - 1 : prompt_len - 1 + resp_len].float()
-        return self.value_head(hidden).squeeze(-1)
+        return self.module(
+            mb["input_ids"].to(self.device),
+            mb["attention_mask"].to(self.device),
+            mb["position_ids"].to(self.device),
+            mb["prompts"].shape[1],
+            mb["responses"].shape[1],
+        )
 
     def _micro_batches(self, batch: TensorDict) -> tuple[list[TensorDict], list[list[int]]]:
         return split_by_token_budget(batch, max(1, self.config.micro_batch_max_tokens))
@@ -193,14 +245,18 @@ class Critic:
         """V(s_t) of every response token, ``[B, T]`` float32 on CPU (0 where ``response_mask`` is 0).
 
         ``batch`` is the trainer's batch (``prompts`` [B, P] left-padded, ``responses`` [B, T]
-        right-padded, ``input_ids``/``attention_mask``/``position_ids`` [B, P + T]).
+        right-padded, ``input_ids``/``attention_mask``/``position_ids`` [B, P + T]). Under
+        ``dist`` each rank computes its share (a collective).
         """
-        resp_len = batch["responses"].shape[1]
-        micro, indices = self._micro_batches(batch)
-        outputs = [self._forward(mb).cpu() for mb in micro]
-        if not outputs:
-            return torch.zeros(0, resp_len)
-        values = merge_micro_batches(outputs, indices, width=resp_len)
+        n, resp_len = batch.batch_size[0], batch["responses"].shape[1]
+        micro, rows = rank_micro_batches(batch, self.config.micro_batch_max_tokens, self.dist)
+        outputs, kept = [], []
+        for mb, ix in zip(micro, rows, strict=True):
+            values = self._forward(mb)  # padding micro-batches still run the collectives
+            if ix:
+                outputs.append(values)
+                kept.append(ix)
+        values = merge_rank_rows(outputs, kept, n, resp_len, self.dist)
         return values * batch["response_mask"].float()
 
     # ---- update -------------------------------------------------------------------------
@@ -212,7 +268,8 @@ class Critic:
 
         Returns ``critic/vf_loss`` (mean per mini-batch), ``critic/vf_clipfrac``,
         ``critic/vpred_mean`` (masked mean of the predictions seen by the update),
-        ``critic/grad_norm`` (before clipping) and ``critic/lr`` (after the schedule step).
+        ``critic/grad_norm`` (before clipping) and ``critic/lr`` (after the schedule step);
+        under ``dist`` the same numbers as one process on the whole batch.
         """
         for key in ("values", "returns", "response_mask"):
             if key not in batch:
@@ -223,63 +280,97 @@ class Critic:
         c = self.config
         n = batch.batch_size[0]
         mini = c.mini_batch_size or n
-        resp_width = batch["responses"].shape[1]
-        sums: dict[str, float] = {}
-        counts: dict[str, int] = {}
-        vpred_sum = 0.0
-        vpred_tokens = 0.0
+        # this rank's sums of vf_loss, clipped-token fraction, predictions and predicted tokens
+        totals = [0.0, 0.0, 0.0, 0.0]
+        grad_norms: list[float] = []
+        skipped = 0
         for _ in range(c.ppo_epochs):
             for start in range(0, n, mini):
-                mb_full = batch[start : start + mini]
-                mask = mb_full["response_mask"].float()
-                global_tokens = mask.sum().item()
-                global_seqs = (mask.sum(dim=1) > 0).sum().item()
-                self.optimizer.zero_grad(set_to_none=True)
-                loss_sum = 0.0
-                clip_tokens = 0.0
-                for mb in self._micro_batches(mb_full)[0]:
-                    vpreds = self._forward(mb)
-                    m = mb["response_mask"].to(self.device).float()
-                    loss, metrics = value_loss(
-                        vpreds,
-                        mb["returns"].to(self.device),
-                        mb["values"].to(self.device),
-                        m,
-                        cliprange_value=c.cliprange_value,
-                        loss_agg_mode=c.loss_agg_mode,
-                        global_tokens=global_tokens,
-                        global_seqs=global_seqs,
-                        loss_scale_factor=float(resp_width),
-                    )
-                    loss.backward()
-                    loss_sum += loss.item()
-                    tokens = m.sum().item()
-                    clip_tokens += metrics["vf_clipfrac"] * tokens
-                    vpred_sum += float((vpreds.detach() * m).sum())
-                    vpred_tokens += tokens
-                self._acc(sums, counts, "critic/vf_loss", loss_sum)
-                self._acc(sums, counts, "critic/vf_clipfrac", clip_tokens / max(global_tokens, 1.0))
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), c.grad_clip)
-                if not torch.isfinite(grad_norm):
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self._acc(sums, counts, "critic/skipped_nonfinite_grad", 1.0)
-                else:
-                    self.optimizer.step()
-                self._acc(sums, counts, "critic/grad_norm", float(grad_norm))
+                norm, ok = self._mini_batch_step(batch[start : start + mini], totals)
+                grad_norms.append(norm)
+                skipped += not ok
         self.scheduler.step()
         self.global_step += 1
-        out = {k: sums[k] / counts[k] for k in sums}
-        out["critic/vpred_mean"] = vpred_sum / max(vpred_tokens, 1.0)
+        if self.dist is not None:
+            totals = self.dist.sum_over_ranks(totals)
+        n_mini = len(grad_norms)
+        out = {
+            "critic/vf_loss": totals[0] / n_mini,
+            "critic/vf_clipfrac": totals[1] / n_mini,
+            "critic/grad_norm": sum(grad_norms) / n_mini,
+        }
+        if skipped:
+            out["critic/skipped_nonfinite_grad"] = 1.0
+        out["critic/vpred_mean"] = totals[2] / max(totals[3], 1.0)
         out["critic/lr"] = float(self.scheduler.get_last_lr()[0])
         return out
 
-    @staticmethod
-    def _acc(sums: dict[str, float], counts: dict[str, int], key: str, value: float) -> None:
-        sums[key] = sums.get(key, 0.0) + float(value)
-        counts[key] = counts.get(key, 0) + 1
+    def _mini_batch_step(self, mb_full: TensorDict, totals: list[float]) -> tuple[float, bool]:
+        """Accumulate one mini-batch's value-loss gradient over its micro-batches (this rank's
+        rows under ``dist``), clip, step; add to ``totals``; the pre-clip gradient norm and
+        whether the step was taken (False: a non-finite gradient, skipped)."""
+        c = self.config
+        width = float(mb_full["responses"].shape[1])
+        if self.dist is None:
+            mask = mb_full["response_mask"].float()
+            norm = (mask.sum().item(), (mask.sum(dim=1) > 0).sum().item())
+            micro, rows = self._micro_batches(mb_full)
+            loss_scale = 1.0
+        else:
+            plan = self.dist.plan_mini_batch(mb_full, max(1, c.micro_batch_max_tokens))
+            norm = (plan.global_tokens, plan.global_seqs)
+            micro, rows, loss_scale = plan.micro, plan.rows, plan.loss_scale
+        self.optimizer.zero_grad(set_to_none=True)
+        for mb, ix in zip(micro, rows, strict=True):
+            padding = not ix  # data-parallel only: keeps the ranks' collectives in step
+            vpreds = self._forward(mb)
+            m = mb["response_mask"].to(self.device).float()
+            loss, metrics = value_loss(
+                vpreds,
+                mb["returns"].to(self.device),
+                mb["values"].to(self.device),
+                m,
+                cliprange_value=c.cliprange_value,
+                loss_agg_mode=c.loss_agg_mode,
+                global_tokens=norm[0],
+                global_seqs=norm[1],
+                loss_scale_factor=width,
+            )
+            if self.dist is not None:
+                (loss * (0.0 if padding else loss_scale)).backward()
+            else:
+                loss.backward()
+            if padding:
+                continue
+            tokens = m.sum().item()
+            totals[0] += loss.item()
+            totals[1] += metrics["vf_clipfrac"] * tokens / max(norm[0], 1.0)
+            totals[2] += float((vpreds.detach() * m).sum())
+            totals[3] += tokens
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.parameters(), c.grad_clip)
+        if self.dist is not None:
+            from agentrl.training.fsdp import full_tensor
+
+            grad_norm = full_tensor(grad_norm)  # a replicated DTensor under FSDP2
+        if not torch.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(grad_norm), False
+        self.optimizer.step()
+        return float(grad_norm), True
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Backbone and head weights as whole CPU tensors (``backbone.*``, ``value_head.*``);
+        under ``dist`` a collective that gathers them on rank 0 (``{}`` on the other ranks)."""
+        if self.dist is not None:
+            from agentrl.training.fsdp import full_state_dict_for_push
+
+            return full_state_dict_for_push(self.module)
+        return {k: v.detach().to("cpu").clone() for k, v in self.module.state_dict().items()}
 
     # ---- checkpoints --------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        """Backbone, head, optimizer, scheduler and step, to resume exactly; under ``dist`` this
+        rank's shard (``DTensor`` entries), loadable only by the same rank of the same world size."""
         return {
             "model": self.backbone.state_dict(),
             "value_head": self.value_head.state_dict(),
@@ -289,6 +380,7 @@ class Critic:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
         self.backbone.load_state_dict(state["model"])
         self.value_head.load_state_dict(state["value_head"])
         self.optimizer.load_state_dict(state["optimizer"])

@@ -3,8 +3,11 @@
 Why it exists: one trainer process per GPU (``torchrun`` or Ray actors) must train on one rollout
 batch as if a single process had trained on all of it, and hand the CheckpointEngine the same
 Hugging Face-named full state dict a single-process :class:`~agentrl.training.actor.Actor` would.
-This module holds every piece of that which is not the update loop itself; the loop stays in
-``Actor.update_with_log_probs`` and only asks :class:`DistContext` for a :class:`MiniBatchPlan`.
+This module holds every piece of that which is not the update loop itself; the loops stay in
+``Actor.update_with_log_probs`` and ``Critic.update`` and only ask :class:`DistContext` for a
+:class:`MiniBatchPlan`. ``Actor``, ``FrozenPolicy`` (the reference) and ``Critic`` all take
+``dist=``; :mod:`agentrl.training.ranks` runs the ranks from ``agentrl train``
+(``trainer.world_size``).
 
 Guarantees:
 
@@ -102,18 +105,25 @@ def shard_model(
     *,
     reshard_after_forward: bool = True,
     mixed_precision: MixedPrecisionPolicy | None = None,
+    layers_of: torch.nn.Module | None = None,
+    float32_units: Sequence[torch.nn.Module] = (),
 ) -> Any:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
 
     Args:
-        model: a Hugging Face causal LM, on CPU or on the mesh's device; FSDP2 moves each
-            rank's parameter shards to the mesh's device.
+        model: a Hugging Face causal LM (or a module around one, see ``layers_of``), on CPU or
+            on the mesh's device; FSDP2 moves each rank's parameter shards to the mesh's device.
         mesh: a 1-D device mesh over the data-parallel ranks (None = all ranks of the default
             process group, on CUDA when available).
         reshard_after_forward: free each layer's gathered parameters after its forward (ZeRO-3
             memory; one more all-gather in backward). False keeps them until backward (ZeRO-2-
             like: faster, more memory).
         mixed_precision: None = :func:`default_mixed_precision` for the mesh's device type.
+        layers_of: the Hugging Face model whose decoder layers get their own FSDP unit (None =
+            ``model``); the critic passes its backbone and shards backbone + value head as one
+            root.
+        float32_units: submodules sharded as their own unit that always computes in float32
+            (the critic's value head, whatever ``mixed_precision`` says).
 
     Returns:
         ``model`` itself, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
@@ -122,8 +132,11 @@ def shard_model(
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = mixed_precision or default_mixed_precision(mesh.device_type)
-    for layer in decoder_layers(model):
+    for layer in decoder_layers(model if layers_of is None else layers_of):
         fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    for unit in float32_units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     return model
 
@@ -246,13 +259,21 @@ class DistContext:
         """Rank 0: the only rank that talks to the inference servers."""
         return self.rank == 0
 
-    def shard(self, model: Any) -> Any:
+    def shard(
+        self,
+        model: Any,
+        *,
+        layers_of: torch.nn.Module | None = None,
+        float32_units: Sequence[torch.nn.Module] = (),
+    ) -> Any:
         """:func:`shard_model` with this context's mesh and settings."""
         return shard_model(
             model,
             self.mesh,
             reshard_after_forward=self.reshard_after_forward,
             mixed_precision=self.mixed_precision,
+            layers_of=layers_of,
+            float32_units=float32_units,
         )
 
     # ---- collectives --------------------------------------------------------------------
@@ -282,18 +303,25 @@ class DistContext:
         dist.all_reduce(merged, op=dist.ReduceOp.SUM, group=self.mesh.get_group())
         return merged.cpu()
 
+    def sum_over_ranks(self, values: Sequence[float]) -> list[float]:
+        """Each of ``values`` summed over ranks (float64; every rank passes as many)."""
+        t = torch.tensor(list(values), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.mesh.get_group())
+        return [float(x) for x in t.cpu()]
+
     def reduce_metric_sums(
-        self, sums: dict[str, float], counts: dict[str, int]
-    ) -> tuple[dict[str, float], dict[str, int]]:
-        """Sum per-key metric sums and counts over ranks (keys may differ between ranks)."""
+        self, sums: dict[str, float], counts: dict[str, float]
+    ) -> tuple[dict[str, float], dict[str, float]]:
+        """Sum per-key metric sums and counts (weights) over ranks (keys may differ between
+        ranks)."""
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (sums, counts), group=self.mesh.get_group())
         total_s: dict[str, float] = {}
-        total_c: dict[str, int] = {}
+        total_c: dict[str, float] = {}
         for s, c in gathered:
             for k, v in s.items():
                 total_s[k] = total_s.get(k, 0.0) + v
-                total_c[k] = total_c.get(k, 0) + c[k]
+                total_c[k] = total_c.get(k, 0.0) + c[k]
         return total_s, total_c
 
     # ---- planning -----------------------------------------------------------------------

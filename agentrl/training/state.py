@@ -11,7 +11,10 @@ written to ``checkpoint.tmp`` and renamed, so a crash mid-save keeps the previou
   (dispatched, not yet trained on or dropped; a resumed run re-dispatches them first, so no
   admitted task is lost and none is trained twice), the buffer counters, the admission counters
   (diagnostics), the KL controller's coefficient and the MLflow run id;
-- ``actor.pt`` (model, optimizer, scheduler), ``critic.pt`` when there is a critic;
+- ``actor.pt`` (model, optimizer, scheduler), ``critic.pt`` when there is a critic; with
+  ``trainer.world_size`` N > 1 one file per rank instead (``actor.rank{r}.pt``, each rank's own
+  FSDP2 shard of model and optimizer, written and read by that rank; :func:`model_file`), and
+  ``trainer_state.json`` records N: resuming with another world size is an error that says so;
 - ``rng.pt``: Python, NumPy and torch RNG states.
 
 Task accounting (asserted by tests): every dispatched task id is, at any time, pending or
@@ -40,9 +43,45 @@ import torch
 
 from agentrl.types import Task
 
-__all__ = ["STATE_FILE", "RunState", "seed_everything"]
+__all__ = [
+    "STATE_FILE",
+    "RunState",
+    "load_model_state",
+    "model_file",
+    "save_model_state",
+    "seed_everything",
+]
 
 STATE_FILE = "trainer_state.json"
+
+
+def model_file(ckpt: Path, name: str, rank: int, world_size: int) -> Path:
+    """Where rank ``rank`` keeps model ``name`` (``actor``, ``critic``) in checkpoint ``ckpt``."""
+    return ckpt / (f"{name}.pt" if world_size == 1 else f"{name}.rank{rank}.pt")
+
+
+def save_model_state(model: Any, rank: int, world_size: int, ckpt: Path, name: str) -> None:
+    """Save ``model.state_dict()`` (this rank's shard under FSDP2) as :func:`model_file`."""
+    torch.save(model.state_dict(), model_file(ckpt, name, rank, world_size))
+
+
+def load_model_state(model: Any, rank: int, world_size: int, ckpt: Path, name: str) -> None:
+    """Load what :func:`save_model_state` saved into ``model``."""
+    model.load_state_dict(torch.load(model_file(ckpt, name, rank, world_size), weights_only=False))
+
+
+def _world_size(model: Any) -> int:
+    """Ranks a model is sharded over (a ``RankedModel`` says; a plain model is 1)."""
+    return int(getattr(model, "world_size", 1))
+
+
+def _on_every_rank(model: Any, fn: Any, ckpt: Path, name: str) -> None:
+    """``fn(model, rank, world_size, ckpt, name)`` on every rank that holds a shard of ``model``."""
+    every = getattr(model, "on_every_rank", None)
+    if every is None:
+        fn(model, 0, 1, ckpt, name)
+    else:
+        every(fn, ckpt, name)
 
 
 def seed_everything(seed: int) -> None:
@@ -73,6 +112,8 @@ class RunState:
     dispatched_at_save: int = 0
     """``len(dispatched_task_ids)`` when the last checkpoint was written."""
     resumed: bool = False
+    world_size: int = 1
+    """Trainer ranks the model files were written by (one file per rank when > 1)."""
 
     @classmethod
     def fresh(cls) -> RunState:
@@ -132,9 +173,10 @@ class RunState:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-        torch.save(actor.state_dict(), tmp / "actor.pt")
+        self.world_size = _world_size(actor)
+        _on_every_rank(actor, save_model_state, tmp, "actor")
         if critic is not None:
-            torch.save(critic.state_dict(), tmp / "critic.pt")
+            _on_every_rank(critic, save_model_state, tmp, "critic")
         torch.save(
             {
                 "python": random.getstate(),
@@ -159,6 +201,7 @@ class RunState:
             },
             "kl_coef": kl_coef,
             "mlflow_run_id": mlflow_run_id,
+            "world_size": self.world_size,
         }
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=1))
         self.dispatched_at_save = len(self.dispatched_task_ids)
@@ -167,12 +210,18 @@ class RunState:
         tmp.rename(ckpt)
 
     @classmethod
-    def load(cls, ckpt: Path) -> RunState | None:
-        """The saved state (None when ``ckpt`` holds no checkpoint); RNG states are restored."""
+    def load(cls, ckpt: Path, *, world_size: int | None = None) -> RunState | None:
+        """The saved state (None when ``ckpt`` holds no checkpoint); RNG states are restored.
+
+        ``world_size`` (the run's ``trainer.world_size``), when given, must be the one the
+        checkpoint was written with (checked here, before anything starts).
+        """
         path = ckpt / STATE_FILE
         if not path.exists():
             return None
         saved = json.loads(path.read_text())
+        if world_size is not None:
+            _check_world_size(ckpt, int(saved.get("world_size", 1)), world_size)
         rng_path = ckpt / "rng.pt"
         if rng_path.exists():
             rng = torch.load(rng_path, weights_only=False)
@@ -189,15 +238,19 @@ class RunState:
             mlflow_run_id=saved.get("mlflow_run_id"),
             replay=[Task.model_validate(t) for t in saved["pending_tasks"]],
             resumed=True,
+            world_size=int(saved.get("world_size", 1)),
         )
 
     @staticmethod
     def load_weights(ckpt: Path, actor: Any, critic: Any | None) -> None:
-        """Restore the actor (and the critic, when the checkpoint has one)."""
-        actor.load_state_dict(torch.load(ckpt / "actor.pt", weights_only=False))
-        critic_path = ckpt / "critic.pt"
-        if critic is not None and critic_path.exists():
-            critic.load_state_dict(torch.load(critic_path, weights_only=False))
+        """Restore the actor (and the critic, when the checkpoint has one); every rank loads
+        its own shard. A checkpoint of another world size is an error that says so."""
+        saved = json.loads((ckpt / STATE_FILE).read_text()) if (ckpt / STATE_FILE).exists() else {}
+        world = _world_size(actor)
+        _check_world_size(ckpt, int(saved.get("world_size", 1)), world)
+        _on_every_rank(actor, load_model_state, ckpt, "actor")
+        if critic is not None and model_file(ckpt, "critic", 0, world).exists():
+            _on_every_rank(critic, load_model_state, ckpt, "critic")
         elif critic is not None:
             import logging
 
@@ -205,3 +258,13 @@ class RunState:
                 "%s has no critic.pt (saved by a run without a critic): the critic starts fresh",
                 ckpt,
             )
+
+
+def _check_world_size(ckpt: Path, saved: int, current: int) -> None:
+    if saved != current:
+        raise ValueError(
+            f"{ckpt} was saved by {saved} trainer rank(s) (trainer.world_size={saved}) but this "
+            f"run has trainer.world_size={current}; a checkpoint holds one model and optimizer "
+            f"shard per rank, so resume with trainer.world_size={saved} (or start a fresh run "
+            "in another trainer.output_dir)"
+        )

@@ -126,7 +126,11 @@ class Trainer:
         t0 = time.perf_counter()
         seed_everything(cfg.trainer.seed)
         resolved = resolve_experiment(cfg)
-        saved = RunState.load(self.out / "checkpoint") if self.resume else None
+        saved = (
+            RunState.load(self.out / "checkpoint", world_size=cfg.trainer.world_size)
+            if self.resume
+            else None
+        )
         self.state = saved or RunState.fresh()
         dataset = TaskDataset(resolved.train_tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         if saved is not None:

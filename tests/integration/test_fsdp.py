@@ -10,7 +10,9 @@ the pre-clip gradient norm, the last mini-batch's gradients, and every updated
 parameter of the gathered full state dict, which must also carry the original model's Hugging
 Face names and shapes. Both normalizer families are covered: ``token-mean`` (global token
 count; unclipped, so the raw gradients are compared) and ``seq-mean-token-mean`` (global
-sequence count; gradient clipping acts).
+sequence count; gradient clipping acts). The same for the critic (backbone + value head sharded
+as one module: values, two updates, gradients, gathered weights) and for a ``FrozenPolicy``
+(the reference: log-probs and Σπ²).
 
 Mutation check (by hand, on this batch, token-mean with a 0.5 clip): with the world-size loss
 scale removed the gradient norm halved (9.5 vs 19.0; the clipped gradients and Adam's step hid
@@ -33,8 +35,9 @@ from safetensors import safe_open
 from tensordict import TensorDict
 
 from agentrl.batch import trajectories_to_batch
-from agentrl.training.actor import Actor, ActorConfig
-from tests.fakes import MODEL_ARGS, actor_config, synthetic_trajectory
+from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
+from agentrl.training.critic import Critic
+from tests.fakes import MODEL_ARGS, actor_config, critic_config, synthetic_trajectory
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
@@ -84,12 +87,7 @@ def _run(actor: Actor, batch: TensorDict) -> dict[str, Any]:
     """One update; everything the test compares (collectives: every rank calls this)."""
     old = actor.compute_log_probs(batch)
     metrics, first = actor.update_with_log_probs(batch)
-    grads = {}
-    for name, param in actor.model.named_parameters():
-        grad = param.grad
-        if grad is not None and hasattr(grad, "full_tensor"):
-            grad = grad.full_tensor()
-        grads[name] = None if grad is None else grad.detach().cpu().clone()
+    grads = _full_grads(actor.model.named_parameters())
     return {
         "old": old,
         "first": first,
@@ -99,6 +97,44 @@ def _run(actor: Actor, batch: TensorDict) -> dict[str, Any]:
     }
 
 
+def _full_grads(params: Any) -> dict[str, torch.Tensor | None]:
+    grads = {}
+    for name, param in params:
+        grad = param.grad
+        if grad is not None and hasattr(grad, "full_tensor"):
+            grad = grad.full_tensor()
+        grads[name] = None if grad is None else grad.detach().cpu().clone()
+    return grads
+
+
+def _run_critic(critic: Critic, batch: TensorDict) -> dict[str, Any]:
+    """Two value updates (the first from the zero head, the second through the backbone)."""
+    gen = torch.Generator().manual_seed(1)
+    mask = batch["response_mask"].float()
+    metrics = []
+    for _ in range(2):
+        b = batch.clone()
+        b["values"] = critic.compute_values(b)
+        b["returns"] = (b["values"] + torch.randn(mask.shape, generator=gen)) * mask
+        metrics.append(critic.update(b))
+    return {
+        "values": critic.compute_values(batch),
+        "metrics": metrics,
+        "grads": _full_grads(critic.module.named_parameters()),
+        "weights": critic.full_state_dict(),
+    }
+
+
+def _critic(model_dir: str | Path, **dist: Any) -> Critic:
+    config = critic_config(micro_batch_max_tokens=40, mini_batch_size=4, lr=1e-4, grad_clip=1e6)
+    return Critic(model_dir, config, **MODEL_ARGS, **dist)
+
+
+def _reference(model_dir: str | Path, batch: TensorDict, **dist: Any) -> Any:
+    ref = FrozenPolicy(model_dir, temperature=0.7, micro_batch_max_tokens=40, **MODEL_ARGS, **dist)
+    return ref.compute_log_probs_and_sum_pi_squared(batch)
+
+
 def _worker(rank: int, init_file: str, model_dir: str, batch: TensorDict, out_dir: str) -> None:
     from agentrl.training.fsdp import DistContext
 
@@ -106,10 +142,12 @@ def _worker(rank: int, init_file: str, model_dir: str, batch: TensorDict, out_di
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
     try:
         ctx = DistContext.current("cpu")
-        result = {}
+        result: dict[str, Any] = {}
         for mode in MODES:
             actor = Actor(model_dir, _config(mode), **MODEL_ARGS, dist=ctx)
             result[mode] = _run(actor, batch)
+        result["critic"] = _run_critic(_critic(model_dir, dist=ctx), batch)
+        result["reference"] = _reference(model_dir, batch, dist=ctx)
         torch.save(result, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -143,14 +181,22 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
-def test_fsdp2_update_matches_single_process(
-    tiny_model_dir: Path, tmp_path: Path, report_metric
-) -> None:
+@pytest.fixture(scope="module")
+def two_ranks(
+    tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[TensorDict, list[dict[str, Any]]]:
+    """The fixed batch, and what each of the two ranks computed on it (one spawn per module)."""
     batch = _batch(tiny_model_dir)
+    return batch, _spawn(tmp_path_factory.mktemp("fsdp"), tiny_model_dir, batch)
+
+
+def test_fsdp2_update_matches_single_process(
+    tiny_model_dir: Path, two_ranks: tuple[TensorDict, list[dict[str, Any]]], report_metric
+) -> None:
+    batch, ranks = two_ranks
     single = {}
     for mode in MODES:
         single[mode] = _run(Actor(tiny_model_dir, _config(mode), **MODEL_ARGS), batch)
-    ranks = _spawn(tmp_path, tiny_model_dir, batch)
 
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
         hf_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
@@ -194,3 +240,33 @@ def test_fsdp2_update_matches_single_process(
         assert worst <= 1e-5, f"{mode}: max |FSDP - single| = {worst:.3g}"
         report_metric(f"{mode}/max_abs_param_diff", worst)
         report_metric(f"{mode}/max_abs_grad_diff_rel", worst_grad / grad_scale)
+
+
+def test_fsdp2_critic_and_reference_match_single_process(
+    tiny_model_dir: Path, two_ranks: tuple[TensorDict, list[dict[str, Any]]], report_metric
+) -> None:
+    batch, ranks = two_ranks
+    ref = _run_critic(_critic(tiny_model_dir), batch)
+    logp, spp = _reference(tiny_model_dir, batch)
+    got = ranks[0]["critic"]
+    assert ranks[1]["critic"]["weights"] == {}, "only rank 0 receives the full weights"
+    for r in ranks:  # every rank gets the whole result of a forward-only pass
+        assert _max_diff(r["reference"][0], logp) < 1e-5
+        assert _max_diff(r["reference"][1], spp) < 1e-5
+        assert _max_diff(r["critic"]["values"], ref["values"]) < 1e-5
+    for mine, theirs in zip(got["metrics"], ref["metrics"], strict=True):
+        assert mine.keys() == theirs.keys()
+        for key in ("critic/vf_loss", "critic/grad_norm", "critic/vpred_mean", "critic/lr"):
+            assert mine[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-7), key
+    assert ref["metrics"][1]["critic/vf_loss"] > 0
+    scale = max(float(g.abs().max()) for g in ref["grads"].values() if g is not None)
+    worst_grad = max(_max_diff(got["grads"][k], g) for k, g in ref["grads"].items())
+    assert worst_grad <= 1e-5 * scale, (worst_grad, scale)
+    backbone = [k for k, g in ref["grads"].items() if k.startswith("backbone.")]
+    assert any(float(ref["grads"][k].abs().max()) > 0 for k in backbone)  # it trains too
+    assert got["weights"].keys() == ref["weights"].keys()
+    worst = max(_max_diff(got["weights"][k], w) for k, w in ref["weights"].items())
+    assert worst <= 1e-5, worst
+    assert float(ref["weights"]["value_head.weight"].abs().max()) > 1e-4  # moved off zero
+    report_metric("critic/max_abs_param_diff", worst)
+    report_metric("critic/max_abs_grad_diff_rel", worst_grad / scale)

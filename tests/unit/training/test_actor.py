@@ -59,19 +59,28 @@ def _prepared_batch(actor: Actor, trajs: list[Trajectory]):
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum-norm"])
 def test_gradient_accumulation_matches_full_batch(tiny_model_dir: Path, mode: str) -> None:
     trajs = _trajectories(6, seed=1)
-    grads = []
+    grads, metrics = [], []
     for budget in (12, 100_000):
         cfg = actor_config(
             lr=1e-3, micro_batch_max_tokens=budget, loss_agg_mode=mode, grad_clip=1e9
         )
         actor = Actor(tiny_model_dir, cfg, **MODEL_ARGS)
         batch = _prepared_batch(actor, trajs)
-        actor.update(batch)
+        # π_old off the model's own, so that the ratio diagnostics are not all 0 or 1
+        gen = torch.Generator().manual_seed(0)
+        noise = 0.2 * torch.randn(batch["old_log_probs"].shape, generator=gen)
+        batch["old_log_probs"] = (batch["old_log_probs"] + noise) * batch["response_mask"]
+        metrics.append(actor.update(batch))
         grads.append(
             torch.cat([p.grad.flatten() for p in actor.model.parameters() if p.grad is not None])
         )
     assert grads[0].abs().sum() > 0
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    # the loss and its diagnostics (token-weighted) do not depend on the packing either
+    assert metrics[0].keys() == metrics[1].keys()
+    assert metrics[0]["actor/ppo_kl"] != 0.0 and metrics[0]["actor/pg_clipfrac"] > 0.0
+    for key, value in metrics[1].items():
+        assert metrics[0][key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
 def test_update_raises_logprob_of_positive_advantage_tokens(tiny_model_dir: Path) -> None:
