@@ -515,9 +515,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tie-embeddings", action="store_true", help="share input embedding and LM head"
     )
+    parser.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="write a Qwen2ForSequenceClassification (one label) instead: a tiny reward model "
+        "for `agentrl serve-model --task score`",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "reward_model", False):
+        out = build_tiny_reward_model(
+            args.out_dir,
+            num_layers=args.layers,
+            hidden_size=args.hidden_size,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate_size,
+            max_position_embeddings=args.max_position_embeddings,
+            seed=args.seed,
+        )
+        print(json.dumps({"model_dir": str(out)}))
+        return 0
     out = build_tiny_model(
         args.out_dir,
         num_layers=args.layers,

@@ -884,6 +884,7 @@ class RewardManager:
         from agentrl.rollout.model_rewards import combine_terms
 
         async def term(name: str, fn: RewardFn) -> Any:
+            """One term's normalized result; an unexpected failure names the term."""
             try:
                 return await self._call_term(fn, traj, task, name)
             except (RewardError, ValueError):

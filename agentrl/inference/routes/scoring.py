@@ -68,6 +68,7 @@ async def _inputs(st: ServerState, req: PoolingRequest) -> list[list[int]]:
             raise APIError(400, str(e), param=e.param) from e
 
         def render() -> list[int]:
+            """The conversation's token ids (the model's chat template)."""
             return render_chat(
                 st.tokenizer,
                 messages,
@@ -90,6 +91,7 @@ async def _inputs(st: ServerState, req: PoolingRequest) -> list[list[int]]:
     special = True if req.add_special_tokens is None else req.add_special_tokens
 
     def tokenize() -> list[list[int]]:
+        """Token ids of every string input."""
         return [list(st.tokenizer.encode(x, add_special_tokens=special)) for x in items]
 
     return await st.off_loop(tokenize, what="tokenizing the input", param="input")
