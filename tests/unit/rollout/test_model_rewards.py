@@ -241,6 +241,39 @@ def test_thread_plan_counts_the_model_reward_servers():
     assert "reward1=1" in plan.describe()
 
 
+def test_the_runs_thread_plan_counts_its_embedded_model_servers():
+    from agentrl.training.build import thread_plan
+
+    cfg = load_config(
+        None,
+        [
+            "reward.models={rm: {type: reward_model, path: rm, num_servers: 2},"
+            " j: {type: judge, backend: external, urls: ['http://judge']}}",
+            "reward.default=rm",
+            "reward.sources.q=j",
+            "distributed.cpus=4",
+            "inference.num_servers=1",
+        ],
+    )
+    plan = thread_plan(cfg)
+    assert [s.role for s in plan.servers] == ["server0"]
+    assert [s.role for s in plan.reward_servers] == ["reward0", "reward1"]  # external: none
+
+
+def test_process_executor_refuses_an_unpicklable_term_and_keeps_model_terms_on_the_loop():
+    models = {"judge": {"type": "judge", "backend": "external", "urls": ["http://127.0.0.1:1"]}}
+    with pytest.raises(RewardConfigError, match="cannot be sent to a process pool"):
+        RewardManager(
+            sources={"x": {"terms": {"judge": 1.0}, "combine": lambda s, t, k: 0.0}},
+            models=models,
+            executor="process",
+        )
+    # A model reward needs no pickling to a worker: it runs on the event loop.
+    RewardManager(
+        sources={"x": {"terms": ["numeric_match", "judge"]}}, models=models, executor="process"
+    )
+
+
 # ---- model rewards over HTTP (scripted transport) -----------------------------------------------
 def _judge_transport(
     replies: list[str], seen: list[dict], gate: dict | None = None
