@@ -32,7 +32,10 @@ answer a function grades is the content of the last assistant message in ``traj.
 Built-ins, by name: ``exact_match``, ``numeric_match`` (GSM8K ``#### 42``, ``\\boxed{42}``,
 else the last number; tolerant numeric compare), ``calculator`` (the calculator task's
 reward) and ``tool_format`` (well-formed tool calls). Anything else is a ``module:function``
-path or a callable.
+path or a callable. A data source may also be scored by a model reward (a reward model or an
+LLM judge, ``reward.models``; :mod:`agentrl.rollout.model_rewards`) or by a mix of rewards
+(``{"terms": {name: weight}, "combine": ...}``), whose terms run concurrently, each under its
+own executor and deadline; model rewards run on the event loop and take no ``max_workers`` slot.
 """
 
 from __future__ import annotations
@@ -696,6 +699,7 @@ class RewardManager:
                 except (ValueError, OSError) as exc:
                     raise RewardConfigError(str(exc)) from exc
         self._base_dir = base_dir
+        self._model_servers: tuple[dict[str, list[str]], str | None] = ({}, None)
         self._fns: dict[str, RewardFn] = {
             source: self._resolve(spec, key=f"reward.sources.{source}")
             for source, spec in self._specs.items()
@@ -794,12 +798,19 @@ class RewardManager:
         return cast(RewardFn, CombinedReward(tuple(parts), combine))
 
     def connect_models(self, urls: Mapping[str, Sequence[str]], api_key: str | None = None) -> None:
-        """Give each model reward its servers (``{name: base URLs}``, from the builder)."""
+        """Give each model reward its servers (``{name: base URLs}``, from the builder) and the
+        key they want (an entry's own ``api_key`` wins)."""
         missing = sorted(set(self.models) - set(urls))
         if missing:
             raise RewardConfigError(f"no servers for reward.models {missing}")
         for name, model in self.models.items():
             model.connect(urls[name], api_key)
+        self._model_servers = ({n: list(u) for n, u in urls.items()}, api_key)
+
+    def model_servers(self) -> tuple[dict[str, list[str]], str | None]:
+        """``({name: urls}, api_key)`` as given to :meth:`connect_models`: what a manager in
+        another process (a Ray reward actor) needs to reach the same servers."""
+        return self._model_servers
 
     def reward_fn_for(self, data_source: str) -> RewardFn:
         """The reward function that scores tasks of ``data_source``."""

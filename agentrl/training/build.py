@@ -7,7 +7,8 @@ compose them:
 
 - :func:`build_serving` — the inference side: the thread plan, the model directory, the
   tokenizer, the servers (embedded or vLLM; or the URLs of running ones), the ``ServerPool``, the
-  ``CheckpointEngine``, the reward manager and ``make_manager()``. The trainer, ``agentrl eval``,
+  ``CheckpointEngine``, the reward manager (with the servers of its model rewards, ``reward.models``,
+  started alongside the policy servers) and ``make_manager()``. The trainer, ``agentrl eval``,
   the Ray backend and the rollout service (``agentrl serve``) all build through it.
 - :func:`build_run` — serving plus the training side: the algorithm plan, the actor (and the
   reference and critic the plan needs), the task sets and the tracker.

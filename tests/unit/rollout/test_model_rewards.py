@@ -227,6 +227,7 @@ def test_manager_with_model_rewards_pickles_without_connections():
         sources={"x": {"terms": {"numeric_match": 1.0, "judge": 0.5}}}, models=models
     )
     manager.connect_models({"judge": ["http://127.0.0.1:1"]}, "secret")
+    assert manager.model_servers() == ({"judge": ["http://127.0.0.1:1"]}, "secret")
     copy = pickle.loads(pickle.dumps(manager))
     judge = copy.models["judge"]
     assert isinstance(judge, JudgeReward) and judge.servers is not None
