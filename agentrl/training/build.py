@@ -7,7 +7,8 @@ compose them:
 
 - :func:`build_serving` — the inference side: the thread plan, the model directory, the
   tokenizer, the servers (embedded or vLLM; or the URLs of running ones), the ``ServerPool``, the
-  ``CheckpointEngine``, the reward manager and ``make_manager()``. The trainer, ``agentrl eval``,
+  ``CheckpointEngine``, the reward manager (with the servers of its model rewards, ``reward.models``,
+  started alongside the policy servers) and ``make_manager()``. The trainer, ``agentrl eval``,
   the Ray backend and the rollout service (``agentrl serve``) all build through it.
 - :func:`build_run` — serving plus the training side: the algorithm plan, the actor (and the
   reference and critic the plan needs), the task sets and the tracker. With
@@ -60,7 +61,10 @@ logger = logging.getLogger(__name__)
 
 
 def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
-    """The run's CPU-thread plan: the trainer and each local embedded server get a share."""
+    """The run's CPU-thread plan: the trainer and each local embedded server (policy, and the
+    model rewards' reward models and judges) get a share."""
+    from agentrl.rollout.model_rewards import local_model_servers
+
     d, inf = cfg.distributed, cfg.inference
     return make_plan(
         inf.num_servers,
@@ -70,6 +74,7 @@ def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
         pin=d.pin_cpus,
         # vLLM binds its own threads; external servers are not ours to size.
         external_servers=inf.backend != "embedded",
+        reward_servers=local_model_servers(cfg),
     )
 
 
@@ -319,6 +324,7 @@ async def build_serving(
     load the actor meanwhile; its result is ``serving.timings["models"]``'s work.
     """
     from agentrl.inference.pool import ServerPool
+    from agentrl.rollout.model_rewards import start_model_servers
     from agentrl.rollout.rewards import RewardManager
 
     async with contextlib.AsyncExitStack() as own:
@@ -329,6 +335,7 @@ async def build_serving(
         logger.info("thread plan: %s", plan.describe())
         path = model_dir(cfg)
         tokenizer = load_tokenizer(cfg, path)
+        rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)  # names checked
         models = asyncio.to_thread(load_models) if load_models is not None else None
         launching = server_urls is None and cfg.inference.backend != "external"
         key = server_api_key(cfg, launching=launching)
@@ -337,8 +344,11 @@ async def build_serving(
             if server_urls is not None
             else start_servers(cfg, path, plan, stack, key)
         )
+        # Model rewards (reward models, judges) get their own servers, started alongside.
+        reward_key = key or server_api_key(cfg, launching=bool(cfg.reward.models))
+        reward_servers = start_model_servers(cfg, plan, stack, reward_key)
         results = await asyncio.gather(
-            servers, *([models] if models else []), return_exceptions=True
+            servers, reward_servers, *([models] if models else []), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException):
@@ -349,8 +359,8 @@ async def build_serving(
         temperature = cfg.inference.temperature or 1.0
         engine = _engine(cfg, urls, temperature, transport, key)
         stack.push_async_callback(_close_engine, engine, cfg.checkpoint.shared_dir is None)
-        rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)
-        stack.callback(rewards.close)
+        stack.push_async_callback(rewards.aclose)
+        rewards.connect_models(results[1], reward_key)  # type: ignore[arg-type]  # checked above
         pool.start()
         versions = [await c.weight_version() for c in engine.clients]
         serving = Serving(
@@ -365,7 +375,7 @@ async def build_serving(
             workers=workers,
             version=max(versions),
             timings={"startup": time.perf_counter() - t0},
-            loaded=results[1] if models else None,
+            loaded=results[2] if models else None,
         )
         yield serving
 
