@@ -273,6 +273,10 @@ class RewardWorkerActor:
             self._manager = RewardManager.from_config(self.cfg.reward, base_dir=self.cfg.base_dir)
         return self._manager
 
+    def connect_models(self, urls: dict[str, list[str]], api_key: str | None) -> None:
+        """Reach the servers of the model rewards (started by the trainer actor's builder)."""
+        self._rewards().connect_models(urls, api_key)
+
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         """``traj`` scored by the config's reward functions (see ``RewardManager.score``)."""
         out = await self._rewards().score(traj, task)
@@ -564,10 +568,20 @@ class TrainerActor:
         state["_ranks"] = []
         return state
 
-    async def run(self, server_urls: list[str], worker_handles: list[Any]) -> Any:
-        """Train to the end with these servers and remote workers; returns the ``TrainResult``."""
+    async def run(
+        self, server_urls: list[str], worker_handles: list[Any], reward: Any = None
+    ) -> Any:
+        """Train to the end with these servers and remote workers; returns the ``TrainResult``.
+
+        ``reward`` (the :class:`RewardWorkerActor` the workers score through) is told the
+        servers of the model rewards (``reward.models``) this actor's builder started.
+        """
         from agentrl.training.ranks import launcher_scope
         from agentrl.training.trainer import Trainer
+
+        async def connect_rewards(run: Any) -> None:
+            if reward is not None and self.cfg.reward.models:
+                await _await_ref(reward.connect_models.remote(*run.rewards.model_servers()))
 
         workers = [RemoteWorker(h, i) for i, h in enumerate(worker_handles)]
         trainer = Trainer(
@@ -576,6 +590,7 @@ class TrainerActor:
             server_urls=server_urls,
             stop_after_step=self.stop_after_step,
             workers=workers or None,
+            on_built=connect_rewards,
         )
         launcher = None
         if self.cfg.trainer.world_size > 1:
@@ -678,7 +693,14 @@ def run_with_ray(
         actors.extend(workers)
         info["servers"] = ray.get([a.info.remote() for a in servers], timeout=60)
         result = _run_trainer(
-            cfg, urls, workers, actors, info, resume=resume, stop_after_step=stop_after_step
+            cfg,
+            urls,
+            workers,
+            actors,
+            info,
+            resume=resume,
+            stop_after_step=stop_after_step,
+            reward=reward,
         )
         info["workers"] = ray.get([w.info.remote() for w in workers], timeout=60)
         info["worker_counts"] = ray.get([w.counts.remote() for w in workers], timeout=60)
@@ -744,6 +766,7 @@ def _run_trainer(
     *,
     resume: bool,
     stop_after_step: int | None,
+    reward: Any = None,
 ) -> Any:
     """Place the trainer actor (trainer rank 0; in a placement group with its ranks' GPUs when
     :func:`trainer_bundles` asks for one), run it to the end and return its ``TrainResult``."""
@@ -760,7 +783,7 @@ def _run_trainer(
         info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
         t0 = time.perf_counter()
         try:
-            return ray.get(trainer.run.remote(urls, workers))
+            return ray.get(trainer.run.remote(urls, workers, reward))
         finally:
             info["train_wall_s"] = time.perf_counter() - t0
             with contextlib.suppress(Exception):
