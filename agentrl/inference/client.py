@@ -458,6 +458,7 @@ class PolicyClient:
         return body
 
     async def weight_version(self) -> int:
+        """The version of the weights the server holds now."""
         return (await self.weight_info())["weight_version"]
 
     async def set_weight_version(self, version: int) -> None:

@@ -240,11 +240,13 @@ class SharedDirTransport(WeightTransport):
         await client.update_weights_from_path(staged.path, staged.version)
 
     def cleanup(self, keep_version: int) -> None:
+        """Delete every version directory but ``keep_version``'s."""
         for child in self.root.glob("v*"):
             if child.name != f"v{keep_version}":
                 shutil.rmtree(child, ignore_errors=True)
 
     def remove(self) -> None:
+        """Delete the whole staging root."""
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -300,6 +302,7 @@ class HttpStreamTransport(WeightTransport):
         return staged
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+        """Pull (or, as a fallback, push) the staged file into ``client``'s server."""
         if staged.explicit_bytes:
             assert staged.data is not None
             await client.update_weights_from_bytes(staged.data, staged.version)

@@ -16,12 +16,12 @@ from safetensors.torch import load, load_file
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.lora import ADAPTER_CONFIG, ADAPTER_FILE, METADATA_KEY, LoraAdapter, LoraSpec
 from agentrl.training.checkpoint_engine import (
+    VLLM_LORA_NAME,
     CheckpointEngine,
     HttpStreamTransport,
     PushReport,
     ServerPushStatus,
     SharedDirTransport,
-    VLLM_LORA_NAME,
     StagedWeights,
     WeightPushError,
     make_transport,
