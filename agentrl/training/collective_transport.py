@@ -272,7 +272,7 @@ class CollectiveTransport(WeightTransport):
                 asyncio.to_thread(self._broadcast, group, extra)
             )
             extra.broadcast.add_done_callback(_retrieve)
-        lora = None if staged.lora is None else json_dict(staged.lora)
+        lora = None if staged.lora is None else _spec_json(staged.lora)
         try:
             await client.receive_weights(
                 group_id=group.group_id,
@@ -394,7 +394,7 @@ class CollectiveTransport(WeightTransport):
         self._buffers = []
 
 
-def json_dict(spec: LoraSpec) -> dict[str, Any]:
+def _spec_json(spec: LoraSpec) -> dict[str, Any]:
     """A :class:`LoraSpec` as the JSON object the receive request carries."""
     import json
 
