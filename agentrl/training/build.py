@@ -280,11 +280,11 @@ def _engine(
     cfg: ExperimentConfig, urls: list[str], temperature: float, transport: Any, api_key: str | None
 ) -> Any:
     from agentrl.inference.client import PolicyClient
-    from agentrl.training.checkpoint_engine import CheckpointEngine, make_transport
+    from agentrl.training.checkpoint_engine import CheckpointEngine, transport_from_config
 
     ck = cfg.checkpoint
     control = [PolicyClient(u, timeout_s=ck.push_timeout_s, api_key=api_key) for u in urls]
-    transport = transport or make_transport(ck.transport, ck.resolved_shared_dir())
+    transport = transport or transport_from_config(ck)
     # `rollout.partial_rollout` and `checkpoint.pause_mode` name the same choice from the rollout
     # and the server side; either one set to `abort` aborts in-flight turns (the agent loop
     # resumes them on the new weights, per-token versions recorded).

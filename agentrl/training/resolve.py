@@ -273,11 +273,22 @@ def _prompt_lengths(cfg: ExperimentConfig, tasks: list[Task]) -> None:
 
 
 def _transport(cfg: ExperimentConfig) -> None:
-    if cfg.checkpoint.transport == "nccl":
+    """What `checkpoint.transport: collective` needs and this machine lacks, said up front."""
+    ck = cfg.checkpoint
+    if ck.transport != "collective":
+        return
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if ck.collective_backend == "nccl" and not gpu:
         raise RegistryError(
-            "checkpoint.transport: 'nccl' is not available in this build (it needs GPUs and "
-            "vLLM's weight-transfer engine); use 'shared_dir' (same machine or a shared "
-            "filesystem) or 'http'"
+            "checkpoint.collective_backend: 'nccl' needs GPUs and this machine has none; use "
+            "'gloo' (or 'auto') to broadcast the weights on CPUs"
+        )
+    if cfg.inference.backend == "vllm" and not gpu:
+        raise RegistryError(
+            "checkpoint.transport: 'collective' drives vLLM's NCCL weight-transfer API, which "
+            "needs GPUs (and this machine has none); use 'shared_dir' for vLLM on CPUs"
         )
 
 
