@@ -68,6 +68,7 @@ __all__ = [
     "InferenceConfig",
     "JudgeConfig",
     "KLControlConfig",
+    "LoraSection",
     "LossSection",
     "ModelConfig",
     "ModelRewardSpec",
@@ -115,6 +116,21 @@ class Section(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
+class LoraSection(Section):
+    """LoRA adapters on the policy (peft): train and push only the adapter."""
+
+    rank: int = Field(default=0, ge=0)
+    """Adapter rank r; 0 = full fine-tuning (no LoRA)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scaling numerator: the update is (alpha / r) · B A (alpha / sqrt(r) with `use_rslora`)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Names of the linear layers that get adapters (Qwen2/Llama names)."""
+    use_rslora: bool = False
+    """Rank-stabilized scaling alpha / sqrt(r)."""
+
+
 class ModelConfig(Section):
     """The policy model."""
 
@@ -124,6 +140,8 @@ class ModelConfig(Section):
     """Training/inference dtype; auto = float32 on CPU, bfloat16 on GPU."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (needed by some HF architectures)."""
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapters (rank 0 = off); the servers get adapter-only pushes."""
 
 
 class DataConfig(Section):

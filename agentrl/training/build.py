@@ -203,7 +203,11 @@ def server_launch(
     from agentrl.inference.vllm_backend import launch_vllm_server
 
     trust = ["--trust-remote-code"] if cfg.model.trust_remote_code else []
+    lora = cfg.model.lora
+    if lora.rank > 0:  # adapter-only pushes load as a LoRA adapter (docs/inference.md)
+        trust += ["--enable-lora", "--max-lora-rank", str(max(8, lora.rank))]
     return launch_vllm_server, {
+        "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora.rank > 0 else None,
         "model_dir": path,
         "api_key": api_key,
         "python": inf.vllm_python,
@@ -223,6 +227,15 @@ def server_api_key(cfg: ExperimentConfig, *, launching: bool) -> str | None:
     if key is None and launching:
         key = secrets.token_urlsafe(32)
     return key
+
+
+def served_model(cfg: ExperimentConfig) -> str | None:
+    """The model name rollouts ask for: vLLM serves a LoRA run's adapter under its own name."""
+    if cfg.model.lora.rank > 0 and cfg.inference.backend == "vllm":
+        from agentrl.training.checkpoint_engine import VLLM_LORA_NAME
+
+        return VLLM_LORA_NAME
+    return None
 
 
 def embedded_device(cfg: ExperimentConfig) -> tuple[str, str]:
@@ -354,7 +367,7 @@ async def build_serving(
             if isinstance(r, BaseException):
                 raise r
         urls = list(results[0])  # type: ignore[arg-type]  # checked above
-        pool = ServerPool.from_config(urls, cfg.inference, api_key=key)
+        pool = ServerPool.from_config(urls, cfg.inference, api_key=key, model=served_model(cfg))
         stack.push_async_callback(pool.aclose)
         temperature = cfg.inference.temperature or 1.0
         engine = _engine(cfg, urls, temperature, transport, key)

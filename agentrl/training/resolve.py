@@ -172,6 +172,7 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
     if rewards is not None:
         _check_sources(rewards, [*train, *val], problems)
     _check(problems, lambda: _transport(cfg))
+    _check(problems, lambda: _lora(cfg))
     _check(problems, lambda: _sandbox(cfg))
     if not problems and train:
         _check(problems, lambda: _prompt_lengths(cfg, train))
@@ -269,6 +270,25 @@ def _prompt_lengths(cfg: ExperimentConfig, tasks: list[Task]) -> None:
             f"data.max_prompt_tokens={limit}: {which} of the first {len(sample)} training "
             f"prompts is longer (task {task_id!r}: {n} tokens, tools block and system prompt "
             f"included); {fix}"
+        )
+
+
+def _lora(cfg: ExperimentConfig) -> None:
+    if cfg.model.lora.rank > 0 and cfg.trainer.world_size > 1:
+        raise RegistryError(
+            f"model.lora.rank={cfg.model.lora.rank} with trainer.world_size="
+            f"{cfg.trainer.world_size}: LoRA is trained on one rank in this version; use "
+            "trainer.world_size: 1 (LoRA's memory saving is the point) or full fine-tuning"
+        )
+    if (
+        cfg.model.lora.rank > 0
+        and cfg.distributed.backend == "ray"
+        and cfg.inference.backend == "vllm"
+    ):
+        raise RegistryError(
+            "model.lora with inference.backend: vllm on distributed.backend: ray is not wired in "
+            "this version (the Ray server actors start vLLM without --enable-lora); use the "
+            "embedded servers on Ray, or vLLM with distributed.backend: local"
         )
 
 
