@@ -191,6 +191,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
             (v for _, v in h.get("async/dropped_stale_total", [])), default=0.0
         ),
         "train_wall_s": train_wall,
+        "load_average": list(os.getloadavg()),  # 1/5/15 min, at the end of the run
         "wall_s": time.perf_counter() - t0,
         **evaluated,
     }
@@ -246,10 +247,10 @@ def _curve(runs: list[dict[str, Any]], key: str, per_seed: bool = False) -> dict
     return out
 
 
-def _rounded(x: Any, digits: int = 5) -> Any:
-    """``x`` with every float rounded (the JSON stays small and readable)."""
+def _rounded(x: Any, digits: int = 4) -> Any:
+    """``x`` with every float rounded to ``digits`` significant digits (small, readable JSON)."""
     if isinstance(x, float):
-        return round(x, digits)
+        return float(f"{x:.{digits}g}")
     if isinstance(x, dict):
         return {k: _rounded(v, digits) for k, v in x.items()}
     if isinstance(x, list):
@@ -298,7 +299,7 @@ def aggregate(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
                 },
                 pushes=[r["pushes"] for r in runs],
                 verify_max_abs_diff=max((r["verify_max_abs_diff"] or 0.0) for r in runs),
-                wall_s_per_run=[round(r["wall_s"], 1) for r in runs],
+                wall_s_per_run=[round(r["process_wall_s"], 1) for r in runs],
             )
         out[name] = _rounded(entry)
     return out
@@ -324,7 +325,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
         _band(ax1, conds[name]["reward_curve"], name, colors[name])
         k3 = conds[name]["curves"].get("rollout_corr/k3_kl")
         if k3 is not None:
-            floor = {"mean": [max(m, 1e-8) for m in k3["mean"]], "std": [0.0] * len(k3["std"])}
+            floor = {"mean": [max(m, 1e-5) for m in k3["mean"]], "std": [0.0] * len(k3["std"])}
             _band(ax2, floor, name, colors[name])
     for ax in (ax1, ax2):
         for k in range(summary["eta"], summary["steps"], summary["eta"]):
@@ -334,7 +335,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     ax1.set_title("reward of the sampled batches")
     ax1.legend(fontsize=7.5, loc="lower right")
     ax2.set_yscale("log")
-    ax2.set_ylabel("rollout_corr/k3_kl, mean over seeds (floor 1e-8)")
+    ax2.set_ylabel("rollout_corr/k3_kl, mean over seeds (floor 1e-5)")
     ax2.set_title("off-policy KL(π_rollout ‖ π_train) per token")
     labels = ["warm_start", *names] if "warm_start" in conds else names
     finals = [conds[n]["final_mean_at_n"] for n in labels]
@@ -356,7 +357,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     ax3.set_title(f"final held-out accuracy ({summary['val_tasks']} tasks)")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=80)
     plt.close(fig)
 
 
@@ -385,6 +386,22 @@ def _child(args: argparse.Namespace, cond: str, seed: int, record: Path) -> None
         raise RuntimeError(f"run {cond} seed {seed} failed (rc {rc}); log {log}:\n{tail}")
 
 
+def _settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What a run's record depends on besides its condition and seed."""
+    keys = ("steps", "eta", "val_tasks", "val_n", "val_temperature")
+    return {k: getattr(args, k) for k in keys}
+
+
+def _check_resumable(record: Path, args: argparse.Namespace) -> None:
+    """A kept record must come from the same settings; else resuming would mix experiments."""
+    saved = json.loads(record.read_text()).get("settings")
+    if saved != _settings(args):
+        raise SystemExit(
+            f"{record} was made with settings {saved}, not {_settings(args)}: "
+            "use another --work-dir (or the original settings) to resume"
+        )
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     p.add_argument("--steps", type=int, default=40, help="GRPO steps per run")
@@ -402,7 +419,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--record", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.run_one is not None:
-        record = run_one(args)
+        record = {**run_one(args), "settings": _settings(args)}
         Path(args.record).write_text(json.dumps(record))
         return None
     conds = make_conditions(args.eta)
@@ -415,13 +432,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     plan = [("warm_start", args.seeds[0])] + [(n, s) for s in args.seeds for n in names]
-    records = []
+    records, resumed = [], 0
     for i, (name, seed) in enumerate(plan):
         record = work / f"{name.replace('/', '_')}-seed{seed}.json"
-        if not record.exists():  # a finished run is kept: rerun with --work-dir to resume
+        if record.exists():  # a finished run is kept: rerun with the same --work-dir to resume
+            _check_resumable(record, args)
+            resumed += 1
+        else:
             t1 = time.perf_counter()
             _child(args, name, seed, record)
-            print(f"[{i + 1}/{len(plan)}] {name} seed {seed}: {time.perf_counter() - t1:.0f} s",
+            data = json.loads(record.read_text())
+            data["process_wall_s"] = time.perf_counter() - t1  # start-up and servers included
+            record.write_text(json.dumps(data))
+            print(f"[{i + 1}/{len(plan)}] {name} seed {seed}: {data['process_wall_s']:.0f} s",
                   file=sys.stderr, flush=True)  # fmt: skip
         records.append(json.loads(record.read_text()))
     summary = {
@@ -433,10 +456,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "val_n": args.val_n,
         "val_temperature": args.val_temperature,
         "command": "python benchmarks/staleness_ablation.py " + " ".join(argv or sys.argv[1:]),
-        "wall_time_s": round(time.perf_counter() - t0, 1),
-        "run_wall_s_total": round(sum(r["wall_s"] for r in records if "wall_s" in r), 1),
+        "ablation_wall_s": round(sum(r["process_wall_s"] for r in records), 1),
+        "driver_wall_s": round(time.perf_counter() - t0, 1),
+        "resumed_runs": resumed,
         "cpus": os.cpu_count(),
-        "load_average_at_end": [round(x, 2) for x in os.getloadavg()],
         "conditions": aggregate(records, args),
     }
     out = Path(args.out)
