@@ -72,6 +72,7 @@ __all__ = [
     "LossSection",
     "ModelConfig",
     "ModelRewardSpec",
+    "PolicyModelConfig",
     "PythonToolConfig",
     "RejectionRuleConfig",
     "RewardConfig",
@@ -140,6 +141,11 @@ class ModelConfig(Section):
     """Training/inference dtype; auto = float32 on CPU, bfloat16 on GPU."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (needed by some HF architectures)."""
+
+
+class PolicyModelConfig(ModelConfig):
+    """The policy model of an RL run (its weights train; the servers get each version)."""
+
     lora: LoraSection = Field(default_factory=LoraSection)
     """LoRA adapters (rank 0 = off); the servers get adapter-only pushes."""
 
@@ -805,7 +811,7 @@ class ExperimentConfig(Section):
     """Your code, imported before anything is built (driver, Ray actors, subprocesses): module names, or `.py` files / package folders relative to this file."""
     base_dir: str | None = None
     """Folder that relative paths in this config resolve against; null = the config file's folder (set when the file is loaded)."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: PolicyModelConfig = Field(default_factory=PolicyModelConfig)
     """The policy model."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Tasks."""

@@ -725,7 +725,7 @@ def _place_servers(
     started (up to 600 s)."""
     import ray
 
-    from agentrl.training.build import embedded_device
+    from agentrl.inference.server import embedded_device
 
     inf, dist = cfg.inference, cfg.distributed
     if inf.backend == "external":

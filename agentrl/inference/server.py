@@ -60,6 +60,7 @@ __all__ = [
     "RequestLog",
     "add_arguments",
     "create_app",
+    "embedded_device",
     "launch_embedded_server",
     "run",
 ]
@@ -348,3 +349,17 @@ def launch_embedded_server(
     )
     handle.wait_healthy(startup_timeout_s)
     return handle
+
+
+def embedded_device(cfg: Any) -> tuple[str, str]:
+    """(device, dtype) of the embedded servers: ``inference.device`` and ``model.dtype``
+    (auto = cuda with bfloat16 when a GPU is visible, else cpu with float32)."""
+    import torch
+
+    device = cfg.inference.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype

@@ -474,7 +474,7 @@ def model_server_launch(
     cfg: Any, name: str, i: int, env: Mapping[str, str] | None, logs: Path, api_key: str | None
 ) -> tuple[Callable[..., Any], dict[str, Any]]:
     """The launcher of server ``i`` of ``reward.models.<name>`` and its arguments."""
-    from agentrl.training.build import embedded_device
+    from agentrl.inference.server import embedded_device
 
     spec = cfg.reward.models[name]
     path = model_path(name, spec, cfg.base_dir)

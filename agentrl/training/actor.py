@@ -484,6 +484,11 @@ class Actor(FrozenPolicy):
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             stats.add("actor/skipped_nonfinite_grad", 1.0)
+        elif norm[0] == 0:
+            # Nothing to learn from (rejection sampling masked every token; the count is
+            # global under FSDP): AdamW's momentum alone would still move the weights.
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.add("actor/skipped_empty_minibatch", 1.0)
         else:
             self.optimizer.step()
         stats.add("actor/grad_norm", float(grad_norm))

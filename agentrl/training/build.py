@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ExperimentConfig
+from agentrl.inference.server import embedded_device
 from agentrl.threads import ThreadPlan, make_plan
 from agentrl.training.resolve import Resolved, build_toolset, model_dir, resolve_experiment
 
@@ -236,20 +237,6 @@ def served_model(cfg: ExperimentConfig) -> str | None:
 
         return VLLM_LORA_NAME
     return None
-
-
-def embedded_device(cfg: ExperimentConfig) -> tuple[str, str]:
-    """(device, dtype) of the embedded servers: ``inference.device`` and ``model.dtype``
-    (auto = cuda with bfloat16 when a GPU is visible, else cpu with float32)."""
-    import torch
-
-    device = cfg.inference.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = cfg.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return device, dtype
 
 
 def _launch_one(
