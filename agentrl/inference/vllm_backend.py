@@ -12,7 +12,13 @@ talks to the embedded server. The launcher guarantees:
 - :func:`launch_vllm_server` returns only once ``GET /health`` answers 200, with the server's
   stdout and stderr streamed to a log file; a failed start raises with the log's tail;
 - ``stop()`` ends the whole process group (the API server and its engine-core workers),
-  SIGTERM first, SIGKILL after a timeout, so no vLLM worker outlives its handle.
+  SIGTERM first, SIGKILL after a timeout, so no vLLM worker outlives its handle;
+- CPU threads: without ``threads`` vLLM keeps its own CPU defaults (it binds its worker's
+  OpenMP threads to the usable cores but one, which it keeps for its scheduler); with a share of
+  the run's thread plan (:class:`agentrl.threads.ProcessThreads`) the worker runs exactly that
+  many OpenMP threads, bound to the share's CPUs when the plan pins, unbound otherwise
+  (:func:`vllm_cpu_env`), so vLLM never sizes itself to a machine that other processes of the
+  run share. Our own parent's thread variables never leak into vLLM's environment.
 
 The python executable that runs vLLM comes from the ``python`` argument, else the
 ``AGENTRL_VLLM_PYTHON`` environment variable, else ``.venv-vllm/bin/python`` in the project
@@ -31,10 +37,15 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from agentrl.inference.handle import ServerHandle, ServerStartError, free_port
+from agentrl.threads import ENV_CPUS, ENV_THREADS, THREAD_ENV_VARS
+
+if TYPE_CHECKING:
+    from agentrl.threads import ProcessThreads
 
 __all__ = [
     "VLLMNotAvailableError",
@@ -44,6 +55,7 @@ __all__ = [
     "launch_vllm_server",
     "resolve_vllm_python",
     "vllm_command",
+    "vllm_cpu_env",
 ]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -162,6 +174,41 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     return dtype if isinstance(dtype, str) and dtype in _VLLM_DTYPES else "auto"
 
 
+def vllm_cpu_env(
+    base: Mapping[str, str],
+    threads: ProcessThreads | None = None,
+    cpu_kvcache_space_gb: int | None = 1,
+) -> dict[str, str]:
+    """The environment a vLLM server starts with: ``base`` minus our venv and thread settings,
+    plus the control endpoints, the KV cache size and (when given) a thread share.
+
+    - The parent's thread variables (``OMP_NUM_THREADS`` ... and ``AGENTRL_THREADS``, which our
+      own plan put in the trainer's environment) are dropped: they describe the parent's share.
+    - ``threads`` with CPUs (a pinning plan): ``VLLM_CPU_OMP_THREADS_BIND`` lists them, so the
+      worker's OpenMP threads bind there (one per CPU).
+    - ``threads`` without CPUs: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS`` =
+      the share: that many unbound threads, like every other process of an unpinned plan.
+    - ``threads=None``: vLLM's own defaults (``auto`` binding, a core kept for the scheduler).
+    Values already in ``base`` for ``VLLM_CPU_*`` win over the share (a user's explicit choice).
+    """
+    env = {k: v for k, v in base.items() if k not in (*THREAD_ENV_VARS, ENV_THREADS, ENV_CPUS)}
+    # Our own venv must not leak into vLLM's interpreter.
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if cpu_kvcache_space_gb is not None:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
+    if threads is not None:
+        if threads.cpus is not None:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in threads.cpus))
+        else:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        for name in THREAD_ENV_VARS:
+            env[name] = str(threads.threads)
+    return env
+
+
 def launch_vllm_server(
     model_dir: str | Path,
     *,
@@ -177,6 +224,7 @@ def launch_vllm_server(
     cpu_kvcache_space_gb: int | None = 1,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    threads: ProcessThreads | None = None,
     startup_timeout_s: float = 600.0,
 ) -> VLLMServerHandle:
     """Start ``vllm.entrypoints.openai.api_server`` on ``model_dir`` and wait until healthy.
@@ -184,7 +232,8 @@ def launch_vllm_server(
     ``dtype=None`` serves the checkpoint's own dtype (:func:`checkpoint_dtype`); pass
     ``"auto"`` for vLLM's choice (it downcasts float32 checkpoints). ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
     vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
-    ``env`` adds environment variables. Raises :class:`VLLMNotAvailableError` when no vLLM
+    ``threads`` is this server's share of the run's thread plan (None = vLLM's own CPU
+    defaults; see :func:`vllm_cpu_env`). ``env`` adds environment variables. Raises :class:`VLLMNotAvailableError` when no vLLM
     python is found, :class:`ServerStartError` when the server exits or times out.
     """
     exe = resolve_vllm_python(python)
@@ -203,14 +252,7 @@ def launch_vllm_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    child_env = dict(os.environ)
-    child_env["VLLM_SERVER_DEV_MODE"] = "1"
-    child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    if cpu_kvcache_space_gb is not None:
-        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
-    # Our own venv must not leak into vLLM's interpreter.
-    child_env.pop("PYTHONPATH", None)
-    child_env.pop("VIRTUAL_ENV", None)
+    child_env = vllm_cpu_env(os.environ, threads, cpu_kvcache_space_gb)
     child_env.update(env or {})
 
     cmd = vllm_command(
