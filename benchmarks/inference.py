@@ -6,8 +6,8 @@ per round, so that load drifts on a shared machine hit all systems alike. Each p
 explicit thread count from one plan (:func:`agentrl.threads.make_plan` with two servers): this
 process (client and the loop) gets the trainer's share, the embedded server its server share;
 vLLM runs with its own defaults (on CPU it binds its worker's OpenMP threads and keeps a core
-for its scheduler). The loop is also timed with every usable CPU (the servers idle meanwhile),
-and the faster of the two is the baseline.
+for its scheduler), or with its share (``--vllm-plan-share``). The loop is also timed with
+every usable CPU (the servers idle meanwhile), and the faster of the two is the baseline.
 
 Every system gets the same requests: ``--num-requests`` prompts of 8-64 random tokens, each
 sampling ``--max-tokens`` tokens at temperature 1 (``ignore_eos``, so every request makes
@@ -122,7 +122,9 @@ def _ratio_stats(num: list[dict[str, float]], den: list[dict[str, float]]) -> di
     return {"min": min(ratios), "median": statistics.median(ratios)}
 
 
-def _start_vllm(args: argparse.Namespace, model_dir: Path, tmp: Path, report: dict) -> Any:
+def _start_vllm(
+    args: argparse.Namespace, model_dir: Path, tmp: Path, report: dict, threads: Any
+) -> Any:
     from agentrl.inference.vllm_backend import (
         VLLMNotAvailableError,
         launch_vllm_server,
@@ -136,7 +138,9 @@ def _start_vllm(args: argparse.Namespace, model_dir: Path, tmp: Path, report: di
         return None
     print("starting vLLM ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    handle = launch_vllm_server(model_dir, python=python, log_path=tmp / "vllm.log")
+    handle = launch_vllm_server(
+        model_dir, python=python, log_path=tmp / "vllm.log", threads=threads
+    )
     report["vllm_startup_s"] = time.perf_counter() - t0
     return handle
 
@@ -200,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-embedded", action="store_true")
     parser.add_argument(
+        "--vllm-plan-share",
+        action="store_true",
+        help="give vLLM its share of the plan (launch_vllm_server(threads=...)) instead of "
+        "its own CPU defaults",
+    )
+    parser.add_argument(
         "--vllm-python", default=None, help="default: AGENTRL_VLLM_PYTHON/.venv-vllm"
     )
     args = parser.parse_args(argv)
@@ -223,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "inference_throughput",
         "model_dir": str(model_dir),
         "workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "thread_plan": plan.describe() + " (server0 = embedded; vLLM: its own defaults)",
+        "thread_plan": plan.describe()
+        + " (server0 = embedded; server1 = vLLM"
+        + ("" if args.vllm_plan_share else ": not applied, vLLM keeps its own CPU defaults")
+        + ")",
         "load_avg_1m_at_start": os.getloadavg()[0],
     }
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -236,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.callback(handle.stop)
             urls["embedded"] = handle.base_url
         if not args.skip_vllm:
-            vllm = _start_vllm(args, model_dir, tmp, report)
+            share = plan.servers[1] if args.vllm_plan_share else None
+            vllm = _start_vllm(args, model_dir, tmp, report, share)
             if vllm is not None:
                 stack.callback(vllm.stop)
                 urls["vllm"] = vllm.base_url
