@@ -14,7 +14,8 @@ from two quantities measured in the same run:
 
 - generation time per step at full concurrency, ``G``: a third run on the same pool with
   training replaced by a no-op and unbounded staleness, so nothing but the rollout side (and
-  the weight pushes that pause it) limits how fast batches arrive;
+  the weight pushes that pause it) limits how fast trajectories finish; ``G`` = a batch's
+  trajectories / the rate they finished (consumed plus buffered, over the measured steps);
 - training time per step, ``T``: the synchronous run's step minus its wait for rollouts
   (train + push; with overlap the trainer still does both, one after the other).
 
@@ -63,6 +64,9 @@ def make_latency_pool(latency_s: float, alpha: float, cap: float) -> type[Server
     return LatencyPool
 
 
+_DONE_KEYS = ("async/consumed_total", "async/buffer_ready_groups", "async/buffer_partial_groups")
+
+
 async def _no_training(self: Any, trajs: list) -> dict[str, float]:
     """Stands in for ``Trainer.train_step`` in the generation-capacity run: trains nothing."""
     return {}
@@ -106,6 +110,17 @@ def run_mode(
     steps = [v for s, v in h["timing_s/step"] if s > skip]
     wait = [v for s, v in h["timing_s/wait_rollout"] if s > skip]
     samples = len(steps) * args.batch_size * args.n_samples
+    # Trajectories the rollout side finished, consumed or waiting in the buffer (a partial group
+    # counted as n - 1 finished: this over- rather than under-states the capacity).
+    series = {k: dict(h[k]) for k in _DONE_KEYS if k in h}
+    done = {
+        s: series["async/consumed_total"][s]
+        + args.n_samples * series["async/buffer_ready_groups"].get(s, 0.0)
+        + (args.n_samples - 1) * series["async/buffer_partial_groups"].get(s, 0.0)
+        for s in series.get("async/consumed_total", {})
+    }
+    first, end = skip, max(done) if done else skip
+    finished_per_s = (done[end] - done[first]) / sum(steps) if end > first else float("nan")
     return {
         "max_staleness": eta,
         "measured_steps": len(steps),
@@ -114,8 +129,10 @@ def run_mode(
         "s_per_sample": sum(steps) / samples,
         "generate_wait_s_per_step": sum(wait) / len(wait),
         "s_per_step": sum(steps) / len(steps),
+        "finished_trajectories_per_s": finished_per_s,
         "train_s_per_step": (sum(steps) - sum(wait)) / len(steps),
-        "staleness_max": max(v for _, v in h["async/staleness_max"]),
+        # (Logged by the training step; the generation-only run has none.)
+        "staleness_max": max((v for _, v in h.get("async/staleness_max", [])), default=None),
         "load_avg_1m_after": os.getloadavg()[0],
     }
 
@@ -156,7 +173,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     finally:
         for h in handles:
             h.stop()
-    g = gen_only["s_per_step"]  # generation at full concurrency, pushes included
+    # Generation at full concurrency (pushes included): a batch's worth of trajectories at the
+    # rate the rollout side finished them when nothing held it back.
+    g = args.batch_size * args.n_samples / gen_only["finished_trajectories_per_s"]
     t = sync["train_s_per_step"]  # train + push
     limit = sync["s_per_step"] / max(g, t, 1e-9)
     speedup = sync["s_per_sample"] / asyn["s_per_sample"]
