@@ -213,6 +213,7 @@ def server_launch(
         "api_key": api_key,
         "python": inf.vllm_python,
         "log_path": logs / f"vllm-{i}.log",
+        "threads": plan.servers[i] if i < len(plan.servers) else None,
         "seed": seed,
         "extra_args": ["--max-num-seqs", str(inf.max_batch_size), *trust, *inf.vllm_extra_args],
     }
