@@ -142,6 +142,9 @@ def _run_config(tiny_model_dir: Path, out: Path) -> ExperimentConfig:
 def test_every_config_leaf_is_read_by_the_run(tiny_model_dir: Path, tmp_path: Path) -> None:
     from agentrl.threads import make_plan
     from agentrl.training.build import server_launch, start_servers
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.training.actor import wrap_lora
     from agentrl.training.critic import CriticConfig
     from agentrl.training.trainer import Trainer
 
@@ -152,9 +155,11 @@ def test_every_config_leaf_is_read_by_the_run(tiny_model_dir: Path, tmp_path: Pa
     external = recorder.watch(
         load_config(None, ["inference.backend=external", "inference.urls=[http://127.0.0.1:1]"])
     )
+    lora = recorder.watch(load_config(None, ["model.lora.rank=4", "model.lora.use_rslora=true"]))
     with recorder.installed():
         result = Trainer(cfg).run_sync()
         CriticConfig.from_config(gae)
+        wrap_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora.model.lora)
         server_launch(vllm, tiny_model_dir, 0, make_plan(1), tmp_path)
         asyncio.run(
             start_servers(external, tiny_model_dir, make_plan(0), contextlib.AsyncExitStack())

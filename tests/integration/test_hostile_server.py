@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -380,7 +381,9 @@ async def test_a_timed_out_wait_push_never_reports_serving_while_paused(server, 
 def test_fuzzing_the_schema_finds_no_5xx_and_no_hang(server, http, report_metric) -> None:
     """schemathesis over /openapi.json (valid and invalid inputs, derandomized, bounded), with the
     key; then a known-answer request. ``/update_weights_from_url`` is left out: it makes the
-    server fetch whatever URL it is given (tested above with real URLs)."""
+    server fetch whatever URL it is given (tested above with real URLs); so is
+    ``/weight_group/join``: it waits for its rendezvous by contract, up to the caller's
+    ``timeout_s`` (tested on its own below)."""
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from hypothesis.errors import Unsatisfiable
@@ -392,7 +395,7 @@ def test_fuzzing_the_schema_finds_no_5xx_and_no_hang(server, http, report_metric
     calls = 0
     for result in schema.get_all_operations():
         op = result.ok()
-        if op.path == "/update_weights_from_url":
+        if op.path in ("/update_weights_from_url", "/weight_group/join"):
             continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
@@ -420,6 +423,36 @@ def test_fuzzing_the_schema_finds_no_5xx_and_no_hang(server, http, report_metric
     assert calls >= 300
     http.post("/resume").raise_for_status()
     assert greedy(http, [11, 12, 13]) == reference
+
+
+def test_a_weight_group_join_nobody_answers_ends_at_its_timeout(server, http) -> None:
+    """A join whose master never answers is a 503 after the caller's ``timeout_s`` (not a hang),
+    the server serves meanwhile, and it has joined nothing."""
+    reference = greedy(http, [11, 12, 13])
+    body = {
+        "group_id": "g",
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank": 1,
+        "world_size": 2,
+        "timeout_s": 3,
+    }
+    answer: dict[str, Any] = {}
+
+    def join() -> None:
+        t0 = time.monotonic()
+        answer["response"] = http.post("/weight_group/join", json=body)
+        answer["s"] = time.monotonic() - t0
+
+    worker = threading.Thread(target=join)
+    worker.start()
+    assert greedy(http, [11, 12, 13]) == reference  # served while the join waits
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the join outlived its timeout_s"
+    assert answer["response"].status_code == 503, answer["response"].text
+    assert "weight group" in answer["response"].json()["error"]["message"]
+    assert answer["s"] < 30
+    assert "weight_group" not in http.get("/weight_info").json()
 
 
 # ---- chaos: a 5xx never costs a healthy server its place ---------------------------------------------

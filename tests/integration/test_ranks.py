@@ -361,8 +361,24 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_resume_with_two_ranks(embedded_server: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
-    urls = [embedded_server.base_url]
+@pytest.fixture(scope="module")
+def own_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """An embedded server of this module's own: the resume test pushes trained weights to it
+    (the session's shared server must keep the tiny model's weights for the tests after)."""
+    from agentrl.inference.server import launch_embedded_server
+
+    tmp = tmp_path_factory.mktemp("ranks-server")
+    handle = launch_embedded_server(
+        tiny_model_dir, log_path=tmp / "server.log", startup_timeout_s=300
+    )
+    try:
+        yield handle
+    finally:
+        handle.stop()
+
+
+def test_resume_with_two_ranks(own_server: Any, tiny_model_dir: Path, tmp_path: Path) -> None:
+    urls = [own_server.base_url]
     cfg = _cfg(tiny_model_dir, tmp_path, *GAE_KL, "trainer.world_size=2", "trainer.save_every=1")
     first = RecordingTrainer(cfg, server_urls=urls, stop_after_step=1)
     r1 = first.run_sync()
