@@ -76,6 +76,7 @@ __all__ = [
     "AgentLoopWorker",
     "AlwaysAdmit",
     "EpisodeKey",
+    "EpisodeRunner",
     "Scorer",
     "StalenessAdmission",
     "TrajectoryStream",
@@ -104,6 +105,23 @@ class Scorer(Protocol):
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         """``traj`` with its reward (and ``reward_info``) filled in for ``task``."""
+        ...
+
+
+@runtime_checkable
+class EpisodeRunner(Protocol):
+    """What the manager needs of a worker: :class:`AgentLoopWorker`, or a stand-in for one that
+    runs elsewhere (the Ray backend's ``RemoteWorker``). A worker may also have an
+    ``available`` attribute: while it is false the manager sends it no new episode."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The worker's counters (errors, timeouts, ...), summed into the manager's stats."""
+        ...
+
+    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        """Run sample ``index`` of group ``uid`` of ``task``: its trajectory (module docstring:
+        what raising means)."""
         ...
 
 
@@ -490,7 +508,8 @@ class AgentLoopManager:
         num_workers: how many :class:`AgentLoopWorker` share the episodes.
         max_concurrency: most episodes in flight across all workers.
         admission: the trainer's admission hook (default: :class:`AlwaysAdmit`).
-        workers: ready-made workers (instead of building ``num_workers`` from the above).
+        workers: ready-made workers (instead of building ``num_workers`` from the above):
+            :class:`AgentLoopWorker` s, or stand-ins for workers elsewhere (:class:`EpisodeRunner`).
         max_redispatches: how often an episode whose worker failed is sent to a worker again
             (module docstring); 0 = a failed worker's episode is a counted drop at once.
     """
@@ -506,7 +525,7 @@ class AgentLoopManager:
         num_workers: int = _ROLLOUT_DEFAULTS.num_workers,
         max_concurrency: int = _ROLLOUT_DEFAULTS.max_concurrency,
         admission: AdmissionController | None = None,
-        workers: Sequence[AgentLoopWorker] | None = None,
+        workers: Sequence[EpisodeRunner] | None = None,
         max_redispatches: int = 1,
     ) -> None:
         if max_concurrency < 1:
@@ -524,7 +543,7 @@ class AgentLoopManager:
             ]
         if not workers:
             raise ValueError("AgentLoopManager needs at least one worker")
-        self.workers = list(workers)
+        self.workers: list[EpisodeRunner] = list(workers)
         self.max_concurrency = max_concurrency
         self.admission: AdmissionController = admission or AlwaysAdmit()
         if max_redispatches < 0:
