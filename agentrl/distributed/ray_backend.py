@@ -15,7 +15,8 @@ Placement (see docs/distributed.md)::
       AgentLoopWorkerActor x rollout.num_workers      -> AgentLoopWorker over a ServerPool,
           scoring through RemoteScorer(reward actor)
       TrainerActor                                    (num_gpus = distributed.num_trainer_gpus)
-          -> Trainer(cfg, server_urls=..., workers=[RemoteWorker(actor), ...]).run()
+          -> RayTrainer(cfg, server_urls=..., workers=[RemoteWorker(actor), ...],
+                        server_actors=...).run()   (a Trainer; pushes via the ServerRegistry)
           TrainerRankActor x (trainer.world_size - 1)  (the same GPUs each; started by the
               trainer actor as trainer ranks 1..N-1, in one placement group with it on GPUs)
 
@@ -28,6 +29,13 @@ Guarantees:
   process dies without shutting down (``ray.kill``, a crash).
 - The actor classes are plain classes (``ray.remote`` is applied at placement time), so their
   constructor state pickles and they can be unit-tested without a cluster.
+- Server, worker and reward actors that die are restarted by Ray
+  (``distributed.max_actor_restarts``) and the run goes on (docs/distributed.md, "Faults"): a
+  server that comes back on a new URL serves rollouts only after a verified push of the
+  trainer's version (:mod:`agentrl.distributed.faults`); a failed worker's episode is
+  re-dispatched once by the manager (:class:`RemoteWorker` raises, then waits for the restart);
+  a scoring lost with the reward actor is tried once more (:class:`RemoteScorer`). Every
+  retry is counted; Ray itself retries no call (``max_task_retries`` = 0).
 
 Servers bind ``127.0.0.1`` unless ``AGENTRL_SERVER_BIND_HOST`` (or ``run_with_ray(...,
 server_bind_host=)``) says otherwise; a multi-node cluster needs ``0.0.0.0`` there, and the URL
@@ -45,6 +53,7 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +114,11 @@ def _reconstructed() -> bool:
     if not ray.is_initialized():
         return False
     context = ray.get_runtime_context()
-    return context.get_actor_id() is not None and bool(context.was_current_actor_reconstructed)
+    if context.get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():  # Ray's own property reads a deprecated field of itself
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(context.was_current_actor_reconstructed)
 
 
 def _url_host(bind_host: str) -> str:
@@ -409,6 +422,7 @@ class AgentLoopWorkerActor:
         self.incarnation = uuid.uuid4().hex
         """New each time the constructor runs (so after Ray restarted the actor)."""
         self._generation = 0
+        self._follow_lock: asyncio.Lock | None = None
         self._worker: AgentLoopWorker | None = None
         self._pool: Any = None
         self._scorer: RemoteScorer | None = None
@@ -418,6 +432,7 @@ class AgentLoopWorkerActor:
         state["_worker"] = None  # rebuilt on the actor's node (pool, tokenizer, tools)
         state["_pool"] = None
         state["_scorer"] = None
+        state["_follow_lock"] = None
         return state
 
     def _build(self) -> AgentLoopWorker:
@@ -454,15 +469,21 @@ class AgentLoopWorkerActor:
         return self._worker
 
     async def _follow(self, servers: tuple[int, list[str]] | None) -> None:
-        """Route to the directory's servers when its generation is not the one followed (an
-        empty list is ignored: the pool keeps failing over among the servers it has)."""
-        if servers is None or servers[0] == self._generation or not servers[1]:
+        """Route to the directory's servers when its generation is newer than the one followed
+        (an empty list is ignored: the pool keeps failing over among the servers it has). One
+        change at a time, so concurrent episodes never interleave two of them."""
+        if servers is None or servers[0] <= self._generation or not servers[1]:
             return
-        self._generation, urls = servers[0], list(servers[1])
-        if self._pool is None:
-            self.server_urls = urls
-        else:
-            await self._pool.set_servers(urls)
+        if self._follow_lock is None:
+            self._follow_lock = asyncio.Lock()
+        async with self._follow_lock:
+            if servers[0] <= self._generation:
+                return
+            self._generation, urls = servers[0], list(servers[1])
+            if self._pool is None:
+                self.server_urls = urls
+            else:
+                await self._pool.set_servers(urls)
 
     async def run_episode(
         self, task: Task, uid: str, index: int, servers: tuple[int, list[str]] | None = None

@@ -116,7 +116,12 @@ async def paced_calculator_reward(traj: Any, task: Any) -> dict[str, Any]:
     return calculator_reward(traj, task)
 
 
-def _last(history: dict[str, list[tuple[int, float]]], key: str) -> float:
+def _last(
+    history: dict[str, list[tuple[int, float]]], key: str, default: float | None = None
+) -> float:
+    """The metric's value at the last step (``default`` when the run never logged it)."""
+    if not history.get(key) and default is not None:
+        return default
     assert history.get(key), f"no {key} in the run's metrics: {sorted(history)}"
     return history[key][-1][1]
 
@@ -129,6 +134,9 @@ def test_killed_actors_and_server_mid_run_the_run_finishes_and_accounts_for_ever
     report_metric: Callable[[str, float], None],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    import ray
+    import ray._private.auto_init_hook
+
     steps = 20
     cfg = _cfg(
         tiny_model_dir,
@@ -141,16 +149,13 @@ def test_killed_actors_and_server_mid_run_the_run_finishes_and_accounts_for_ever
         "inference.health_check_interval_s=1",
         f"reward.sources.calculator={__name__}:paced_calculator_reward",
     )
-    import ray
-    import ray._private.auto_init_hook
-
     # A Ray call from the chaos thread after the run must fail, never start a local cluster;
     # this test owns the connection (run_with_ray joins it), so it outlives the chaos thread.
     monkeypatch.setattr(ray._private.auto_init_hook, "enable_auto_connect", False)
-    env = {
-        "env_vars": {"PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    }
-    ray.init(address=ray_cluster, runtime_env=env, log_to_driver=False)
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    ray.init(
+        address=ray_cluster, runtime_env={"env_vars": {"PYTHONPATH": path}}, log_to_driver=False
+    )
     info: dict[str, Any] = {}
     chaos = _Chaos(info)
     chaos.start()
@@ -163,52 +168,50 @@ def test_killed_actors_and_server_mid_run_the_run_finishes_and_accounts_for_ever
     acc = info["accounting"]
     assert chaos.error is None, f"the chaos thread failed: {chaos.error!r}; servers: {acc}"
     assert [k for k, _ in chaos.done] == ["actors", "server process", "recovered"], chaos.done
-    # The run finished.
-    assert result.steps == steps and result.version == steps
-    h = result.history
-
-    # Every task accounted for: trained once, or dropped (counted), or pending; never both.
-    trained, dropped, dispatched = acc["trained"], acc["dropped"], acc["dispatched"]
-    assert len(trained) == len(set(trained)) == steps * cfg.data.batch_size
-    assert not set(trained) & set(dropped)
-    assert set(trained) | set(dropped) <= set(dispatched)
-    pending = [t for t in dispatched if t not in set(trained) | set(dropped)]
-    # Every admitted episode is finished, dropped (counted) or running, at the last step.
-    admitted, finished = _last(h, "rollout/admitted"), _last(h, "rollout/finished")
-    dropped_eps, running = h.get("rollout/dropped", [(0, 0.0)])[-1][1], _last(h, "rollout/running")
-    assert admitted == finished + dropped_eps + running
-    # The dead worker's episodes were re-dispatched (counted), not lost; it came back.
-    redispatched = _last(h, "rollout/redispatched")
-    assert redispatched >= 1 and _last(h, "rollout/worker_errors") >= redispatched
-    assert _last(h, "rollout/worker_restarts") >= 1
-    # Nothing was lost to the reward actor's death (scorings retried once it answered again).
-    assert h.get("rollout/dropped/reward_error", [(0, 0.0)])[-1][1] == 0
-
-    # Both servers were replaced, and every server is verified on the trainer's version.
-    servers = acc["servers"]
-    assert servers["counts"]["replaced"] == 2, servers
-    for slot in servers["slots"]:
-        assert slot["state"] == "serving", servers
-        launches = len({launch["url"] for launch in slot["launches"]})
-        assert launches == (2 if slot["index"] < 2 else 1), slot
-        push = slot["last_push"]
-        assert push["ok"] and push["server_version"] == result.version, slot
-        assert push["verified_while_paused"]
-        assert push["verify_max_abs_diff"] <= cfg.checkpoint.verify_tolerance, slot
-    assert _last(h, "weight_sync/servers_serving") == 3
-    assert _last(h, "weight_sync/verify_max_abs_diff") <= cfg.checkpoint.verify_tolerance
-    final = {s["index"]: s for s in info["servers_final"]}
-    assert [final[s["index"]]["url"] for s in servers["slots"]] == [
-        s["url"] for s in servers["slots"]
-    ]
+    assert result.steps == steps and result.version == steps  # the run finished
+    numbers = _assert_every_task_accounted_for(acc, result.history, steps * cfg.data.batch_size)
+    numbers.update(
+        _assert_servers_verified(acc["servers"], result, cfg.checkpoint.verify_tolerance)
+    )
     # No server is left running: the killed ones (reaper / SIGKILL) and the final ones.
+    final = {s["index"]: s for s in info["servers_final"]}
+    assert [final[s["index"]]["url"] for s in acc["servers"]["slots"]] == [
+        s["url"] for s in acc["servers"]["slots"]
+    ]
     for _, gone in chaos.done[:2]:
         assert _wait_dead(gone["server_pid"], 30), gone
     for s in final.values():
         assert _wait_dead(s["server_pid"], 60), s
     assert not any(_alive(s["server_pid"]) for s in info["servers"])
+    numbers["train_wall_s"] = info["train_wall_s"]
+    for name, value in numbers.items():
+        report_metric(name, float(value))
 
-    for name, value in {
+
+def _assert_every_task_accounted_for(
+    acc: dict[str, Any], h: dict[str, list[tuple[int, float]]], trained_tasks: int
+) -> dict[str, float]:
+    """Tasks: trained once, or dropped (and counted), or pending; never two of these.
+    Episodes: every admitted one finished, dropped (counted) or running at the last step; the
+    dead worker's re-dispatched (counted), none lost to the reward actor's death."""
+    trained, dropped, dispatched = acc["trained"], acc["dropped"], acc["dispatched"]
+    assert len(trained) == len(set(trained)) == trained_tasks
+    assert not set(trained) & set(dropped)
+    assert set(trained) | set(dropped) <= set(dispatched)
+    pending = [t for t in dispatched if t not in set(trained) | set(dropped)]
+    dropped_members = sum(
+        _last(h, f"async/dropped_{r}_total")
+        for r in ("stale", "uniform_reward", "incomplete_group")
+    )
+    assert dropped_members >= len(dropped)  # every dropped task was counted
+    admitted, finished = _last(h, "rollout/admitted"), _last(h, "rollout/finished")
+    dropped_eps, running = _last(h, "rollout/dropped", 0.0), _last(h, "rollout/running")
+    assert admitted == finished + dropped_eps + running
+    redispatched = _last(h, "rollout/redispatched")
+    assert redispatched >= 1 and _last(h, "rollout/worker_errors") >= redispatched
+    assert _last(h, "rollout/worker_restarts") >= 1
+    assert _last(h, "rollout/dropped/reward_error", 0.0) == 0
+    return {
         "tasks_dispatched": len(dispatched),
         "tasks_trained": len(trained),
         "tasks_dropped": len(dropped),
@@ -219,10 +222,29 @@ def test_killed_actors_and_server_mid_run_the_run_finishes_and_accounts_for_ever
         "episodes_running_at_last_step": running,
         "episodes_redispatched": redispatched,
         "worker_errors": _last(h, "rollout/worker_errors"),
-        "reward_retries": h.get("rollout/reward_retries", [(0, 0.0)])[-1][1],
+        "reward_retries": _last(h, "rollout/reward_retries", 0.0),
+    }
+
+
+def _assert_servers_verified(
+    servers: dict[str, Any], result: Any, tolerance: float
+) -> dict[str, float]:
+    """Servers 0 and 1 were replaced (new URLs); every server, the replacements included, took
+    the last push, verified while paused, on the trainer's final version."""
+    assert servers["counts"]["replaced"] == 2, servers
+    for slot in servers["slots"]:
+        assert slot["state"] == "serving", servers
+        launches = len({launch["url"] for launch in slot["launches"]})
+        assert launches == (2 if slot["index"] < 2 else 1), slot
+        push = slot["last_push"]
+        assert push["ok"] and push["server_version"] == result.version, slot
+        assert push["verified_while_paused"]
+        assert push["verify_max_abs_diff"] <= tolerance, slot
+    h = result.history
+    assert _last(h, "weight_sync/servers_serving") == 3
+    assert _last(h, "weight_sync/verify_max_abs_diff") <= tolerance
+    return {
         "servers_replaced": servers["counts"]["replaced"],
         "servers_detached_total": servers["counts"]["detached"],
         "verify_max_abs_diff_last": _last(h, "weight_sync/verify_max_abs_diff"),
-        "train_wall_s": info["train_wall_s"],
-    }.items():
-        report_metric(name, float(value))
+    }
