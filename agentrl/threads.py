@@ -103,10 +103,13 @@ class ThreadPlan:
     servers: tuple[ProcessThreads, ...] = ()
     workers: ProcessThreads = field(default_factory=lambda: ProcessThreads("workers", 1))
     """Tool and reward worker processes (each gets this share)."""
+    reward_servers: tuple[ProcessThreads, ...] = ()
+    """Embedded servers of the model rewards (``reward.models``: reward models, judges)."""
 
     def describe(self) -> str:
         """One line for the start-up log, e.g. ``2 cpus: trainer=1 server0=1 server1=1``."""
         parts = [self.trainer.describe(), *(s.describe() for s in self.servers)]
+        parts += [s.describe() for s in self.reward_servers]
         parts.append(self.workers.describe())
         return f"{len(self.cpus)} cpus: " + " ".join(parts)
 
@@ -125,8 +128,10 @@ def make_plan(
     server_threads: int | None = None,
     pin: bool = False,
     external_servers: bool = False,
+    reward_servers: int = 0,
 ) -> ThreadPlan:
-    """Split the usable CPUs between the trainer and ``num_servers`` local servers.
+    """Split the usable CPUs between the trainer, ``num_servers`` local servers and
+    ``reward_servers`` local model-reward servers.
 
     Args:
         num_servers: inference servers that run on this machine and share its CPUs.
@@ -137,6 +142,8 @@ def make_plan(
             otherwise the plan is made without pinning and says so in the log).
         external_servers: the servers are not ours to size (vLLM sizes itself, or they run
             elsewhere): the trainer gets the CPUs the local servers leave.
+        reward_servers: embedded servers of model rewards (reward models, judges) on this
+            machine; each gets a server's share (``server_threads`` applies to them too).
     """
     usable = available_cpus()
     if isinstance(cpus, int):
@@ -150,8 +157,10 @@ def make_plan(
     else:
         chosen = usable
     n = len(chosen)
+    if reward_servers < 0:
+        raise ValueError(f"reward_servers={reward_servers}; it must be >= 0")
     local_servers = 0 if external_servers else num_servers
-    processes = 1 + local_servers
+    processes = 1 + local_servers + reward_servers
     shares = _share(n, processes)
     t_trainer = trainer_threads or shares[0]
     t_servers = [server_threads or s for s in shares[1:]]
@@ -172,10 +181,18 @@ def make_plan(
                 n,
             )
     trainer = ProcessThreads("trainer", t_trainer, 1, cpu_sets[0])
-    servers = tuple(
-        ProcessThreads(f"server{i}", t, 1, cpu_sets[1 + i]) for i, t in enumerate(t_servers)
+    roles = [f"server{i}" for i in range(local_servers)]
+    roles += [f"reward{i}" for i in range(reward_servers)]
+    others = [
+        ProcessThreads(role, t, 1, cpu_sets[1 + i])
+        for i, (role, t) in enumerate(zip(roles, t_servers, strict=True))
+    ]
+    return ThreadPlan(
+        cpus=chosen,
+        trainer=trainer,
+        servers=tuple(others[:local_servers]),
+        reward_servers=tuple(others[local_servers:]),
     )
-    return ThreadPlan(cpus=chosen, trainer=trainer, servers=servers)
 
 
 _applied: tuple[int, int, tuple[int, ...] | None] | None = None

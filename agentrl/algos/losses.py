@@ -12,18 +12,18 @@ loss_scale_factor=None, **options) -> (scalar loss, dict[str, float])`` and is c
 - log-ratios are clamped to [−20, 20] before ``exp`` (GSPO: ≤ 10), so gradients stay finite
   for any finite input (``dro`` has no ``exp`` and keeps the raw log-ratio in its penalty);
 - ``rollout_is_weights`` ``[B, T]`` (decoupled off-policy correction) multiplies the per-token
-  loss and is always detached (``geo_mean``: their per-sequence geometric mean); the ``bypass``
-  loss refuses it (its ratio already is π_θ/π_rollout, a second weight would count the
-  correction twice);
+  loss and is always detached (``geo_mean``: their per-sequence geometric mean); in bypass mode
+  the run passes none to a ratio loss (its ratio already is π_θ/π_rollout: a second weight
+  would count the correction twice; ``agentrl.training.algorithm``);
 - metrics: ``pg_clipfrac`` (fraction of tokens where clipping or the trust-region mask is
   active), ``pg_clipfrac_lower`` (dual clip, or DPPO's IS truncation, active), ``ppo_kl``
   (masked mean of log π_old − log π_θ); 0.0 where not applicable, so every loss logs these keys
   (``clip_cov`` and ``kl_cov`` add ``cov_fraction``).
 
 Each loss's knobs are its keyword options with defaults and nothing else (the typed config
-variant is built from the signature): the PPO family (``vanilla``, ``bypass``, ``gspo``,
-``cispo``, ``reinforce``) shares ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
-``clip_ratio_c`` (``reinforce`` ignores them); ``dppo_tv``/``dppo_kl`` read the first three as
+variant is built from the signature, so a knob a loss does not use is an error, never ignored):
+``vanilla`` (alias ``ppo_clip``) has ``clip_ratio``, ``clip_ratio_low``, ``clip_ratio_high``,
+``clip_ratio_c``; ``gspo`` and ``cispo`` the first three; ``reinforce`` none; ``dppo_tv``/``dppo_kl`` read the first three as
 divergence thresholds, as verl does; ``geo_mean`` and ``clip_cov`` clip with the first three;
 ``sapo`` (``tau_pos``, ``tau_neg``), ``dro`` (``dro_beta``) and ``kl_cov`` (``kl_cov_ratio``,
 ``ppo_kl_coef``) have their own.
@@ -92,11 +92,11 @@ def policy_loss(
     """Compute the policy loss registered as ``name``.
 
     Args:
-        name: ``vanilla``, ``gspo``, ``cispo``, ``bypass``, ``reinforce`` (alias ``gpg``),
+        name: ``vanilla`` (alias ``ppo_clip``), ``gspo``, ``cispo``, ``reinforce`` (alias ``gpg``),
             ``dppo_tv``, ``dppo_kl``, ``sapo``, ``geo_mean``, ``dro``, ``clip_cov``,
             ``kl_cov`` or your own.
         old_log_prob: ``[B, T]`` the anchor policy's logprobs: π_old recomputed by the trainer
-            (decoupled mode) or π_rollout from the inference server (``bypass``).
+            (decoupled mode) or π_rollout from the inference server (bypass mode).
         log_prob: ``[B, T]`` current policy logprobs π_θ (carries the gradient).
         advantages: ``[B, T]``.
         response_mask: ``[B, T]`` 0/1 (after any rejection-sampling mask).
@@ -190,7 +190,7 @@ def _ppo_clip(
     return loss, metrics
 
 
-@register_policy_loss("vanilla")
+@register_policy_loss("vanilla", "ppo_clip")
 def vanilla_loss(
     old_log_prob: torch.Tensor,
     log_prob: torch.Tensor,
@@ -230,53 +230,6 @@ def vanilla_loss(
     )
 
 
-@register_policy_loss("bypass")
-def bypass_loss(
-    old_log_prob: torch.Tensor,
-    log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    loss_agg_mode: str = "token-mean",
-    rollout_is_weights: torch.Tensor | None = None,
-    global_tokens: Any = None,
-    global_seqs: Any = None,
-    loss_scale_factor: Any = None,
-    clip_ratio: float | None = None,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 3.0,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Bypass mode: PPO clip of r = π_θ/π_rollout, anchored on the *rollout* logprobs.
-
-    Pass the inference server's logprobs as ``old_log_prob``; the trainer skips the π_old
-    forward pass. The clipped ratio already corrects for the policy gap, so no extra IS weight
-    is applied (``rollout_is_weights`` is refused); rejection sampling still applies through
-    ``response_mask``.
-    """
-    if rollout_is_weights is not None:
-        raise ValueError(
-            "policy loss 'bypass' already uses π_θ/π_rollout as its ratio; do not pass "
-            "rollout_is_weights (it would apply the correction twice). Use 'vanilla' for "
-            "decoupled mode with IS weights."
-        )
-    return _ppo_clip(
-        old_log_prob,
-        log_prob,
-        advantages,
-        response_mask,
-        loss_agg_mode=loss_agg_mode,
-        rollout_is_weights=None,
-        global_tokens=global_tokens,
-        global_seqs=global_seqs,
-        loss_scale_factor=loss_scale_factor,
-        clip_ratio=clip_ratio,
-        clip_ratio_low=clip_ratio_low,
-        clip_ratio_high=clip_ratio_high,
-        clip_ratio_c=clip_ratio_c,
-    )
-
-
 @register_policy_loss("gspo")
 def gspo_loss(
     old_log_prob: torch.Tensor,
@@ -292,7 +245,6 @@ def gspo_loss(
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025, Group Sequence Policy Optimization, arXiv:2507.18071), token form.
 
@@ -300,7 +252,7 @@ def gspo_loss(
     s_{i,t} = sg(s_i) · π_θ(y_t)/sg(π_θ(y_t)) has the value of s_i and the gradient of GSPO.
     ℓ = max(−A s, −A clip(s, 1−ε_low, 1+ε_high)). The paper's ranges are tiny (defaults
     ε_low = 3e-4, ε_high = 4e-4) and it aggregates with ``seq-mean-token-mean`` (pass that as
-    ``loss_agg_mode`` to match the paper; verl forces it). ``clip_ratio_c`` is ignored.
+    ``loss_agg_mode`` to match the paper; verl forces it).
     """
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, 3e-4, 4e-4)
     adv = advantages.float()
@@ -341,13 +293,12 @@ def cispo_loss(
     clip_ratio: float | None = None,
     clip_ratio_low: float | None = None,
     clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, arXiv:2506.13585): ℓ = −sg(clip(r, 1−ε_low, 1+ε_high)) · A · log π_θ.
 
     Clips the importance weight instead of the update, so every token (including the rare
     "reflection" tokens PPO would clip away) keeps a gradient. The paper sets no lower bound:
-    default ε_low = 1.0 (weight ≥ 0) and ε_high = 0.28. ``clip_ratio_c`` is ignored.
+    default ε_low = 1.0 (weight ≥ 0) and ε_high = 0.28.
     """
     low, high = _clip_range(clip_ratio, clip_ratio_low, clip_ratio_high, 1.0, 0.28)
     adv = advantages.float()
@@ -383,17 +334,13 @@ def reinforce_loss(
     global_tokens: Any = None,
     global_seqs: Any = None,
     loss_scale_factor: Any = None,
-    clip_ratio: float | None = None,
-    clip_ratio_low: float | None = None,
-    clip_ratio_high: float | None = None,
-    clip_ratio_c: float = 3.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """REINFORCE (Williams 1992): ℓ = −A · log π_θ · sg(w), with w = ``rollout_is_weights`` or 1.
 
     No ratio and no clipping. With truncated IS weights of π_θ/π_rollout it is the bypass
     policy-gradient loss (``bypass_pg_is``); with group advantages it is GPG's loss (verl's
     ``gpg`` loss mode, registered here as an alias). ``old_log_prob`` only feeds the
-    ``ppo_kl`` metric; the clip knobs are ignored.
+    ``ppo_kl`` metric. It has no knobs.
     """
     lp = log_prob.float()
     losses = -advantages.float() * lp

@@ -338,6 +338,10 @@ class RewardWorkerActor:
             self._manager = RewardManager.from_config(self.cfg.reward, base_dir=self.cfg.base_dir)
         return self._manager
 
+    def connect_models(self, urls: dict[str, list[str]], api_key: str | None) -> None:
+        """Reach the servers of the model rewards (started by the trainer actor's builder)."""
+        self._rewards().connect_models(urls, api_key)
+
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         """``traj`` scored by the config's reward functions (see ``RewardManager.score``)."""
         out = await self._rewards().score(traj, task)
@@ -810,14 +814,22 @@ class TrainerActor:
         server_urls: list[str],
         worker_handles: list[Any],
         server_handles: list[Any] | None = None,
+        reward: Any = None,
     ) -> Any:
         """Train to the end with these servers and remote workers; returns the ``TrainResult``.
 
         ``server_handles`` (the :class:`InferenceServerActor` s behind ``server_urls``, in the
         same order) let the run follow servers that restart on new URLs
-        (:class:`~agentrl.distributed.faults.ServerRegistry`)."""
+        (:class:`~agentrl.distributed.faults.ServerRegistry`). ``reward`` (the
+        :class:`RewardWorkerActor` the workers score through) is told the servers of the model
+        rewards (``reward.models``) this actor's builder started.
+        """
         from agentrl.distributed.faults import RayTrainer, ServerDirectory
         from agentrl.training.ranks import launcher_scope
+
+        async def connect_rewards(run: Any) -> None:
+            if reward is not None and self.cfg.reward.models:
+                await _await_ref(reward.connect_models.remote(*run.rewards.model_servers()))
 
         directory = ServerDirectory(urls=list(server_urls))
         workers = [RemoteWorker(h, i, directory=directory) for i, h in enumerate(worker_handles)]
@@ -829,6 +841,7 @@ class TrainerActor:
             server_urls=server_urls,
             stop_after_step=self.stop_after_step,
             workers=workers or None,
+            on_built=connect_rewards,
         )
         self._trainer = trainer
         launcher = None
@@ -952,6 +965,7 @@ def run_with_ray(
             servers=servers,
             resume=resume,
             stop_after_step=stop_after_step,
+            reward=reward,
         )
         _collect_info(info, servers, workers, reward)
         return result
@@ -1016,7 +1030,7 @@ def _place_servers(
     started (up to 600 s)."""
     import ray
 
-    from agentrl.training.build import embedded_device
+    from agentrl.inference.server import embedded_device
 
     inf, dist = cfg.inference, cfg.distributed
     if inf.backend == "external":
@@ -1058,6 +1072,7 @@ def _run_trainer(
     servers: list[Any],
     resume: bool,
     stop_after_step: int | None,
+    reward: Any = None,
 ) -> Any:
     """Place the trainer actor (trainer rank 0; in a placement group with its ranks' GPUs when
     :func:`trainer_bundles` asks for one), run it to the end and return its ``TrainResult``.
@@ -1076,7 +1091,7 @@ def _run_trainer(
         info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
         t0 = time.perf_counter()
         try:
-            return ray.get(trainer.run.remote(urls, workers, servers))
+            return ray.get(trainer.run.remote(urls, workers, servers, reward))
         finally:
             info["train_wall_s"] = time.perf_counter() - t0
             with contextlib.suppress(Exception):

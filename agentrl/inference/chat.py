@@ -13,7 +13,6 @@ is not valid JSON with a string ``name`` stays in the returned content and is re
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +26,6 @@ __all__ = [
     "validate_tools",
 ]
 
-_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -53,49 +51,25 @@ class ParsedOutput:
 def parse_hermes_tool_calls(text: str) -> ParsedOutput:
     """Split ``text`` into content and ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` calls.
 
-    ``arguments`` may be an object or a JSON string holding one. A trailing ``<tool_call>``
-    without its closing tag (generation cut by max_tokens) is an error and stays in content.
+    The one hermes parser of the project (:class:`agents.parsers.HermesParser`, which the agents,
+    the proxy and the rewards use too), with malformed blocks kept in the content, as an
+    OpenAI-compatible server returns them. ``arguments`` may be an object or a JSON string
+    holding one. A trailing ``<tool_call>`` without its closing tag (generation cut by
+    max_tokens) is an error and stays in content.
     """
-    calls: list[dict[str, Any]] = []
-    errors: list[str] = []
-    kept: list[str] = []
-    pos = 0
-    for m in _TOOL_CALL_RE.finditer(text):
-        kept.append(text[pos : m.start()])
-        pos = m.end()
-        body = m.group(1).strip()
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            errors.append(f"tool call {len(calls) + len(errors)}: invalid JSON ({e.msg})")
-            kept.append(m.group(0))
-            continue
-        name = obj.get("name") if isinstance(obj, dict) else None
-        if not isinstance(name, str) or not name:
-            errors.append(f"tool call {len(calls) + len(errors)}: missing a string 'name'")
-            kept.append(m.group(0))
-            continue
-        args = obj.get("arguments", {})
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError:
-                errors.append(f"tool call {len(calls) + len(errors)}: 'arguments' is not JSON")
-                kept.append(m.group(0))
-                continue
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)},
-            }
-        )
-    rest = text[pos:]
-    if "<tool_call>" in rest:
-        errors.append("unterminated <tool_call> (the generation ended inside a tool call)")
-    kept.append(rest)
-    content = "".join(kept).strip() if calls else "".join(kept)
-    return ParsedOutput(content=content or None, tool_calls=calls, errors=errors)
+    from agents.parsers import HermesParser
+
+    parsed = HermesParser(keep_malformed=True).parse(text)
+    calls = [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
+        }
+        for c in parsed.calls
+    ]
+    content = parsed.content if calls else text
+    return ParsedOutput(content=content or None, tool_calls=calls, errors=list(parsed.errors))
 
 
 def validate_tools(tools: Any) -> list[dict[str, Any]]:

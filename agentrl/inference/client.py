@@ -338,14 +338,16 @@ class PolicyClient:
         *,
         request_id: str | None = None,
         extra_body: dict[str, Any] | None = None,
+        model: str | None = None,
     ) -> Generation:
         """Sample a continuation of ``prompt_ids``; see the module doc for the version guarantee.
 
         ``session_id`` travels as the ``x-session-id`` header (the embedded server logs it; vLLM
         ignores it); ``request_id`` as ``x-request-id`` (both servers use it as the request id).
         ``extra_body`` adds backend-specific request fields (e.g. vLLM's ``ignore_eos``).
+        ``model`` overrides the served model name (e.g. a vLLM LoRA adapter's name).
         """
-        model = await self._model_name()
+        model = model or await self._model_name()
         backend = await self._resolve_backend()
         payload: dict[str, Any] = {
             "model": model,
@@ -456,6 +458,7 @@ class PolicyClient:
         return body
 
     async def weight_version(self) -> int:
+        """The version of the weights the server holds now."""
         return (await self.weight_info())["weight_version"]
 
     async def set_weight_version(self, version: int) -> None:
@@ -508,6 +511,96 @@ class PolicyClient:
             )
         body = {"url": url, "version": int(version)}
         await self._request("POST", "/update_weights_from_url", json=body, retries=0)
+
+    # ---- the collective transport (embedded server) ----------------------------------------
+    async def join_weight_group(
+        self,
+        *,
+        group_id: str,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        backend: str,
+        timeout_s: float,
+    ) -> None:
+        """Make the embedded server join the trainer's weight group as ``rank``
+        (``POST /weight_group/join``); returns once every rank is in."""
+        body = {
+            "group_id": group_id,
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank": int(rank),
+            "world_size": int(world_size),
+            "backend": backend,
+            "timeout_s": float(timeout_s),
+        }
+        await self._request(
+            "POST",
+            "/weight_group/join",
+            json=body,
+            retries=0,
+            timeout=httpx.Timeout(timeout_s + 30.0, connect=self._connect_s),
+        )
+
+    async def receive_weights(
+        self,
+        *,
+        group_id: str,
+        version: int,
+        buckets: list[dict[str, Any]],
+        lora: dict[str, Any] | None = None,
+    ) -> None:
+        """Make the embedded server receive one version's buckets on its weight group and load
+        them (``POST /weight_group/receive``); weights and version change together."""
+        body: dict[str, Any] = {"group_id": group_id, "version": int(version), "buckets": buckets}
+        if lora is not None:
+            body["lora"] = lora
+        await self._request("POST", "/weight_group/receive", json=body, retries=0)
+
+    async def leave_weight_group(self) -> None:
+        """Make the embedded server leave its weight group."""
+        await self._request("POST", "/weight_group/leave", retries=0)
+
+    # ---- vLLM: LoRA adapters and the native weight-transfer API (VLLM_SERVER_DEV_MODE=1) ----
+    async def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        """vLLM ``POST /v1/load_lora_adapter`` (``--enable-lora`` and
+        ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): (re)load the peft adapter directory ``path``
+        under ``name``, in place; requests then name ``model=name``."""
+        body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        await self._request("POST", "/v1/load_lora_adapter", json=body, retries=0)
+
+    async def get_world_size(self) -> int:
+        """vLLM ``GET /get_world_size``: the server's worker count (TP x PP x DP)."""
+        body = await self._json("GET", "/get_world_size", params={"include_dp": "true"})
+        return int(body["world_size"])
+
+    async def init_weight_transfer_engine(
+        self, init_info: dict[str, Any], timeout_s: float
+    ) -> None:
+        """vLLM ``POST /init_weight_transfer_engine {"init_info": ...}``: the workers join the
+        trainer's NCCL group (returns once the rendezvous is done)."""
+        await self._request(
+            "POST",
+            "/init_weight_transfer_engine",
+            json={"init_info": init_info},
+            retries=0,
+            timeout=httpx.Timeout(timeout_s, connect=self._connect_s),
+        )
+
+    async def start_weight_update(self) -> None:
+        """vLLM ``POST /start_weight_update`` (no body)."""
+        await self._request("POST", "/start_weight_update", retries=0)
+
+    async def vllm_update_weights(self, update_info: dict[str, Any]) -> None:
+        """vLLM ``POST /update_weights {"update_info": {"names", "dtype_names", "shapes"}}``:
+        returns once the workers received (over NCCL) and loaded those tensors."""
+        await self._request("POST", "/update_weights", json={"update_info": update_info}, retries=0)
+
+    async def finish_weight_update(self, version: int) -> None:
+        """vLLM ``POST /finish_weight_update {"weight_version": "<version>"}``."""
+        body = {"weight_version": str(int(version))}
+        await self._request("POST", "/finish_weight_update", json=body, retries=0)
 
     async def probe(
         self,

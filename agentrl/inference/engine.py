@@ -72,12 +72,21 @@ from typing import Any, Literal, TypeVar
 
 import torch
 
+from agentrl.inference.collective import ALIGN, BucketLayout, WeightGroup, WeightGroupError
+from agentrl.inference.lora import (
+    ADAPTER_CONFIG,
+    METADATA_KEY,
+    LoraMerger,
+    LoraSpec,
+    check_adapter,
+)
 from agentrl.inference.weights import (
     MAX_HEADER_BYTES,
     WeightLoadError,
     check_state_dict,
     fetch_into,
     parse_safetensors,
+    safetensors_metadata,
 )
 from agentrl.types import SamplingParams
 
@@ -310,6 +319,12 @@ class InferenceEngine:
         """Dtype widenings of the last weight load (``{"float16->float32": n}``), reported."""
         self.staging_lock = threading.Lock()
         """Held by whoever fills :meth:`staging_buffer` until the load that reads it is done."""
+        self.lora = LoraMerger(self._params)
+        """The merged LoRA adapter (if any) and the base weights it was merged onto."""
+        self.weight_group: WeightGroup | None = None
+        """The :class:`~agentrl.inference.collective.WeightGroup` this server joined, if any."""
+        self.group_lock = threading.Lock()
+        """Serializes joining the weight group and receiving on it."""
         # Running batch (touched only by the engine thread).
         self._rows: list[_Request] = []
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
@@ -648,6 +663,7 @@ class InferenceEngine:
             with torch.no_grad():
                 for k, v in state_dict.items():
                     self._params[k].copy_(v)
+            self.lora.forget()  # the full weights are the new base
             self._version = new
             self._checksum = None
             self.last_load_casts = casts
@@ -656,11 +672,62 @@ class InferenceEngine:
 
         return self._control(_apply)
 
+    def load_lora(
+        self, adapter: Mapping[str, torch.Tensor], spec: LoraSpec, version: int | None = None
+    ) -> int:
+        """Merge a LoRA adapter (peft naming; :mod:`agentrl.inference.lora`) onto the base weights,
+        between decode steps; returns the new version. Checked completely first (names, shapes,
+        rank, targets, dtypes, finiteness, the version); on any problem nothing changes. Each
+        adapter is merged onto the kept base weights, never onto the previous merge."""
+        if version is not None:
+            check_version(version)
+        plan = check_adapter(adapter, spec, self._params)
+
+        def _apply() -> int:
+            new = self._version + 1 if version is None else int(version)
+            check_version(new)
+            self.lora.apply(plan, spec)
+            self._version = new
+            self._checksum = None
+            self.last_load_casts = {}
+            self.stats["weight_updates"] += 1
+            self.stats["lora_updates"] += 1
+            return new
+
+        return self._control(_apply)
+
+    def load_update(
+        self,
+        state: Mapping[str, torch.Tensor],
+        version: int | None = None,
+        lora: LoraSpec | None = None,
+    ) -> int:
+        """:meth:`load_lora` when ``lora`` is given, else :meth:`load_state_dict`."""
+        if lora is not None:
+            return self.load_lora(state, lora, version)
+        return self.load_state_dict(state, version)
+
+    def load_safetensors(
+        self, buf: bytearray | memoryview, version: int | None = None, *, what: str = "the body"
+    ) -> int:
+        """Load a safetensors file held in ``buf`` (hold :attr:`staging_lock` when it is the
+        staging buffer): a LoRA adapter when its metadata carries one
+        (:data:`~agentrl.inference.lora.METADATA_KEY`), else full weights."""
+        try:
+            state = parse_safetensors(buf)
+            raw = safetensors_metadata(buf).get(METADATA_KEY)
+        except WeightLoadError as e:
+            raise WeightLoadError(f"{what} is not a valid safetensors file: {e}") from e
+        lora = LoraSpec.from_json(raw, f"{what}: {METADATA_KEY}") if raw is not None else None
+        return self.load_update(state, version, lora)
+
     def load_weights_from_path(self, path: str | Path, version: int | None = None) -> int:
-        """Load every ``*.safetensors`` file of a directory (or one file); see :meth:`load_state_dict`."""
+        """Load every ``*.safetensors`` file of a directory (or one file); see :meth:`load_state_dict`.
+        A directory with peft's ``adapter_config.json`` is a LoRA adapter (:meth:`load_lora`)."""
         if version is not None:
             check_version(version)
         p = Path(path)
+        lora = _adapter_spec(p)
         try:
             files = sorted(p.glob("*.safetensors")) if p.is_dir() else [p]
             sizes = [f.stat().st_size for f in files if f.is_file()]
@@ -686,10 +753,13 @@ class InferenceEngine:
                     raise WeightLoadError(f"{f.name!r} changed while being read; push again")
                 try:
                     state.update(parse_safetensors(part))
+                    raw = safetensors_metadata(part).get(METADATA_KEY)
                 except WeightLoadError as e:
                     raise WeightLoadError(f"{f.name!r} is not a valid safetensors file: {e}") from e
+                if lora is None and raw is not None:
+                    lora = LoraSpec.from_json(raw, f"{f.name!r}: {METADATA_KEY}")
                 offset += size
-            return self.load_state_dict(state, version)
+            return self.load_update(state, version, lora)
 
     def load_weights_from_url(
         self, url: str, version: int | None = None, *, timeout_s: float = 60.0
@@ -706,22 +776,84 @@ class InferenceEngine:
                 max_bytes=self.state_bytes + MAX_HEADER_BYTES,
                 timeout_s=timeout_s,
             )
-            try:
-                state = parse_safetensors(buf)
-            except WeightLoadError as e:
-                raise WeightLoadError(f"the fetched weights are not a safetensors file: {e}") from e
-            return self.load_state_dict(state, version)
+            return self.load_safetensors(buf, version, what="the fetched weights")
 
     def load_weights_from_bytes(self, data: bytes | bytearray, version: int | None = None) -> int:
         """Load a serialized safetensors blob (an HTTP body); see :meth:`load_state_dict`."""
         with self.staging_lock:
             buf = self.staging_buffer(len(data))
             buf[:] = data
+            return self.load_safetensors(buf, version, what="the body")
+
+    # ---- the collective transport (a weight group) --------------------------------------------
+    def join_weight_group(self, group: WeightGroup, local_address: str | None = None) -> None:
+        """Join ``group`` (blocks until every rank is in, at most its timeout), leaving any group
+        joined before. Raises :class:`~agentrl.inference.collective.WeightGroupError`."""
+        if group.backend == "nccl" and self.device.type != "cuda":
+            raise WeightLoadError(
+                f"backend 'nccl' needs the server's weights on a GPU; this server runs on "
+                f"{self.device}: use backend 'gloo' (checkpoint.collective_backend: gloo)"
+            )
+        with self.group_lock:
+            old, self.weight_group = self.weight_group, None
+            if old is not None:
+                old.close()
+            group.connect(local_address)
+            self.weight_group = group
+
+    def leave_weight_group(self) -> bool:
+        """Leave the weight group (True when there was one)."""
+        with self.group_lock:
+            old, self.weight_group = self.weight_group, None
+        if old is not None:
+            old.close()
+        return old is not None
+
+    def receive_weights(
+        self,
+        group_id: str,
+        layout: BucketLayout,
+        version: int | None = None,
+        lora: LoraSpec | None = None,
+    ) -> int:
+        """Receive every bucket of ``layout`` broadcast on the weight group ``group_id``, then load
+        them (:meth:`load_update`: checked before anything is swapped); returns the new version.
+
+        A wrong ``group_id`` is an :class:`EngineRequestError` (``param="group_id"``); a failed
+        broadcast breaks and leaves the group (:class:`~agentrl.inference.collective.WeightGroupError`;
+        the trainer rebuilds it at the next push) and changes nothing."""
+        if version is not None:
+            check_version(version)
+        starts = [0]
+        for i in range(len(layout.buckets)):
+            starts.append(-(-(starts[-1] + layout.bucket_bytes(i)) // ALIGN) * ALIGN)
+        if starts[-1] > self.state_bytes + MAX_HEADER_BYTES:
+            raise WeightLoadError(
+                f"{starts[-1]} bytes cannot be this model's weights (<= {self.state_bytes})"
+            )
+        with self.group_lock, self.staging_lock:
+            group = self.weight_group
+            if group is None or group.group_id != group_id:
+                have = None if group is None else group.group_id
+                raise EngineRequestError(
+                    f"this server is in weight group {have!r}, not {group_id!r}; join it first",
+                    "group_id",
+                )
+            if self.device.type == "cpu":
+                flat = torch.frombuffer(self.staging_buffer(starts[-1]), dtype=torch.uint8)
+            else:
+                flat = torch.empty(starts[-1], dtype=torch.uint8, device=self.device)
+            state: dict[str, torch.Tensor] = {}
             try:
-                state = parse_safetensors(buf)
-            except WeightLoadError as e:
-                raise WeightLoadError(f"the body is not a valid safetensors blob: {e}") from e
-            return self.load_state_dict(state, version)
+                for i in range(len(layout.buckets)):
+                    bucket = flat[starts[i] : starts[i] + layout.bucket_bytes(i)]
+                    group.wait(group.broadcast(bucket))
+                    state.update(layout.unpack(i, bucket))
+            except WeightGroupError:
+                self.weight_group = None
+                group.close()
+                raise
+            return self.load_update(state, version, lora)
 
     def set_weight_version(self, version: int) -> int:
         """Label the current weights ``version`` (an int in ``[0, 2**63 - 1]``)."""
@@ -740,6 +872,10 @@ class InferenceEngine:
         def _info() -> dict[str, Any]:
             n = sum(p.numel() for p in self.model.parameters())
             info: dict[str, Any] = {"version": self._version, "num_params": int(n)}
+            if self.lora.spec is not None:
+                info["lora"] = self.lora.info()
+            if self.weight_group is not None:
+                info["weight_group"] = self.weight_group.describe()
             if checksum:
                 if self._checksum is None:
                     h = hashlib.sha256()
@@ -1098,6 +1234,18 @@ class InferenceEngine:
         self._next_pos = []
         self._cache = None
         self._mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
+
+
+def _adapter_spec(path: Path) -> LoraSpec | None:
+    """The :class:`LoraSpec` of a peft adapter directory (``adapter_config.json``), else None."""
+    cfg = path / ADAPTER_CONFIG if path.is_dir() else None
+    if cfg is None or not cfg.is_file():
+        return None
+    try:
+        raw = cfg.read_text()
+    except OSError as e:
+        raise WeightLoadError(f"cannot read {str(cfg)!r}: {e.strerror}") from e
+    return LoraSpec.from_json(raw, f"{str(cfg)!r}")
 
 
 def _eos_ids(model_dir: Path, cfg: Any) -> frozenset[int]:

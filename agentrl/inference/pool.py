@@ -163,7 +163,12 @@ class ServerPool:
 
     @classmethod
     def from_config(
-        cls, urls: Sequence[str], config: InferenceConfig, *, api_key: str | None = None
+        cls,
+        urls: Sequence[str],
+        config: InferenceConfig,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
     ) -> ServerPool:
         """A pool over ``urls`` with the ``inference`` section's health interval, request
         timeout and retries (``max_retries`` retries = ``max_retries + 1`` attempts)."""
@@ -173,6 +178,7 @@ class ServerPool:
             timeout_s=config.request_timeout_s,
             max_attempts=config.max_retries + 1,
             api_key=api_key,
+            model=model,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------

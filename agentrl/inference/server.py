@@ -5,7 +5,10 @@ server speaks the same endpoints and formats (DESIGN section 3): token-id comple
 processed logprobs, chat completions with hermes tool calls, health/models/metrics, and the
 control plane (pause, resume, abort, weight updates, weight version, and a probe served while
 paused). The routes live in :mod:`agentrl.inference.routes` (generation, control, weights,
-metrics); :func:`create_app` assembles them.
+metrics); :func:`create_app` assembles them. A reward model (a ``*ForSequenceClassification``
+directory; ``--task score``, or detected from its ``config.json``) is served by a
+:class:`~agentrl.inference.scoring.ScoringEngine` instead, with the scoring route (vLLM's
+``POST /pooling``) and health/models/metrics in place of generation, control and weights.
 
 Guarantees:
 
@@ -48,7 +51,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from agentrl.inference.handle import ServerHandle, free_port
-from agentrl.inference.routes import control, generation, metrics, weights
+from agentrl.inference.routes import control, generation, metrics, scoring, weights
 from agentrl.inference.routes.auth import AccessControl, is_loopback
 from agentrl.inference.routes.common import RequestLog, ServerState, install_error_handlers
 
@@ -57,6 +60,7 @@ __all__ = [
     "RequestLog",
     "add_arguments",
     "create_app",
+    "embedded_device",
     "launch_embedded_server",
     "run",
 ]
@@ -77,7 +81,9 @@ def create_app(
     api_key: str | None = None,
     trust_request_chat_template: bool = False,
 ) -> Any:
-    """A FastAPI app serving ``engine`` (an :class:`~agentrl.inference.engine.InferenceEngine`).
+    """A FastAPI app serving ``engine``: an :class:`~agentrl.inference.engine.InferenceEngine`
+    (generation, control, weights) or a :class:`~agentrl.inference.scoring.ScoringEngine`
+    (scoring).
 
     ``tokenizer`` defaults to ``AutoTokenizer`` of the engine's model directory;
     ``served_model_name`` defaults to that directory's name. ``api_key`` protects every route
@@ -118,9 +124,14 @@ def create_app(
     app.state.server = st
     install_error_handlers(app)
     app.add_middleware(AccessControl, api_key=st.api_key)
-    generation.register(app, st)
-    control.register(app, st)
-    weights.register(app, st)
+    from agentrl.inference.scoring import ScoringEngine
+
+    if isinstance(engine, ScoringEngine):
+        scoring.register(app, st)
+    else:
+        generation.register(app, st)
+        control.register(app, st)
+        weights.register(app, st)
     metrics.register(app, st, registry)
     return app
 
@@ -128,7 +139,18 @@ def create_app(
 # ---- CLI: ``agentrl serve-model MODEL_DIR`` ----------------------------------------------------
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``agentrl serve-model`` options."""
-    parser.add_argument("model_dir", help="a local Hugging Face causal-LM directory")
+    parser.add_argument(
+        "model_dir",
+        help="a local Hugging Face directory: a causal LM (generation) or a sequence "
+        "classifier (scoring)",
+    )
+    parser.add_argument(
+        "--task",
+        default="auto",
+        choices=["auto", "generate", "score"],
+        help="generate (completions, chat, weight updates) or score (a reward model: "
+        "POST /pooling); auto = score when config.json names a *ForSequenceClassification",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8000, help="bind port")
     parser.add_argument("--seed", type=int, default=0, help="seed for requests without a seed")
@@ -208,20 +230,7 @@ def run(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(ENV_API_KEY) or None
     _warn_if_exposed(args.host, api_key)
     print(f"agentrl serve-model: loading {args.model_dir} ({threads} threads) ...", flush=True)
-    import torch
-
-    from agentrl.inference.engine import InferenceEngine
-
-    engine = InferenceEngine(
-        args.model_dir,
-        device=args.device,
-        dtype=getattr(torch, args.dtype),
-        max_batch_size=args.max_batch_size,
-        max_model_len=args.max_model_len,
-        seed=args.seed,
-        weight_version=args.weight_version,
-        max_pause_s=args.max_pause_s,
-    )
+    engine = _load_engine(args)
     app = create_app(
         engine,
         served_model_name=args.served_model_name,
@@ -237,6 +246,36 @@ def run(args: argparse.Namespace) -> int:
     )
     _serve(app, engine, args.host, args.port, args.log_level)
     return 0
+
+
+def _load_engine(args: argparse.Namespace) -> Any:
+    """The engine ``args.task`` asks for: generation, or scoring for a reward model."""
+    import torch
+
+    from agentrl.inference.scoring import ScoringEngine, is_classifier_dir
+
+    dtype = getattr(torch, args.dtype)
+    task = getattr(args, "task", "auto")
+    if task == "score" or (task == "auto" and is_classifier_dir(args.model_dir)):
+        return ScoringEngine(
+            args.model_dir,
+            device=args.device,
+            dtype=dtype,
+            max_batch_size=args.max_batch_size,
+            max_model_len=args.max_model_len,
+        )
+    from agentrl.inference.engine import InferenceEngine
+
+    return InferenceEngine(
+        args.model_dir,
+        device=args.device,
+        dtype=dtype,
+        max_batch_size=args.max_batch_size,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        weight_version=args.weight_version,
+        max_pause_s=args.max_pause_s,
+    )
 
 
 def _serve(app: Any, engine: Any, host: str, port: int, log_level: str) -> None:
@@ -310,3 +349,17 @@ def launch_embedded_server(
     )
     handle.wait_healthy(startup_timeout_s)
     return handle
+
+
+def embedded_device(cfg: Any) -> tuple[str, str]:
+    """(device, dtype) of the embedded servers: ``inference.device`` and ``model.dtype``
+    (auto = cuda with bfloat16 when a GPU is visible, else cpu with float32)."""
+    import torch
+
+    device = cfg.inference.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = cfg.model.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device == "cuda" else "float32"
+    return device, dtype

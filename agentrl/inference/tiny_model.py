@@ -49,7 +49,9 @@ __all__ = [
     "CHAT_TEMPLATE",
     "SPECIAL_TOKENS",
     "add_arguments",
+    "build_scripted_model",
     "build_tiny_model",
+    "build_tiny_reward_model",
     "build_tiny_tokenizer",
     "learn_bpe_merges",
     "run",
@@ -276,6 +278,59 @@ def learn_bpe_merges(
     return merges
 
 
+def _tiny_config(
+    tokenizer: Any,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int,
+    tie_embeddings: bool = False,
+    num_labels: int | None = None,
+) -> Any:
+    """The ``Qwen2Config`` of every tiny model (causal LM or classifier), shapes checked."""
+    from transformers import Qwen2Config
+
+    if num_layers < 1:
+        raise ValueError(f"num_layers={num_layers}; need at least 1 layer")
+    if hidden_size % num_heads:
+        raise ValueError(
+            f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; pick "
+            "num_heads so that hidden_size / num_heads is a whole number"
+        )
+    head_dim = hidden_size // num_heads
+    if head_dim < 32:
+        raise ValueError(
+            f"head_dim = hidden_size / num_heads = {head_dim}; vLLM's CPU attention needs >= 32, "
+            "use fewer heads or a larger hidden_size"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads} (grouped-query "
+            "attention needs whole groups)"
+        )
+    extra: dict[str, Any] = {} if num_labels is None else {"num_labels": num_labels}
+    return Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
+        tie_word_embeddings=tie_embeddings,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        use_sliding_window=False,
+        dtype="float32",
+        **extra,
+    )
+
+
 def build_tiny_model(
     out_dir: str | Path,
     *,
@@ -297,50 +352,22 @@ def build_tiny_model(
     (``hidden_size`` not divisible by ``num_heads``, head_dim < 32, ...).
     """
     import torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2ForCausalLM
 
-    if num_layers < 1:
-        raise ValueError(f"num_layers={num_layers}; need at least 1 layer")
-    if hidden_size % num_heads:
-        raise ValueError(
-            f"hidden_size={hidden_size} is not divisible by num_heads={num_heads}; pick "
-            "num_heads so that hidden_size / num_heads is a whole number"
-        )
-    head_dim = hidden_size // num_heads
-    if head_dim < 32:
-        raise ValueError(
-            f"head_dim = hidden_size / num_heads = {head_dim}; vLLM's CPU attention needs >= 32, "
-            "use fewer heads or a larger hidden_size"
-        )
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads} (grouped-query "
-            "attention needs whole groups)"
-        )
-
+    tokenizer = build_tiny_tokenizer(merges)
+    config = _tiny_config(
+        tokenizer,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_embeddings=tie_embeddings,
+    )
+    eos_id, pad_id = config.eos_token_id, config.pad_token_id
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tiny_tokenizer(merges)
-    vocab_size = len(tokenizer)
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-
-    config = Qwen2Config(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
-        tie_word_embeddings=tie_embeddings,
-        bos_token_id=None,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        use_sliding_window=False,
-        dtype="float32",
-    )
     # A random init from a seeded generator; initializer_range 0.02 gives near-uniform outputs,
     # so scale the LM head up a little to make sampling distributions non-trivial.
     with torch.random.fork_rng(devices=[]):
@@ -354,6 +381,115 @@ def build_tiny_model(
     model.generation_config = GenerationConfig(
         eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None
     )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_tiny_reward_model(
+    out_dir: str | Path,
+    *,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 256,
+    max_position_embeddings: int = 2048,
+    num_labels: int = 1,
+    seed: int = 0,
+) -> Path:
+    """Write a random ``Qwen2ForSequenceClassification`` (a reward model) and the tiny tokenizer.
+
+    It is what the reward-model role serves (``agentrl serve-model --task score``, vLLM's
+    ``--runner pooling``): a causal transformer whose score head reads the hidden state of the
+    last token that is not padding, ``num_labels`` logits per sequence. Deterministic like
+    :func:`build_tiny_model` (same shape arguments, same checks). Returns ``out_dir``.
+    """
+    import torch
+    from transformers import Qwen2ForSequenceClassification
+
+    if num_labels < 1:
+        raise ValueError(f"num_labels={num_labels}; a reward model has at least one label")
+    tokenizer = build_tiny_tokenizer()
+    config = _tiny_config(
+        tokenizer,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        num_labels=num_labels,
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForSequenceClassification(config)
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0.0, 0.08)
+    model.eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def build_scripted_model(out_dir: str | Path, reply: str, *, hidden_size: int = 128) -> Path:
+    """Write a Qwen2 causal LM that answers every chat with ``reply`` (greedy), then EOS.
+
+    Why: a test needs a judge whose answer is known (the random tiny model answers garbage).
+    The model is a bigram table: attention and MLP outputs are zero (``o_proj``, ``down_proj``),
+    so the logits at a position depend only on that position's token; each token of the chain
+    ``"\\n"`` (the end of ``<|im_start|>assistant\\n``) -> reply bytes -> ``<|im_end|>`` gets
+    its own embedding direction, and the LM head maps it to the next token of the chain. The
+    embedded server and vLLM load it like any Qwen2 model. Raises ``ValueError`` when a token
+    of the chain would need two different successors (a repeated byte in ``reply``) or when the
+    chain is longer than ``hidden_size``.
+    """
+    import torch
+    from transformers import GenerationConfig, Qwen2ForCausalLM
+
+    tokenizer = build_tiny_tokenizer()
+    chain = [*tokenizer.encode("\n" + reply, add_special_tokens=False)]
+    chain.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    successors: dict[int, int] = {}
+    for cur, nxt in itertools.pairwise(chain):
+        if successors.setdefault(cur, nxt) != nxt:
+            raise ValueError(
+                f"reply {reply!r}: token {tokenizer.decode([cur])!r} is followed by two different "
+                "tokens; a scripted model can only say replies whose bytes do not repeat"
+            )
+    if len(successors) > hidden_size:
+        raise ValueError(f"reply {reply!r} is too long for hidden_size={hidden_size}")
+    config = _tiny_config(
+        tokenizer,
+        num_layers=1,
+        hidden_size=hidden_size,
+        num_heads=hidden_size // 32,
+        num_kv_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=2048,
+    )
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+        model.model.norm.weight.fill_(1.0)
+        layers: Any = model.model.layers
+        for layer in layers:
+            layer.input_layernorm.weight.fill_(1.0)
+            layer.post_attention_layernorm.weight.fill_(1.0)
+        for slot, (cur, nxt) in enumerate(successors.items()):
+            model.model.embed_tokens.weight[cur, slot] = 1.0
+            model.lm_head.weight[nxt, slot] = 1.0
+    model.eval()
+    model.generation_config = GenerationConfig(
+        eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id, bos_token_id=None
+    )
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
@@ -379,9 +515,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tie-embeddings", action="store_true", help="share input embedding and LM head"
     )
+    parser.add_argument(
+        "--reward-model",
+        action="store_true",
+        help="write a Qwen2ForSequenceClassification (one label) instead: a tiny reward model "
+        "for `agentrl serve-model --task score`",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "reward_model", False):
+        out = build_tiny_reward_model(
+            args.out_dir,
+            num_layers=args.layers,
+            hidden_size=args.hidden_size,
+            num_heads=args.heads,
+            num_kv_heads=args.kv_heads,
+            intermediate_size=args.intermediate_size,
+            max_position_embeddings=args.max_position_embeddings,
+            seed=args.seed,
+        )
+        print(json.dumps({"model_dir": str(out)}))
+        return 0
     out = build_tiny_model(
         args.out_dir,
         num_layers=args.layers,

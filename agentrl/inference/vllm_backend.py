@@ -17,6 +17,12 @@ talks to the embedded server. The launcher guarantees:
   0.32 checks the key on ``/v1/*`` only: its control endpoints (``/pause``, ``/collective_rpc``,
   ...) answer anyone who reaches the port, so the launcher binds 127.0.0.1 by default and a
   vLLM server must never be exposed beyond a trusted network (docs/operations.md).
+- CPU threads: without ``threads`` vLLM keeps its own CPU defaults (it binds its worker's
+  OpenMP threads to the usable cores but one, which it keeps for its scheduler); with a share of
+  the run's thread plan (:class:`agentrl.threads.ProcessThreads`) the worker runs exactly that
+  many OpenMP threads, bound to the share's CPUs when the plan pins, unbound otherwise
+  (:func:`vllm_cpu_env`), so vLLM never sizes itself to a machine that other processes of the
+  run share. Our own parent's thread variables never leak into vLLM's environment.
 
 The python executable that runs vLLM comes from the ``python`` argument, else the
 ``AGENTRL_VLLM_PYTHON`` environment variable, else ``.venv-vllm/bin/python`` in the project
@@ -35,10 +41,15 @@ import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from agentrl.inference.handle import ServerHandle, ServerStartError, free_port
+from agentrl.threads import ENV_CPUS, ENV_THREADS, THREAD_ENV_VARS
+
+if TYPE_CHECKING:
+    from agentrl.threads import ProcessThreads
 
 __all__ = [
     "VLLMNotAvailableError",
@@ -48,6 +59,7 @@ __all__ = [
     "launch_vllm_server",
     "resolve_vllm_python",
     "vllm_command",
+    "vllm_cpu_env",
 ]
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -166,22 +178,39 @@ def checkpoint_dtype(model_dir: str | Path) -> str:
     return dtype if isinstance(dtype, str) and dtype in _VLLM_DTYPES else "auto"
 
 
-def _child_env(
-    env: Mapping[str, str] | None, cpu_kvcache_space_gb: int | None, api_key: str | None
+def vllm_cpu_env(
+    base: Mapping[str, str],
+    threads: ProcessThreads | None = None,
+    cpu_kvcache_space_gb: int | None = 1,
 ) -> dict[str, str]:
-    """vLLM's environment: dev mode on, our venv out, the key in ``VLLM_API_KEY``."""
-    child_env = dict(os.environ)
-    child_env["VLLM_SERVER_DEV_MODE"] = "1"
-    child_env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
-    if cpu_kvcache_space_gb is not None:
-        child_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
+    """The environment a vLLM server starts with: ``base`` minus our venv and thread settings,
+    plus the control endpoints, the KV cache size and (when given) a thread share.
+
+    - The parent's thread variables (``OMP_NUM_THREADS`` ... and ``AGENTRL_THREADS``, which our
+      own plan put in the trainer's environment) are dropped: they describe the parent's share.
+    - ``threads`` with CPUs (a pinning plan): ``VLLM_CPU_OMP_THREADS_BIND`` lists them, so the
+      worker's OpenMP threads bind there (one per CPU).
+    - ``threads`` without CPUs: ``VLLM_CPU_OMP_THREADS_BIND=nobind`` and ``OMP_NUM_THREADS`` =
+      the share: that many unbound threads, like every other process of an unpinned plan.
+    - ``threads=None``: vLLM's own defaults (``auto`` binding, a core kept for the scheduler).
+    Values already in ``base`` for ``VLLM_CPU_*`` win over the share (a user's explicit choice).
+    """
+    env = {k: v for k, v in base.items() if k not in (*THREAD_ENV_VARS, ENV_THREADS, ENV_CPUS)}
     # Our own venv must not leak into vLLM's interpreter.
-    child_env.pop("PYTHONPATH", None)
-    child_env.pop("VIRTUAL_ENV", None)
-    child_env.update(env or {})
-    if api_key:
-        child_env["VLLM_API_KEY"] = api_key
-    return child_env
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    env["VLLM_SERVER_DEV_MODE"] = "1"
+    env.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    if cpu_kvcache_space_gb is not None:
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kvcache_space_gb))
+    if threads is not None:
+        if threads.cpus is not None:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(str(c) for c in threads.cpus))
+        else:
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        for name in THREAD_ENV_VARS:
+            env[name] = str(threads.threads)
+    return env
 
 
 def launch_vllm_server(
@@ -199,6 +228,7 @@ def launch_vllm_server(
     cpu_kvcache_space_gb: int | None = 1,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    threads: ProcessThreads | None = None,
     startup_timeout_s: float = 600.0,
     api_key: str | None = None,
 ) -> VLLMServerHandle:
@@ -207,9 +237,11 @@ def launch_vllm_server(
     ``dtype=None`` serves the checkpoint's own dtype (:func:`checkpoint_dtype`); pass
     ``"auto"`` for vLLM's choice (it downcasts float32 checkpoints). ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
     vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
-    ``env`` adds environment variables; ``api_key`` is required on vLLM's ``/v1`` routes
-    (``VLLM_API_KEY``) and kept on the handle. Raises :class:`VLLMNotAvailableError` when no
-    vLLM python is found, :class:`ServerStartError` when the server exits or times out.
+    ``threads`` is this server's share of the run's thread plan (None = vLLM's own CPU
+    defaults; see :func:`vllm_cpu_env`). ``env`` adds environment variables; ``api_key`` is
+    required on vLLM's ``/v1`` routes (``VLLM_API_KEY``) and kept on the handle. Raises
+    :class:`VLLMNotAvailableError` when no vLLM python is found, :class:`ServerStartError` when
+    the server exits or times out.
     """
     exe = resolve_vllm_python(python)
     model_dir = Path(model_dir)
@@ -227,7 +259,10 @@ def launch_vllm_server(
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
 
-    child_env = _child_env(env, cpu_kvcache_space_gb, api_key)
+    child_env = vllm_cpu_env(os.environ, threads, cpu_kvcache_space_gb)
+    child_env.update(env or {})
+    if api_key:
+        child_env["VLLM_API_KEY"] = api_key
 
     cmd = vllm_command(
         exe,

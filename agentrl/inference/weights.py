@@ -52,6 +52,7 @@ __all__ = [
     "fetch_into",
     "local_address_for",
     "parse_safetensors",
+    "safetensors_metadata",
 ]
 
 logger = logging.getLogger(__name__)
@@ -389,6 +390,27 @@ def parse_safetensors(buf: bytearray | memoryview) -> dict[str, torch.Tensor]:
         if b1 < e0:
             raise WeightLoadError(f"tensors {a!r} and {b!r} overlap in the safetensors data")
     return out
+
+
+def safetensors_metadata(buf: bytearray | memoryview | bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file in ``buf`` (``{}`` when it has none).
+
+    Only string values are kept (the format's rule); a malformed header raises
+    :class:`WeightLoadError`, as :func:`parse_safetensors` does."""
+    view = memoryview(buf)
+    if len(view) < 8:
+        raise WeightLoadError(f"the body has {len(view)} bytes; a safetensors file has >= 8")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > len(view):
+        raise WeightLoadError(f"the safetensors header claims {n} bytes; the body has {len(view)}")
+    try:
+        header = json.loads(bytes(view[8 : 8 + n]))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise WeightLoadError(f"the safetensors header is not valid JSON: {e}") from e
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(meta, dict):
+        return {}
+    return {str(k): v for k, v in meta.items() if isinstance(v, str)}
 
 
 # ---- the complete check before a swap --------------------------------------------------------

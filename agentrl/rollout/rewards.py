@@ -32,14 +32,19 @@ answer a function grades is the content of the last assistant message in ``traj.
 Built-ins, by name: ``exact_match``, ``numeric_match`` (GSM8K ``#### 42``, ``\\boxed{42}``,
 else the last number; tolerant numeric compare), ``calculator`` (the calculator task's
 reward) and ``tool_format`` (well-formed tool calls). Anything else is a ``module:function``
-path or a callable.
+path or a callable. A data source may also be scored by a model reward (a reward model or an
+LLM judge, ``reward.models``; :mod:`agentrl.rollout.model_rewards`) or by a mix of rewards
+(``{"terms": {name: weight}, "combine": ...}``), whose terms run concurrently, each under its
+own executor and deadline; model rewards run on the event loop and take no ``max_workers`` slot.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
+import functools
 import inspect
 import logging
 import math
@@ -48,9 +53,9 @@ import os
 import pickle
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from fractions import Fraction
-from typing import Any, Literal, TypeAlias
+from typing import Any, Literal, TypeAlias, cast
 
 from agentrl.registry import Registry, RegistryError
 from agentrl.types import Task, Trajectory
@@ -592,6 +597,36 @@ def _normalize_result(result: Any, traj: Trajectory) -> tuple[float, list[float]
     return score, turn_rewards, info
 
 
+def _is_model_call(fn: Any) -> bool:
+    """``fn`` is a model reward's ``score`` (runs on the event loop, whatever the executor)."""
+    from agentrl.rollout.model_rewards import ModelReward
+
+    return isinstance(getattr(fn, "__self__", None), ModelReward)
+
+
+def _is_combined(fn: Any) -> bool:
+    from agentrl.rollout.model_rewards import CombinedReward
+
+    return isinstance(fn, CombinedReward)
+
+
+def _function_terms(fn: Any) -> list[Any]:
+    """The user functions a reward runs through the executor (what a process pool receives)."""
+    if fn is None or _is_model_call(fn):
+        return []
+    if _is_combined(fn):
+        terms = [t for _, term, _ in fn.terms for t in _function_terms(term)]
+        return terms + ([fn.combine] if fn.combine is not None else [])
+    return [fn]
+
+
+def _reward_name(fn: Any) -> str:
+    """How messages name a reward: the function's name, ``reward.models.<name>``, or the mix."""
+    if _is_model_call(fn):
+        return f"reward.models.{fn.__self__.name}"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
 class RewardManager:
     """Scores trajectories per ``data_source`` as they finish, with bounded concurrency.
 
@@ -606,6 +641,14 @@ class RewardManager:
             :class:`RewardTimeoutError` is raised.
         format_weight: adds ``format_weight * tool_format(traj, task)`` to every successful
             score (``reward_info["tool_format"]`` reports the term); 0 = off.
+        models: named model rewards (``reward.models``: a reward model or an LLM judge, see
+            :mod:`agentrl.rollout.model_rewards`), usable by name in ``sources``/``default``;
+            they score once :meth:`connect_models` has given them their servers.
+
+    A ``sources`` value may also be a mix ``{"terms": {name: weight} | [names], "combine":
+    "module:function" | None}``: the terms run concurrently (each under its own executor and
+    deadline) and their scores are summed with the weights, or handed to ``combine``. Model
+    rewards always run on the event loop; only function rewards take a ``max_workers`` slot.
 
     ``score(traj, task)`` raises :class:`RewardError` (:class:`RewardTimeoutError` for a
     timeout) when the reward function fails, after counting it, and
@@ -621,6 +664,7 @@ class RewardManager:
         timeout_s: float = 60.0,
         format_weight: float = 0.0,
         base_dir: Any = None,
+        models: Mapping[str, Any] | None = None,
     ) -> None:
         if executor not in ("async", "thread", "process"):
             raise RewardConfigError(
@@ -638,19 +682,35 @@ class RewardManager:
         self.timeout_s = float(timeout_s)
         self.format_weight = format_weight
         self._specs = dict(sources or {})
+        self.models: dict[str, Any] = {}
+        if models:
+            from agentrl.rollout.model_rewards import build_model_reward
+
+            for name, spec in models.items():
+                if name in REWARDS:
+                    raise RewardConfigError(
+                        f"reward.models.{name}: the name is taken by the reward function "
+                        f"{name!r}; give the model reward another name"
+                    )
+                try:
+                    self.models[name] = build_model_reward(
+                        name, spec, timeout_s=self.timeout_s, base_dir=base_dir
+                    )
+                except (ValueError, OSError) as exc:
+                    raise RewardConfigError(str(exc)) from exc
+        self._base_dir = base_dir
+        self._model_servers: tuple[dict[str, list[str]], str | None] = ({}, None)
         self._fns: dict[str, RewardFn] = {
-            source: resolve_reward_fn(spec, key=f"reward.sources.{source}", base_dir=base_dir)
+            source: self._resolve(spec, key=f"reward.sources.{source}")
             for source, spec in self._specs.items()
         }
         self._default = (
-            resolve_reward_fn(default, key="reward.default", base_dir=base_dir)
-            if default is not None
-            else None
+            self._resolve(default, key="reward.default") if default is not None else None
         )
         if executor == "process":
             for name, fn in [*self._fns.items(), ("<default>", self._default)]:
-                if fn is not None:
-                    self._check_picklable(name, fn)
+                for term in _function_terms(fn):
+                    self._check_picklable(name, term)
         self._threads: DaemonThreadPool | None = None
         self._processes: _ProcessWorkers | None = None
         self._semaphore: asyncio.Semaphore | None = None
@@ -662,7 +722,8 @@ class RewardManager:
     @classmethod
     def from_config(cls, cfg: Any, *, base_dir: Any = None) -> RewardManager:
         """Build from the ``reward`` config section (``sources``, ``default``, ``executor``,
-        ``max_workers``, ``timeout_s``, ``format_weight``; any object with those attributes);
+        ``max_workers``, ``timeout_s``, ``format_weight``, ``models``; any object with those
+        attributes);
         path specs resolve against ``base_dir`` (the config file's folder)."""
         return cls(
             base_dir=base_dir,
@@ -672,6 +733,7 @@ class RewardManager:
             max_workers=cfg.max_workers,
             timeout_s=cfg.timeout_s,
             format_weight=cfg.format_weight,
+            models=dict(cfg.models),
         )
 
     @staticmethod
@@ -692,6 +754,63 @@ class RewardManager:
         state["_processes"] = None
         state["_semaphore"] = None
         return state
+
+    def _resolve(self, spec: Any, *, key: str) -> RewardFn:
+        """The reward of one ``sources``/``default`` value: a ``models`` name (its async
+        ``score``), a mix of terms (:class:`~agentrl.rollout.model_rewards.CombinedReward`), or
+        anything :func:`resolve_reward_fn` takes."""
+        if isinstance(spec, str) and spec in self.models:
+            return self.models[spec].score
+        terms = spec.get("terms") if isinstance(spec, Mapping) else getattr(spec, "terms", None)
+        if terms is not None:
+            return self._combined(spec, terms, key=key)
+        try:
+            return resolve_reward_fn(cast(Any, spec), key=key, base_dir=self._base_dir)
+        except RewardConfigError as exc:
+            if not self.models or not isinstance(spec, str) or ":" in spec:
+                raise
+            raise RewardConfigError(
+                f"{exc}; or a reward.models name: {sorted(self.models)}"
+            ) from None
+
+    def _combined(self, spec: Any, terms: Any, *, key: str) -> RewardFn:
+        """A :class:`~agentrl.rollout.model_rewards.CombinedReward` of ``terms`` (``{name:
+        weight}`` or ``[names]``) and the optional ``combine`` function of ``spec``."""
+        from agentrl.registry import RegistryError, import_spec
+        from agentrl.rollout.model_rewards import CombinedReward
+
+        weights = dict(terms) if isinstance(terms, Mapping) else dict.fromkeys(terms, 1.0)
+        if not weights:
+            raise RewardConfigError(f"{key}.terms is empty; name at least one reward")
+        parts = []
+        for name, weight in weights.items():
+            if not isinstance(name, str) or isinstance(weight, bool):
+                raise RewardConfigError(f"{key}.terms: {name!r}: {weight!r} is not name: weight")
+            parts.append((name, self._resolve(name, key=f"{key}.terms.{name}"), float(weight)))
+        combine = spec.get("combine") if isinstance(spec, Mapping) else spec.combine
+        if isinstance(combine, str):
+            try:
+                combine = import_spec(combine, base_dir=self._base_dir, key=f"{key}.combine")
+            except RegistryError as exc:
+                raise RewardConfigError(str(exc)) from None
+        if combine is not None and not callable(combine):
+            raise RewardConfigError(f"{key}.combine: {combine!r} is not a function")
+        return cast(RewardFn, CombinedReward(tuple(parts), combine))
+
+    def connect_models(self, urls: Mapping[str, Sequence[str]], api_key: str | None = None) -> None:
+        """Give each model reward its servers (``{name: base URLs}``, from the builder) and the
+        key they want (an entry's own ``api_key`` wins)."""
+        missing = sorted(set(self.models) - set(urls))
+        if missing:
+            raise RewardConfigError(f"no servers for reward.models {missing}")
+        for name, model in self.models.items():
+            model.connect(urls[name], api_key)
+        self._model_servers = ({n: list(u) for n, u in urls.items()}, api_key)
+
+    def model_servers(self) -> tuple[dict[str, list[str]], str | None]:
+        """``({name: urls}, api_key)`` as given to :meth:`connect_models`: what a manager in
+        another process (a Ray reward actor) needs to reach the same servers."""
+        return self._model_servers
 
     def reward_fn_for(self, data_source: str) -> RewardFn:
         """The reward function that scores tasks of ``data_source``."""
@@ -724,7 +843,9 @@ class RewardManager:
     async def _call(self, fn: RewardFn, traj: Trajectory, task: Task) -> tuple[Any, bool]:
         """``fn(traj, task)`` under ``timeout_s``: (result, False), or (None, True) when the
         deadline passed (the call is then abandoned or its worker killed, and counted)."""
-        if self.executor == "process":
+        if _is_combined(fn):
+            return await self._call_combined(cast(Any, fn), traj, task), False
+        if self.executor == "process" and not _is_model_call(fn):
             if self._processes is None:
                 self._processes = _ProcessWorkers()
             try:
@@ -751,6 +872,69 @@ class RewardManager:
             return None, True
         out = work.result()
         return (await out if inspect.isawaitable(out) else out), False
+
+    async def _call_term(self, fn: RewardFn, traj: Trajectory, task: Task, name: str) -> Any:
+        """One term of a mix: a function under a ``max_workers`` slot, a model reward under its
+        own limit; each under ``timeout_s``. Failures name the term."""
+        gate = contextlib.nullcontext() if _is_model_call(fn) else self._slot()
+        async with gate:
+            result, timed_out = await self._call(fn, traj, task)
+        if timed_out:
+            raise RewardTimeoutError(
+                f"reward {name!r} (a term of data_source {task.data_source!r}) timed out after "
+                f"{self.timeout_s:g} s (reward.timeout_s)",
+                source=task.data_source,
+            )
+        try:
+            return _normalize_result(result, traj)
+        except ValueError as exc:
+            raise ValueError(f"term {name!r}: {exc}") from exc
+
+    async def _call_combined(self, mix: Any, traj: Trajectory, task: Task) -> Any:
+        """Every term of ``mix`` concurrently, then the weighted sum or ``mix.combine``."""
+        from agentrl.rollout.model_rewards import combine_terms
+
+        async def term(name: str, fn: RewardFn) -> Any:
+            """One term's normalized result; an unexpected failure names the term."""
+            try:
+                return await self._call_term(fn, traj, task, name)
+            except (RewardError, ValueError):
+                raise
+            except Exception as exc:
+                raise RuntimeError(f"term {name!r}: {type(exc).__name__}: {exc}") from exc
+
+        tasks = [asyncio.ensure_future(term(name, fn)) for name, fn, _ in mix.terms]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            for t in tasks:  # one term failed (or we were cancelled): stop the others
+                t.cancel()
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise cast(BaseException, t.exception())
+        results = {name: t.result() for (name, _, _), t in zip(mix.terms, tasks, strict=True)}
+        if mix.combine is None:
+            weights = {name: weight for name, _, weight in mix.terms}
+            return combine_terms(results, weights, traj.num_turns)
+        scores = {name: score for name, (score, _, _) in results.items()}
+        async with self._slot():
+            out, timed_out = await self._call(functools.partial(mix.combine, scores), traj, task)
+        if timed_out:
+            raise RewardTimeoutError(
+                f"combine {mix.combine!r} timed out after {self.timeout_s:g} s",
+                source=task.data_source,
+            )
+        score, turn_rewards, info = _normalize_result(out, traj)
+        merged = {"terms": scores, **{n: i for n, (_, _, i) in results.items() if i}, **info}
+        if turn_rewards is not None:
+            merged["turn_rewards"] = turn_rewards
+        return {**merged, "score": score}
+
+    def _slot(self) -> asyncio.Semaphore:
+        """The ``max_workers`` semaphore (created in the running loop)."""
+        if self._semaphore is None:
+            self._semaphore = asyncio.Semaphore(self.max_workers)
+        return self._semaphore
 
     def _check_abandoned(
         self,
@@ -779,9 +963,9 @@ class RewardManager:
         ``timings["reward"]`` set. A reward function that raises, returns something malformed
         or runs past ``timeout_s`` raises :class:`RewardError` (counted per data source)."""
         fn = self.reward_fn_for(task.data_source)
-        if self._semaphore is None:
-            self._semaphore = asyncio.Semaphore(self.max_workers)
-        async with self._semaphore:
+        # Model rewards and mixes take no slot here: their function terms take one each.
+        gate = self._slot() if not (_is_model_call(fn) or _is_combined(fn)) else None
+        async with gate or contextlib.nullcontext():
             self._in_flight += 1
             start = time.perf_counter()
             try:
@@ -807,7 +991,7 @@ class RewardManager:
     ) -> tuple[float, list[float] | None, dict[str, Any], RewardError | None]:
         """One bounded call, normalized and counted; failures returned as a RewardError."""
         source = task.data_source
-        name = getattr(fn, "__qualname__", repr(fn))
+        name = _reward_name(fn)
         try:
             result, timed_out = await self._call(fn, traj, task)
             if timed_out:
@@ -854,7 +1038,9 @@ class RewardManager:
         source ``reward/<source>/scored``, ``errors``, ``timeouts``, ``abandoned`` (timed-out
         calls still running ``1 s`` later: an async function ignoring cancellation, or a thread
         that cannot be stopped), ``killed`` (process workers killed at the deadline); plus
-        ``reward/in_flight``, ``reward/threads_busy`` and the latency of every call.
+        ``reward/in_flight``, ``reward/threads_busy`` and the latency of every call; and per
+        model reward ``reward/models/<name>/requests``, ``scored``, ``errors``, ``unparsed``,
+        ``latency_mean_s``, ``latency_max_s``.
         """
         totals = {key: 0 for key in ("scored", "errors", "timeouts")}
         out: dict[str, float] = {}
@@ -873,6 +1059,7 @@ class RewardManager:
             "reward/latency_mean_s": self._latency_sum / n if n else 0.0,
             "reward/latency_max_s": self._latency_max,
             **out,
+            **{k: v for model in self.models.values() for k, v in model.metrics().items()},
         }
 
     def close(self) -> None:
@@ -884,8 +1071,14 @@ class RewardManager:
             self._processes.close()
             self._processes = None
 
+    async def aclose(self) -> None:
+        """:meth:`close`, and close the model rewards' HTTP clients."""
+        self.close()
+        for model in self.models.values():
+            await model.aclose()
+
     async def __aenter__(self) -> RewardManager:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        await self.aclose()

@@ -25,6 +25,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -103,6 +104,8 @@ class ActorConfig(OptimizerSettings):
     kl_loss_coef: float | None
     """β of the KL(π_θ || π_ref) loss term; None = no KL loss."""
     kl_loss_type: str
+    lora: Any = None
+    """The ``model.lora`` section when LoRA is on (rank > 0), else None: full fine-tuning."""
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> ActorConfig:
@@ -115,6 +118,7 @@ class ActorConfig(OptimizerSettings):
             entropy_coeff=plan.entropy_coeff,
             kl_loss_coef=plan.kl_loss_coef,
             kl_loss_type=plan.kl_loss_type,
+            lora=cfg.model.lora if cfg.model.lora.rank > 0 else None,
         )
 
 
@@ -309,6 +313,24 @@ _SUMMED_TERMS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
 """Loss terms aggregated with the mini-batch's normalizers: their micro-batch values add up."""
 
 
+def wrap_lora(model: Any, lora: Any) -> Any:
+    """``model`` with peft LoRA adapters on ``lora.target_modules`` (only they train).
+
+    Dropout stays 0: the recomputed π_old must equal the π_θ of the first update step.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        target_modules=list(lora.target_modules),
+        lora_dropout=0.0,
+        use_rslora=lora.use_rslora,
+        bias="none",
+    )
+    return get_peft_model(model, config)
+
+
 class _Stats:
     """Running (weighted) sums and weights of per-micro-batch metrics."""
 
@@ -363,6 +385,8 @@ class Actor(FrozenPolicy):
             dist=dist,
         )
         self.config = config
+        if config.lora is not None:
+            self.model = wrap_lora(self.model, config.lora)
         self.optimizer = torch.optim.AdamW(
             [p for p in self.model.parameters() if p.requires_grad],
             lr=config.lr,
@@ -460,6 +484,11 @@ class Actor(FrozenPolicy):
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             stats.add("actor/skipped_nonfinite_grad", 1.0)
+        elif norm[0] == 0:
+            # Nothing to learn from (rejection sampling masked every token; the count is
+            # global under FSDP): AdamW's momentum alone would still move the weights.
+            self.optimizer.zero_grad(set_to_none=True)
+            stats.add("actor/skipped_empty_minibatch", 1.0)
         else:
             self.optimizer.step()
         stats.add("actor/grad_norm", float(grad_norm))
@@ -516,11 +545,16 @@ class Actor(FrozenPolicy):
         return [float(x) for x in logp[0].cpu()]
 
     # ---- weights ------------------------------------------------------------------------
-    def state_dict_for_push(self) -> dict[str, torch.Tensor]:
-        """Hugging Face-named, contiguous CPU tensors (tied weights appear once).
+    def state_dict_for_push(self) -> Any:
+        """Hugging Face-named, contiguous CPU tensors (tied weights appear once); with LoRA, the
+        adapter only (an ``agentrl.inference.lora.LoraAdapter``: A/B matrices and its spec).
 
         Under ``dist`` a collective: rank 0 gets the gathered full weights, other ranks ``{}``.
         """
+        if self.config.lora is not None:
+            from agentrl.inference.lora import LoraAdapter
+
+            return LoraAdapter.from_peft(self.model)
         if self.dist is not None:
             from agentrl.training.fsdp import full_state_dict_for_push
 
@@ -538,6 +572,13 @@ class Actor(FrozenPolicy):
     def save_pretrained(self, out_dir: str | Path) -> None:
         """The model as a Hugging Face directory (safetensors); under ``dist`` a collective
         (the full weights are gathered and rank 0 writes them)."""
+        if self.dist is None and self.config.lora is not None:
+            # The adapter (peft layout) under adapter/, and the merged model beside it, so the
+            # final model loads anywhere a plain Hugging Face model does.
+            self.model.save_pretrained(str(Path(out_dir) / "adapter"), safe_serialization=True)
+            merged = copy.deepcopy(self.model).merge_and_unload()
+            merged.save_pretrained(str(out_dir), safe_serialization=True)
+            return
         if self.dist is None:
             self.model.save_pretrained(str(out_dir), safe_serialization=True)
             return

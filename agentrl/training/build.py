@@ -7,7 +7,8 @@ compose them:
 
 - :func:`build_serving` — the inference side: the thread plan, the model directory, the
   tokenizer, the servers (embedded or vLLM; or the URLs of running ones), the ``ServerPool``, the
-  ``CheckpointEngine``, the reward manager and ``make_manager()``. The trainer, ``agentrl eval``,
+  ``CheckpointEngine``, the reward manager (with the servers of its model rewards, ``reward.models``,
+  started alongside the policy servers) and ``make_manager()``. The trainer, ``agentrl eval``,
   the Ray backend and the rollout service (``agentrl serve``) all build through it.
 - :func:`build_run` — serving plus the training side: the algorithm plan, the actor (and the
   reference and critic the plan needs), the task sets and the tracker. With
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ExperimentConfig
+from agentrl.inference.server import embedded_device
 from agentrl.threads import ThreadPlan, make_plan
 from agentrl.training.resolve import Resolved, build_toolset, model_dir, resolve_experiment
 
@@ -60,7 +62,10 @@ logger = logging.getLogger(__name__)
 
 
 def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
-    """The run's CPU-thread plan: the trainer and each local embedded server get a share."""
+    """The run's CPU-thread plan: the trainer and each local embedded server (policy, and the
+    model rewards' reward models and judges) get a share."""
+    from agentrl.rollout.model_rewards import local_model_servers
+
     d, inf = cfg.distributed, cfg.inference
     return make_plan(
         inf.num_servers,
@@ -70,6 +75,7 @@ def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
         pin=d.pin_cpus,
         # vLLM binds its own threads; external servers are not ours to size.
         external_servers=inf.backend != "embedded",
+        reward_servers=local_model_servers(cfg),
     )
 
 
@@ -198,11 +204,16 @@ def server_launch(
     from agentrl.inference.vllm_backend import launch_vllm_server
 
     trust = ["--trust-remote-code"] if cfg.model.trust_remote_code else []
+    lora = cfg.model.lora
+    if lora.rank > 0:  # adapter-only pushes load as a LoRA adapter (docs/inference.md)
+        trust += ["--enable-lora", "--max-lora-rank", str(max(8, lora.rank))]
     return launch_vllm_server, {
+        "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora.rank > 0 else None,
         "model_dir": path,
         "api_key": api_key,
         "python": inf.vllm_python,
         "log_path": logs / f"vllm-{i}.log",
+        "threads": plan.servers[i] if i < len(plan.servers) else None,
         "seed": seed,
         "extra_args": ["--max-num-seqs", str(inf.max_batch_size), *trust, *inf.vllm_extra_args],
     }
@@ -220,18 +231,13 @@ def server_api_key(cfg: ExperimentConfig, *, launching: bool) -> str | None:
     return key
 
 
-def embedded_device(cfg: ExperimentConfig) -> tuple[str, str]:
-    """(device, dtype) of the embedded servers: ``inference.device`` and ``model.dtype``
-    (auto = cuda with bfloat16 when a GPU is visible, else cpu with float32)."""
-    import torch
+def served_model(cfg: ExperimentConfig) -> str | None:
+    """The model name rollouts ask for: vLLM serves a LoRA run's adapter under its own name."""
+    if cfg.model.lora.rank > 0 and cfg.inference.backend == "vllm":
+        from agentrl.training.checkpoint_engine import VLLM_LORA_NAME
 
-    device = cfg.inference.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = cfg.model.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device == "cuda" else "float32"
-    return device, dtype
+        return VLLM_LORA_NAME
+    return None
 
 
 def _launch_one(
@@ -275,11 +281,11 @@ def _engine(
     cfg: ExperimentConfig, urls: list[str], temperature: float, transport: Any, api_key: str | None
 ) -> Any:
     from agentrl.inference.client import PolicyClient
-    from agentrl.training.checkpoint_engine import CheckpointEngine, make_transport
+    from agentrl.training.checkpoint_engine import CheckpointEngine, transport_from_config
 
     ck = cfg.checkpoint
     control = [PolicyClient(u, timeout_s=ck.push_timeout_s, api_key=api_key) for u in urls]
-    transport = transport or make_transport(ck.transport, ck.resolved_shared_dir())
+    transport = transport or transport_from_config(ck)
     # `rollout.partial_rollout` and `checkpoint.pause_mode` name the same choice from the rollout
     # and the server side; either one set to `abort` aborts in-flight turns (the agent loop
     # resumes them on the new weights, per-token versions recorded).
@@ -319,6 +325,7 @@ async def build_serving(
     load the actor meanwhile; its result is ``serving.timings["models"]``'s work.
     """
     from agentrl.inference.pool import ServerPool
+    from agentrl.rollout.model_rewards import start_model_servers
     from agentrl.rollout.rewards import RewardManager
 
     async with contextlib.AsyncExitStack() as own:
@@ -329,6 +336,7 @@ async def build_serving(
         logger.info("thread plan: %s", plan.describe())
         path = model_dir(cfg)
         tokenizer = load_tokenizer(cfg, path)
+        rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)  # names checked
         models = asyncio.to_thread(load_models) if load_models is not None else None
         launching = server_urls is None and cfg.inference.backend != "external"
         key = server_api_key(cfg, launching=launching)
@@ -337,20 +345,23 @@ async def build_serving(
             if server_urls is not None
             else start_servers(cfg, path, plan, stack, key)
         )
+        # Model rewards (reward models, judges) get their own servers, started alongside.
+        reward_key = key or server_api_key(cfg, launching=bool(cfg.reward.models))
+        reward_servers = start_model_servers(cfg, plan, stack, reward_key)
         results = await asyncio.gather(
-            servers, *([models] if models else []), return_exceptions=True
+            servers, reward_servers, *([models] if models else []), return_exceptions=True
         )
         for r in results:
             if isinstance(r, BaseException):
                 raise r
         urls = list(results[0])  # type: ignore[arg-type]  # checked above
-        pool = ServerPool.from_config(urls, cfg.inference, api_key=key)
+        pool = ServerPool.from_config(urls, cfg.inference, api_key=key, model=served_model(cfg))
         stack.push_async_callback(pool.aclose)
         temperature = cfg.inference.temperature or 1.0
         engine = _engine(cfg, urls, temperature, transport, key)
         stack.push_async_callback(_close_engine, engine, cfg.checkpoint.shared_dir is None)
-        rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)
-        stack.callback(rewards.close)
+        stack.push_async_callback(rewards.aclose)
+        rewards.connect_models(results[1], reward_key)  # type: ignore[arg-type]  # checked above
         pool.start()
         versions = [await c.weight_version() for c in engine.clients]
         serving = Serving(
@@ -365,7 +376,7 @@ async def build_serving(
             workers=workers,
             version=max(versions),
             timings={"startup": time.perf_counter() - t0},
-            loaded=results[1] if models else None,
+            loaded=results[2] if models else None,
         )
         yield serving
 

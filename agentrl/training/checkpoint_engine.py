@@ -30,12 +30,20 @@ Invariants:
   safetensors bytes, under the Hugging Face parameter names. A tied ``lm_head.weight`` is sent
   explicitly to vLLM servers (vLLM 0.32's ``reload_weights`` does not re-tie it).
 
-Transports live behind :class:`WeightTransport` (two methods): :class:`SharedDirTransport`
-(safetensors on a shared directory, tmpfs when local; works for the embedded server and vLLM's
-``reload_weights``) and :class:`HttpStreamTransport` (the safetensors bytes over HTTP straight
-from the tensors' memory, pulled by each server from a trainer-side weight server, or pushed in
-the request body; no shared filesystem; embedded server). The GPU
-path (vLLM's NCCL weight-transfer API) plugs in as a third transport (see docs/training.md).
+Transports live behind :class:`WeightTransport` (two methods, two optional hooks):
+:class:`SharedDirTransport` (safetensors on a shared directory, tmpfs when local; works for the
+embedded server and vLLM's ``reload_weights``), :class:`HttpStreamTransport` (the safetensors
+bytes over HTTP straight from the tensors' memory, pulled by each server from a trainer-side
+weight server, or pushed in the request body; no shared filesystem; embedded server) and
+:class:`~agentrl.training.collective_transport.CollectiveTransport` (``collective``: bucketed
+broadcasts over a ``torch.distributed`` weight group, gloo on CPUs, NCCL on GPUs, into embedded
+servers; vLLM's native NCCL weight-transfer API on GPUs).
+
+**LoRA** (:class:`~agentrl.inference.lora.LoraAdapter`): ``push(adapter, version)`` moves only
+the adapter (peft's tensors + rank/alpha/targets); the embedded server merges it onto its base
+weights (every transport), vLLM loads it as a LoRA adapter named :data:`VLLM_LORA_NAME`
+(``shared_dir`` only; the vLLM probe then asks for that model name). Validation and
+verification are the same as for full weights.
 
 Timing: :meth:`PushReport.metrics` reports ``timing_s/push/{stage,pause,transfer,verify,
 resume}`` (the slowest server for the per-server stages) next to the ``weight_sync/*`` totals.
@@ -44,6 +52,8 @@ resume}`` (the slowest server for the per-server stages) next to the ``weight_sy
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import os
 import shutil
@@ -63,10 +73,12 @@ from agentrl.inference.client import (
     PauseMode,
     PolicyClient,
 )
+from agentrl.inference.lora import ADAPTER_CONFIG, ADAPTER_FILE, METADATA_KEY, LoraAdapter, LoraSpec
 from agentrl.inference.weights import SafetensorsPayload, WeightServer
 from agentrl.types import Generation, SamplingParams
 
 __all__ = [
+    "VLLM_LORA_NAME",
     "CheckpointEngine",
     "HttpStreamTransport",
     "PushReport",
@@ -76,6 +88,7 @@ __all__ = [
     "WeightTransport",
     "make_transport",
     "tied_aliases",
+    "transport_from_config",
 ]
 
 logger = logging.getLogger(__name__)
@@ -87,6 +100,8 @@ PAUSE_MARGIN_S = 60.0
 """The server-side pause deadline is ``push_timeout_s`` plus this (a safety net only)."""
 STAGES = ("stage", "pause", "transfer", "verify", "resume")
 """The parts of a push that :meth:`PushReport.metrics` times."""
+VLLM_LORA_NAME = "agentrl-lora"
+"""The name LoRA pushes load their adapter under on vLLM; generation requests name this model."""
 
 
 class WeightPushError(RuntimeError):
@@ -109,6 +124,8 @@ class StagedWeights:
         payload: SafetensorsPayload | None = None,
         data: bytes | None = None,
         token: str | None = None,
+        lora: LoraSpec | None = None,
+        extra: Any = None,
     ) -> None:
         self.version = version
         self.num_bytes = num_bytes
@@ -117,6 +134,10 @@ class StagedWeights:
         """The file laid out over the caller's tensors (HTTP): streamed without a copy."""
         self.token = token
         """Where the payload is published on the transport's weight server (HTTP pull)."""
+        self.lora = lora
+        """Set when the weights are a LoRA adapter (peft naming) with this spec."""
+        self.extra = extra
+        """Transport-specific staging (the collective transport's buckets and broadcast)."""
         self._data = data
 
     @property
@@ -134,7 +155,10 @@ class StagedWeights:
 
 
 class WeightTransport(ABC):
-    """How serialized weights reach a server."""
+    """How serialized weights reach a server.
+
+    ``stage`` is called with ``lora=`` (a :class:`~agentrl.inference.lora.LoraSpec`) only for
+    adapter pushes, so a transport written for full weights keeps working for them."""
 
     name: str = "abstract"
 
@@ -146,8 +170,16 @@ class WeightTransport(ABC):
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
         """Make one (paused) server load the staged weights."""
 
+    async def prepare(self, clients: Sequence[PolicyClient]) -> None:  # noqa: B027 - optional
+        """Called once per push before any server is paused (e.g. to set up a weight group);
+        raising fails the push on every server without pausing any."""
+
     def cleanup(self, keep_version: int) -> None:  # noqa: B027 - optional hook
         """Free staged data of versions other than ``keep_version``."""
+
+
+def _lora_metadata(lora: LoraSpec | None) -> dict[str, str] | None:
+    return None if lora is None else {"format": "pt", METADATA_KEY: lora.to_json()}
 
 
 def tied_aliases(state_dict: Mapping[str, torch.Tensor]) -> dict[str, str]:
@@ -179,29 +211,42 @@ class SharedDirTransport(WeightTransport):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
-    def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
-        payload = SafetensorsPayload.from_state_dict(state_dict)
+    def stage(
+        self, state_dict: dict[str, torch.Tensor], version: int, *, lora: LoraSpec | None = None
+    ) -> StagedWeights:
+        """Write ``v{version}/model.safetensors`` (a LoRA adapter: peft's
+        ``adapter_model.safetensors`` + ``adapter_config.json``), atomically."""
+        payload = SafetensorsPayload.from_state_dict(state_dict, metadata=_lora_metadata(lora))
         out = self.root / f"v{version}"
         tmp = self.root / f".v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        with (tmp / "model.safetensors").open("wb") as f:
+        with (tmp / (ADAPTER_FILE if lora else "model.safetensors")).open("wb") as f:
             for chunk in payload.chunks():
                 f.write(chunk)
+        if lora is not None:
+            (tmp / ADAPTER_CONFIG).write_text(json.dumps(lora.adapter_config(), indent=2))
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)  # atomic: a server never sees a half-written version directory
-        return StagedWeights(version=version, num_bytes=payload.num_bytes, path=out)
+        return StagedWeights(version=version, num_bytes=payload.num_bytes, path=out, lora=lora)
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+        """``reload_weights`` from the version directory (vLLM + LoRA: ``load_lora_adapter``)."""
         assert staged.path is not None
+        if staged.lora is not None and await client.resolve_backend() == "vllm":
+            await client.load_lora_adapter(VLLM_LORA_NAME, staged.path)
+            await client.set_weight_version(staged.version)
+            return
         await client.update_weights_from_path(staged.path, staged.version)
 
     def cleanup(self, keep_version: int) -> None:
+        """Delete every version directory but ``keep_version``'s."""
         for child in self.root.glob("v*"):
             if child.name != f"v{keep_version}":
                 shutil.rmtree(child, ignore_errors=True)
 
     def remove(self) -> None:
+        """Delete the whole staging root."""
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -241,9 +286,14 @@ class HttpStreamTransport(WeightTransport):
     def _tokens(self) -> dict[int, str]:
         return vars(self).setdefault("_token_by_version", {})
 
-    def stage(self, state_dict: dict[str, torch.Tensor], version: int) -> StagedWeights:
-        payload = SafetensorsPayload.from_state_dict(state_dict)
-        staged = StagedWeights(version=version, num_bytes=payload.num_bytes, payload=payload)
+    def stage(
+        self, state_dict: dict[str, torch.Tensor], version: int, *, lora: LoraSpec | None = None
+    ) -> StagedWeights:
+        """Lay the file out over the tensors (a LoRA spec goes in its metadata); publish it."""
+        payload = SafetensorsPayload.from_state_dict(state_dict, metadata=_lora_metadata(lora))
+        staged = StagedWeights(
+            version=version, num_bytes=payload.num_bytes, payload=payload, lora=lora
+        )
         if self.mode == "pull":
             if self._server is None:
                 self._server = WeightServer(self._advertise_host)
@@ -252,6 +302,7 @@ class HttpStreamTransport(WeightTransport):
         return staged
 
     async def load(self, client: PolicyClient, staged: StagedWeights) -> None:
+        """Pull (or, as a fallback, push) the staged file into ``client``'s server."""
         if staged.explicit_bytes:
             assert staged.data is not None
             await client.update_weights_from_bytes(staged.data, staged.version)
@@ -290,18 +341,47 @@ class HttpStreamTransport(WeightTransport):
             self._server = None
 
 
-def make_transport(name: str, shared_dir: str | Path | None = None) -> WeightTransport:
-    """``checkpoint.transport``: ``shared_dir`` or ``http`` (``nccl`` needs GPUs; see docs)."""
+def make_transport(
+    name: str,
+    shared_dir: str | Path | None = None,
+    *,
+    bucket_mb: float = 256,
+    collective_backend: str = "auto",
+    collective_timeout_s: float = 120.0,
+    advertise_host: str | None = None,
+) -> WeightTransport:
+    """``checkpoint.transport``: ``shared_dir``, ``http`` or ``collective`` (the keyword
+    arguments are the ``checkpoint`` section's knobs of the collective transport)."""
     if name == "shared_dir":
         return SharedDirTransport(shared_dir)
     if name == "http":
-        return HttpStreamTransport()
-    if name == "nccl":
-        raise NotImplementedError(
-            "checkpoint.transport='nccl' (vLLM's native NCCL weight transfer) needs GPUs and is "
-            "not implemented yet; use 'shared_dir' (same machine or shared filesystem) or 'http'"
+        return HttpStreamTransport(advertise_host=advertise_host)
+    if name == "collective":
+        from agentrl.training.collective_transport import CollectiveTransport
+
+        return CollectiveTransport(
+            bucket_mb=bucket_mb,
+            backend=collective_backend,  # type: ignore[arg-type]  # checked by the transport
+            timeout_s=collective_timeout_s,
+            advertise_host=advertise_host,
         )
-    raise ValueError(f"checkpoint.transport={name!r}; use 'shared_dir', 'http' or 'nccl'")
+    if name == "nccl":
+        raise ValueError(
+            "checkpoint.transport='nccl' was renamed: use 'collective' (NCCL on GPUs, gloo on CPUs)"
+        )
+    raise ValueError(f"checkpoint.transport={name!r}; use 'shared_dir', 'http' or 'collective'")
+
+
+def transport_from_config(ck: Any) -> WeightTransport:
+    """The transport a :class:`~agentrl.config.CheckpointConfig` asks for."""
+    return make_transport(
+        ck.transport,
+        ck.resolved_shared_dir(),
+        bucket_mb=ck.bucket_mb,
+        collective_backend=ck.collective_backend,
+        collective_timeout_s=ck.collective_timeout_s,
+        advertise_host=ck.advertise_host,
+    )
 
 
 @dataclass
@@ -343,6 +423,8 @@ class PushReport:
     transport: str = ""
     score_seconds: float = 0.0
     """The trainer's scoring of the paused probe (before any pause; counted in verify)."""
+    kind: Literal["full", "lora"] = "full"
+    """``lora``: the push carried a LoRA adapter only (``num_bytes`` are the adapter's)."""
 
     @property
     def ok(self) -> bool:
@@ -366,7 +448,8 @@ class PushReport:
 
     def describe(self) -> str:
         """One line per server: version, serving/PAUSED/unreachable, ok or the failure."""
-        lines = [f"weight push of version {self.version} ({self.transport}):"]
+        what = self.transport + (", LoRA adapter" if self.kind == "lora" else "")
+        lines = [f"weight push of version {self.version} ({what}):"]
         for s in self.servers.values():
             state = "ok" if s.ok else f"FAILED at {s.stage}: {s.error}"
             serving = "PAUSED" if s.paused else "unreachable" if s.version is None else "serving"
@@ -381,6 +464,7 @@ class PushReport:
             "weight_sync/stage_s": self.stage_seconds,
             "weight_sync/verify_s": self.verify_seconds,
             "weight_sync/bytes": float(self.num_bytes),
+            "weight_sync/lora": float(self.kind == "lora"),
             "weight_sync/failed_servers": float(sum(not s.ok for s in servers)),
             # servers whose probe logprobs were compared with the trainer's (0 when verify is off)
             "weight_sync/verified_servers": float(
@@ -460,12 +544,12 @@ class _Verifier:
             e.probe_prompt_ids, temperature=e.temperature, token_ids=list(e.probe_token_ids)
         )
 
-    async def probe_serving(self, client: PolicyClient) -> Generation:
-        """The seeded-generation probe, after the resume (vLLM)."""
+    async def probe_serving(self, client: PolicyClient, model: str | None = None) -> Generation:
+        """The seeded-generation probe, after the resume (vLLM; ``model`` names a LoRA adapter)."""
         sampling = SamplingParams(
             max_tokens=self.engine.probe_tokens, temperature=self.engine.temperature, seed=1234
         )
-        return await client.generate(self.engine.probe_prompt_ids, sampling)
+        return await client.generate(self.engine.probe_prompt_ids, sampling, model=model)
 
 
 class CheckpointEngine:
@@ -529,22 +613,21 @@ class CheckpointEngine:
 
     async def push(
         self,
-        state_dict: dict[str, torch.Tensor],
+        weights: dict[str, torch.Tensor] | LoraAdapter,
         version: int,
         score: ScoreFn | None = None,
     ) -> PushReport:
-        """Push ``state_dict`` as ``version`` to every server; verify with ``score`` if given.
+        """Push ``weights`` as ``version`` to every server; verify with ``score`` if given.
 
-        Never raises for a server-side failure (it is in the report; call
-        :meth:`PushReport.raise_if_failed`); raises only for bad arguments or if staging the
-        weights fails (before any server is touched).
+        ``weights`` is a full state dict (Hugging Face names) or a
+        :class:`~agentrl.inference.lora.LoraAdapter` (only the adapter moves; ``score`` must
+        then score with the adapted model, e.g. the peft model). Never raises for a server-side
+        failure (it is in the report; call :meth:`PushReport.raise_if_failed`); raises only for
+        bad arguments or if staging the weights fails (before any server is touched).
         """
         t0 = time.perf_counter()
         report = PushReport(version=version, transport=self.transport.name)
-        state = await self._with_tied_copies(state_dict)
-        # Staged in a thread: writing a file (shared_dir) takes a while for a big model, and
-        # the event loop (agent loops, other servers' requests) keeps running meanwhile.
-        staged = await asyncio.to_thread(self.transport.stage, state, version)
+        staged = await self._stage(weights, version, report)
         report.num_bytes = staged.num_bytes
         report.stage_seconds = time.perf_counter() - t0
         verifier = _Verifier(self, score) if self.verify and score is not None else None
@@ -552,6 +635,10 @@ class CheckpointEngine:
             t_score = time.perf_counter()
             await verifier.prepare()
             report.score_seconds = time.perf_counter() - t_score
+        try:
+            await self.transport.prepare(self.clients)
+        except Exception as exc:  # no server was paused: every one keeps its version
+            return await self._prepare_failed(report, exc, t0)
         statuses = await asyncio.gather(
             *(self._push_one(c, staged, verifier) for c in self.clients)
         )
@@ -561,6 +648,30 @@ class CheckpointEngine:
         report.total_seconds = time.perf_counter() - t0
         if not report.ok:
             logger.error("%s", report.describe())
+        return report
+
+    async def _stage(
+        self, weights: dict[str, torch.Tensor] | LoraAdapter, version: int, report: PushReport
+    ) -> StagedWeights:
+        # Staged in a thread: writing a file (shared_dir) takes a while for a big model, and
+        # the event loop (agent loops, other servers' requests) keeps running meanwhile.
+        if isinstance(weights, LoraAdapter):
+            report.kind = "lora"
+            stage = functools.partial(self.transport.stage, lora=weights.spec)  # type: ignore[call-arg]
+            return await asyncio.to_thread(stage, dict(weights.state), version)
+        state = await self._with_tied_copies(weights)
+        return await asyncio.to_thread(self.transport.stage, state, version)
+
+    async def _prepare_failed(self, report: PushReport, exc: Exception, t0: float) -> PushReport:
+        """The transport could not prepare (e.g. no weight group): every server failed at
+        ``prepare``, none was paused, each keeps (and reports) its version."""
+        error = f"{type(exc).__name__}: {exc}"
+        for c in self.clients:
+            status = ServerPushStatus(url=c.base_url, stage="prepare", error=error)
+            await self._read_version(c, status, report.version)
+            report.servers[c.base_url] = status
+        report.total_seconds = time.perf_counter() - t0
+        logger.error("%s", report.describe())
         return report
 
     async def _with_tied_copies(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -607,7 +718,8 @@ class CheckpointEngine:
                 await self._resume(client, status)
             await self._read_version(client, status, staged.version)
         if verifier is not None and status.ok and not status.verified_while_paused:
-            await self._verify_serving(client, status, verifier, staged.version)
+            model = VLLM_LORA_NAME if staged.lora is not None else None
+            await self._verify_serving(client, status, verifier, staged.version, model)
         status.seconds = time.perf_counter() - t0
         return status
 
@@ -668,12 +780,18 @@ class CheckpointEngine:
                 status.stage = "done"
 
     async def _verify_serving(
-        self, client: PolicyClient, status: ServerPushStatus, verifier: _Verifier, version: int
+        self,
+        client: PolicyClient,
+        status: ServerPushStatus,
+        verifier: _Verifier,
+        version: int,
+        model: str | None = None,
     ) -> None:
-        """vLLM: nothing is served while paused, so the probe runs right after the resume."""
+        """vLLM: nothing is served while paused, so the probe runs right after the resume
+        (``model``: the LoRA adapter's name for an adapter push)."""
         t0 = time.perf_counter()
         try:
-            gen = await verifier.probe_serving(client)
+            gen = await verifier.probe_serving(client, model)
             await verifier.check(status, gen, version)
         except Exception as exc:
             status.error = f"verify probe failed: {type(exc).__name__}: {exc}"

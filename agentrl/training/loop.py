@@ -361,9 +361,34 @@ async def _one_step(
             "trainer/version": float(state.version),
         }
     )
-    if state.step == 1 and "startup" in run.timings:
-        m["timing_s/startup"] = run.timings["startup"]
+    if state.step == 1:
+        m.update(_model_size(run))
+        if "startup" in run.timings:
+            m["timing_s/startup"] = run.timings["startup"]
     return m
+
+
+def _model_size(run: Run) -> dict[str, float]:
+    """``model/params``, ``model/trainable_params`` and the optimizer state's bytes (LoRA's
+    saving shows here), logged once."""
+    actor = run.policies.actor
+    model = getattr(actor, "model", None)
+    if model is None:
+        return {}
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    optim = getattr(actor, "optimizer", None)
+    state_bytes = 0
+    if optim is not None:
+        for st in optim.state.values():
+            state_bytes += sum(
+                v.numel() * v.element_size() for v in st.values() if isinstance(v, torch.Tensor)
+            )
+    return {
+        "model/params": float(sum(p.numel() for p in params)),
+        "model/trainable_params": float(sum(p.numel() for p in trainable)),
+        "model/optimizer_state_bytes": float(state_bytes),
+    }
 
 
 def _save(run: Run, state: RunState, dataset: Any, feed: RolloutFeed) -> None:

@@ -172,6 +172,7 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
     if rewards is not None:
         _check_sources(rewards, [*train, *val], problems)
     _check(problems, lambda: _transport(cfg))
+    _check(problems, lambda: _lora(cfg))
     _check(problems, lambda: _sandbox(cfg))
     if not problems and train:
         _check(problems, lambda: _prompt_lengths(cfg, train))
@@ -272,12 +273,42 @@ def _prompt_lengths(cfg: ExperimentConfig, tasks: list[Task]) -> None:
         )
 
 
-def _transport(cfg: ExperimentConfig) -> None:
-    if cfg.checkpoint.transport == "nccl":
+def _lora(cfg: ExperimentConfig) -> None:
+    if cfg.model.lora.rank > 0 and cfg.trainer.world_size > 1:
         raise RegistryError(
-            "checkpoint.transport: 'nccl' is not available in this build (it needs GPUs and "
-            "vLLM's weight-transfer engine); use 'shared_dir' (same machine or a shared "
-            "filesystem) or 'http'"
+            f"model.lora.rank={cfg.model.lora.rank} with trainer.world_size="
+            f"{cfg.trainer.world_size}: LoRA is trained on one rank in this version; use "
+            "trainer.world_size: 1 (LoRA's memory saving is the point) or full fine-tuning"
+        )
+    if (
+        cfg.model.lora.rank > 0
+        and cfg.distributed.backend == "ray"
+        and cfg.inference.backend == "vllm"
+    ):
+        raise RegistryError(
+            "model.lora with inference.backend: vllm on distributed.backend: ray is not wired in "
+            "this version (the Ray server actors start vLLM without --enable-lora); use the "
+            "embedded servers on Ray, or vLLM with distributed.backend: local"
+        )
+
+
+def _transport(cfg: ExperimentConfig) -> None:
+    """What `checkpoint.transport: collective` needs and this machine lacks, said up front."""
+    ck = cfg.checkpoint
+    if ck.transport != "collective":
+        return
+    import torch
+
+    gpu = torch.cuda.is_available()
+    if ck.collective_backend == "nccl" and not gpu:
+        raise RegistryError(
+            "checkpoint.collective_backend: 'nccl' needs GPUs and this machine has none; use "
+            "'gloo' (or 'auto') to broadcast the weights on CPUs"
+        )
+    if cfg.inference.backend == "vllm" and not gpu:
+        raise RegistryError(
+            "checkpoint.transport: 'collective' drives vLLM's NCCL weight-transfer API, which "
+            "needs GPUs (and this machine has none); use 'shared_dir' for vLLM on CPUs"
         )
 
 

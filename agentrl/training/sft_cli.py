@@ -12,8 +12,10 @@ Guarantees:
   config, seed, steps, final loss, wall time, torch/transformers versions and the sha256 of
   every weight file, so a checkpoint can be checked against the run that made it.
 - Deterministic for the config on a given machine and thread count (seeded model build, data
-  generation, data order and optimizer); ``torch.set_num_threads`` is fixed from
-  ``AGENTRL_SFT_THREADS`` or the CPU count (at most 8), and recorded in the manifest.
+  generation, data order and optimizer). The thread count comes from the run's thread plan
+  (:func:`agentrl.threads.make_plan`: SFT is one process, so it gets every usable CPU), unless
+  ``AGENTRL_THREADS`` (or the older ``AGENTRL_SFT_THREADS``) says otherwise; it is applied
+  before training starts and recorded in the manifest.
 - Metrics go to the configured tracker (MLflow by default; ``tracking.enabled=false`` skips it).
 """
 
@@ -108,16 +110,39 @@ def _tiny_merges(tiny: Any, conversations: list[dict[str, Any]]) -> list[tuple[s
     return learn_bpe_merges(texts, tiny.bpe_merges, tiny.bpe_max_token_bytes)
 
 
-def _threads() -> int:
-    env = os.environ.get("AGENTRL_SFT_THREADS")
-    if env:
-        return max(1, int(env))
-    return max(1, min(8, os.cpu_count() or 1))
+def _apply_threads() -> int:
+    """Apply SFT's share of the thread plan (the whole machine: it runs alone); returns it.
+
+    Call before torch is imported: ``OMP_WAIT_POLICY=PASSIVE`` (unless set) makes idle OpenMP
+    threads sleep instead of spin, and OpenMP reads it once, at load. On a CPU shared with
+    other work, spinning threads were measured 7-10x slower per step than one thread (load 5-10
+    on 2 cores); passive ones matched it.
+    """
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    from agentrl.threads import ENV_THREADS, ProcessThreads, make_plan
+
+    for name in (ENV_THREADS, "AGENTRL_SFT_THREADS"):
+        raw = os.environ.get(name)
+        if raw:
+            try:
+                share = ProcessThreads("sft", max(1, int(raw)))
+            except ValueError:
+                raise ValueError(f"{name}={raw!r}: give a whole number of threads") from None
+            break
+    else:
+        share = make_plan(0).trainer
+    share.apply()
+    return share.threads
 
 
 def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
     """Train per ``cfg`` (an :class:`~agentrl.config.SFTConfig`), save to ``output_dir`` and
     return the manifest (also written as ``sft_manifest.json``)."""
+    if cfg.data.train_on != "assistant":
+        raise ValueError(
+            f"data.train_on = {cfg.data.train_on!r} is not supported by agentrl sft; use 'assistant'"
+        )
+    threads = _apply_threads()  # before torch loads OpenMP
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,12 +150,6 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
     from agentrl.tracking import make_tracker
     from agentrl.training.sft import SFTSettings, train_sft
 
-    if cfg.data.train_on != "assistant":
-        raise ValueError(
-            f"data.train_on = {cfg.data.train_on!r} is not supported by agentrl sft; use 'assistant'"
-        )
-    threads = _threads()
-    torch.set_num_threads(threads)
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -190,6 +209,7 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
         max_seq_len=cfg.data.max_seq_len,
         log_every=cfg.tracking.log_every,
         share_prefix=cfg.trainer.share_prefix,
+        micro_batch_max_tokens=cfg.trainer.micro_batch_max_tokens,
     )
     tr = cfg.tracking
     tracker = make_tracker(

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +64,11 @@ class Trainer:
         workers: list[Any] | None = None,
         transport: Any = None,
         progress: bool | None = None,
+        on_built: Callable[[Run], Awaitable[None]] | None = None,
     ) -> None:
         self.cfg = cfg
+        self.on_built = on_built
+        """Awaited with the built :class:`Run` before training starts (placement layers use it)."""
         self.resume = resume
         self.server_urls = server_urls
         self.stop_after_step = stop_after_step
@@ -143,6 +147,8 @@ class Trainer:
             workers=self.workers,
         ) as run:
             self.run_obj = run
+            if self.on_built is not None:
+                await self.on_built(run)
             if saved is not None:
                 self._restore(run, saved)
             tracker = self._tracker(saved)

@@ -65,12 +65,12 @@ def test_a_second_server_that_fails_to_start_stops_the_first(
     launch = build._launch_one
     started: list[int] = []
 
-    def flaky(cfg, path, i, plan, logs):  # type: ignore[no-untyped-def]
+    def flaky(cfg, path, i, plan, logs, api_key):  # type: ignore[no-untyped-def]
         if i == 1:
             while not started:  # the first server is up, then this one fails
                 time.sleep(0.1)
             raise RuntimeError("server 1 failed its health check")
-        handle = launch(cfg, path, i, plan, logs)
+        handle = launch(cfg, path, i, plan, logs, api_key)
         started.append(handle.pid)
         return handle
 

@@ -148,6 +148,7 @@ async def test_push_moves_every_server_to_the_new_weights_and_verifies(
             "weight_sync/stage_s",
             "weight_sync/verify_s",
             "weight_sync/bytes",
+            "weight_sync/lora",
             "weight_sync/failed_servers",
             "weight_sync/verified_servers",
             "weight_sync/verified_while_paused",

@@ -8,7 +8,7 @@ server's filesystem through weight paths. The rule (DESIGN section 10, "Control 
   except :data:`PUBLIC_PATHS` (health, metrics, the OpenAPI docs) needs
   ``Authorization: Bearer <key>``; otherwise 401 with OpenAI's error body;
 - without a key, the control routes (:data:`CONTROL_PATHS`: pause, resume, abort, prefix cache,
-  probe, weights, version, collective_rpc) answer loopback callers only; anyone else gets 403.
+  probe, weights, version, collective_rpc, weight_group) answer loopback callers only; anyone else gets 403.
   Generation and read-only routes stay open, as on vLLM without a key;
 - JSON request bodies must declare their size (``Content-Length``) and stay under
   :data:`MAX_JSON_BODY_BYTES` (411 / 413 otherwise); only the weight upload is larger.
@@ -43,6 +43,9 @@ CONTROL_PATHS = frozenset(
         "/update_weights_from_url",
         "/update_weight_version",
         "/collective_rpc",
+        "/weight_group/join",
+        "/weight_group/receive",
+        "/weight_group/leave",
     }
 )
 """Change the server's state: a key, or a loopback caller when the server has no key."""

@@ -1,5 +1,10 @@
 """Weight routes: load from a path, a URL, a streamed body, vLLM's ``collective_rpc``; versions.
 
+Each route also takes a LoRA adapter instead of full weights (peft's adapter safetensors with the
+spec in its metadata, or a peft adapter directory; :mod:`agentrl.inference.lora`): it is merged
+onto the base weights. The collective transport's routes are in
+:mod:`agentrl.inference.routes.weight_group`.
+
 Guarantees: an update is checked completely (its version too) before anything is swapped, and
 the weights and the version change together or not at all; any bad input (a missing or
 unreadable path, bytes that are not safetensors, a wrong name/shape/dtype, a NaN, a version
@@ -21,8 +26,9 @@ from fastapi.responses import JSONResponse
 
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import EngineRequestError, check_version
+from agentrl.inference.routes import weight_group
 from agentrl.inference.routes.common import APIError, ServerState
-from agentrl.inference.weights import MAX_HEADER_BYTES, WeightLoadError, parse_safetensors
+from agentrl.inference.weights import MAX_HEADER_BYTES, WeightLoadError
 
 __all__ = ["register"]
 
@@ -95,14 +101,8 @@ async def update_weights(st: ServerState, request: Request) -> JSONResponse:
     try:
         buf = engine.staging_buffer(size)
         await _receive_into(request, buf)
-        try:
-            state = parse_safetensors(buf)
-        except WeightLoadError as e:
-            raise APIError(
-                400, f"the body is not a valid safetensors blob: {e}", param="body"
-            ) from e
         new = await _load(
-            engine.load_state_dict, state, version, param="body", version_param="x-weight-version"
+            engine.load_safetensors, buf, version, param="body", version_param="x-weight-version"
         )
     finally:
         engine.staging_lock.release()
@@ -141,8 +141,9 @@ async def collective_rpc(st: ServerState, req: P.CollectiveRpcRequest) -> JSONRe
 
 
 def register(app: FastAPI, st: ServerState) -> None:
-    """Add the weight and version routes to ``app``."""
+    """Add the weight and version routes to ``app`` (and the weight-group routes)."""
     engine = st.engine
+    weight_group.register(app, st)
 
     @app.post("/update_weights_from_url")
     async def _from_url(req: P.UpdateWeightsFromUrlRequest) -> JSONResponse:

@@ -60,13 +60,15 @@ def test_vanilla_rollout_is_weights_multiply_per_token_and_carry_no_grad() -> No
     assert w.grad is None
 
 
-def test_bypass_is_ppo_clip_and_refuses_is_weights() -> None:
+def test_ppo_clip_is_vanillas_alias_and_bypass_is_not_a_loss() -> None:
+    """Bypass is a correction mode (the loss anchors on π_rollout, no IS weight is passed to a
+    ratio loss: ``agentrl.training.algorithm``), not a second PPO-clip implementation."""
     old, new = _logprobs(RATIOS)
     a, _ = policy_loss("vanilla", old, new, ADV, MASK)
-    b, _ = policy_loss("bypass", old, new, ADV, MASK)
-    assert a.item() == pytest.approx(b.item())
-    with pytest.raises(ValueError, match="twice"):
-        policy_loss("bypass", old, new, ADV, MASK, rollout_is_weights=torch.ones(1, 4))
+    b, _ = policy_loss("ppo_clip", old, new, ADV, MASK)
+    assert a.item() == b.item()
+    with pytest.raises(ValueError, match="unknown policy loss 'bypass'"):
+        policy_loss("bypass", old, new, ADV, MASK)
 
 
 def test_dual_clip_bound_must_exceed_one() -> None:
@@ -131,7 +133,7 @@ def test_reinforce_is_weighted_log_likelihood() -> None:
 
 def test_every_loss_reports_the_same_metric_keys() -> None:
     old, new = _logprobs(RATIOS)
-    for name in ("vanilla", "gspo", "cispo", "bypass", "reinforce"):
+    for name in ("vanilla", "gspo", "cispo", "reinforce"):
         _, metrics = policy_loss(name, old, new, ADV, MASK)
         assert set(metrics) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}, name
         assert all(isinstance(v, float) for v in metrics.values())
@@ -166,7 +168,7 @@ def test_unknown_loss_and_option_errors_name_the_fix() -> None:
     old, new = _logprobs(RATIOS)
     with pytest.raises(ValueError, match="vanilla") as err:
         policy_loss("ppo", old, new, ADV, MASK)
-    for name in ("gspo", "cispo", "bypass", "reinforce"):
+    for name in ("gspo", "cispo", "reinforce"):
         assert name in str(err.value)
     with pytest.raises(ValueError, match="clip_ratio_hi"):
         policy_loss("vanilla", old, new, ADV, MASK, clip_ratio_hi=0.3)
@@ -206,14 +208,15 @@ def test_value_loss_clips_the_critic_update() -> None:
     assert m2["vf_clipfrac"] == 1.0
 
 
-def test_bypass_and_reinforce_agree_with_correction_bypass_losses() -> None:
-    # correction/ owns the bypass-mode helpers; our registered losses must give the same numbers
-    # (ours adds the dual clip, so switch it off for the comparison).
+def test_bypass_mode_losses_agree_with_correction_bypass_helpers() -> None:
+    # correction/ keeps standalone bypass-mode helpers; the trainer's bypass path (vanilla anchored
+    # on the rollout logprobs, reinforce with IS weights) must give the same numbers (vanilla
+    # adds the dual clip, so switch it off for the comparison).
     import correction
 
     old, new = _logprobs(RATIOS)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    ours, om = policy_loss("bypass", old, new, ADV, mask, clip_ratio=0.2, clip_ratio_c=1e9)
+    ours, om = policy_loss("vanilla", old, new, ADV, mask, clip_ratio=0.2, clip_ratio_c=1e9)
     theirs, tm = correction.bypass_ppo_clip_loss(new, old, ADV, mask, 0.2, 0.2)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-6)
     assert om["pg_clipfrac"] == pytest.approx(tm["pg_clipfrac"])

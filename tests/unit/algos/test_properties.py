@@ -27,7 +27,6 @@ LOSSES = (
     "vanilla",
     "gspo",
     "cispo",
-    "bypass",
     "reinforce",
     "dppo_tv",
     "dppo_kl",

@@ -49,7 +49,7 @@ def test_malformed_calls_are_reported_and_kept(body: str) -> None:
 
 def test_unterminated_call_is_an_error() -> None:
     out = parse_hermes_tool_calls('<tool_call>{"name": "f"')
-    assert out.tool_calls == [] and out.errors and "unterminated" in out.errors[0]
+    assert out.tool_calls == [] and out.errors and "is not closed" in out.errors[0]
 
 
 def test_validate_tools_names_the_field() -> None:

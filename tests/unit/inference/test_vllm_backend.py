@@ -150,3 +150,22 @@ def test_vllm_command_names_the_server_module_and_options():
     assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
     assert cmd[cmd.index("--served-model-name") + 1] == "tiny"
     assert cmd[cmd.index("--max-model-len") + 1] == "512"
+
+
+def test_vllm_env_takes_the_plans_share_and_drops_the_parents_threads():
+    from agentrl.inference.vllm_backend import vllm_cpu_env
+    from agentrl.threads import ProcessThreads
+
+    parent = {"OMP_NUM_THREADS": "1", "AGENTRL_THREADS": "1", "PYTHONPATH": "/ours", "HOME": "/h"}
+    own = vllm_cpu_env(parent)  # vLLM's own defaults: nothing of the parent's share leaks
+    assert "OMP_NUM_THREADS" not in own and "AGENTRL_THREADS" not in own
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in own and "PYTHONPATH" not in own
+    assert own["HOME"] == "/h" and own["VLLM_SERVER_DEV_MODE"] == "1"
+    unpinned = vllm_cpu_env(parent, ProcessThreads("server0", 2))
+    assert unpinned["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert unpinned["OMP_NUM_THREADS"] == "2"
+    pinned = vllm_cpu_env(parent, ProcessThreads("server1", 2, cpus=(2, 3)))
+    assert pinned["VLLM_CPU_OMP_THREADS_BIND"] == "2,3"
+    # A user's explicit vLLM setting wins over the plan.
+    mine = vllm_cpu_env({"VLLM_CPU_OMP_THREADS_BIND": "0-3"}, ProcessThreads("server0", 1))
+    assert mine["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"

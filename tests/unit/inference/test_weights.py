@@ -232,3 +232,102 @@ def test_payload_matches_the_reference_writer_byte_for_byte_in_content() -> None
     ours = load(SafetensorsPayload.from_state_dict(state).to_bytes())
     theirs = load(save(state))
     _same(ours, theirs)
+
+
+# ---- the weight-group routes and LoRA over HTTP (in-process app on the tiny model) -------------
+
+
+@pytest.fixture(scope="module")
+def tiny_engine(tiny_model_dir):
+    from agentrl.inference.engine import InferenceEngine
+
+    engine = InferenceEngine(tiny_model_dir, max_batch_size=2)
+    yield engine
+    engine.close()
+
+
+def _app_client(engine, client_host: str = "127.0.0.1"):
+    import httpx
+
+    from agentrl.inference.server import create_app
+
+    app = create_app(engine, served_model_name="tiny")
+    transport = httpx.ASGITransport(app=app, client=(client_host, 1234))
+    return httpx.AsyncClient(transport=transport, base_url="http://test")
+
+
+async def test_weight_group_routes_refuse_bad_requests_by_field(tiny_engine) -> None:
+    join = {
+        "group_id": "g",
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank": 1,
+        "world_size": 2,
+        "backend": "nccl",
+        "timeout_s": 1,
+    }
+    receive = {"group_id": "g", "version": 3, "buckets": [{"names": ["x"]}]}
+    async with _app_client(tiny_engine) as c:
+        r = await c.post("/weight_group/join", json=join)
+        assert r.status_code == 400 and "nccl" in r.text and "gloo" in r.text
+        r = await c.post("/weight_group/join", json={**join, "backend": "gloo", "rank": 2})
+        assert r.status_code == 400 and "outside world_size" in r.text
+        r = await c.post("/weight_group/receive", json=receive)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "buckets"
+        layout = [{"names": ["x"], "dtype_names": ["float32"], "shapes": [[1]]}]
+        r = await c.post("/weight_group/receive", json={**receive, "buckets": layout})
+        assert r.status_code == 409 and "join it first" in r.text
+        bad_lora = {**receive, "buckets": layout, "lora": {"r": 0}}
+        r = await c.post("/weight_group/receive", json=bad_lora)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora"
+        r = await c.post("/weight_group/leave")
+        assert r.status_code == 200 and r.json()["left"] is False
+    async with _app_client(tiny_engine, client_host="10.1.2.3") as c:  # no key: loopback only
+        for path in ("/weight_group/join", "/weight_group/receive", "/weight_group/leave"):
+            assert (await c.post(path, json=join)).status_code == 403, path
+
+
+async def test_an_adapter_streamed_over_http_is_merged_and_a_bad_one_changes_nothing(
+    tiny_engine,
+) -> None:
+    from agentrl.inference.lora import METADATA_KEY, LoraSpec
+
+    spec = LoraSpec(r=2, lora_alpha=4, target_modules=("q_proj",))
+    g = torch.Generator().manual_seed(0)
+    prefix = "base_model.model.model.layers.1.self_attn.q_proj"
+    adapter = {
+        f"{prefix}.lora_A.weight": torch.randn(2, 128, generator=g),
+        f"{prefix}.lora_B.weight": torch.randn(128, 2, generator=g),
+    }
+    meta = {"format": "pt", METADATA_KEY: spec.to_json()}
+    data = SafetensorsPayload.from_state_dict(adapter, metadata=meta).to_bytes()
+    base = tiny_engine.model.state_dict()["model.layers.1.self_attn.q_proj.weight"].clone()
+    headers = {"content-type": "application/octet-stream", "x-weight-version": "11"}
+    async with _app_client(tiny_engine) as c:
+        r = await c.post("/update_weights", content=data, headers=headers)
+        assert r.status_code == 200 and r.json()["weight_version"] == 11, r.text
+        merged = tiny_engine.model.state_dict()["model.layers.1.self_attn.q_proj.weight"]
+        delta = 2.0 * adapter[f"{prefix}.lora_B.weight"] @ adapter[f"{prefix}.lora_A.weight"]
+        assert torch.allclose(merged, base + delta, atol=1e-5)
+        assert (await c.get("/weight_info")).json()["lora"]["modules"] == 1
+
+        wrong = {
+            **meta,
+            METADATA_KEY: LoraSpec(r=3, lora_alpha=4, target_modules=("q_proj",)).to_json(),
+        }
+        data = SafetensorsPayload.from_state_dict(adapter, metadata=wrong).to_bytes()
+        r = await c.post(
+            "/update_weights", content=data, headers={**headers, "x-weight-version": "12"}
+        )
+        assert r.status_code == 400 and "at r=3" in r.text
+        assert (await c.get("/weight_info")).json()["weight_version"] == 11
+
+
+def test_metadata_is_read_from_the_header() -> None:
+    from agentrl.inference.weights import safetensors_metadata
+
+    data = SafetensorsPayload.from_state_dict(_state(), metadata={"k": "v"}).to_bytes()
+    assert safetensors_metadata(data) == {"k": "v"}
+    assert safetensors_metadata(save(_state())) == {}
+    with pytest.raises(WeightLoadError, match="not valid JSON"):
+        safetensors_metadata(struct.pack("<Q", 2) + b"{x")

@@ -99,3 +99,19 @@ def test_update_raises_logprob_of_positive_advantage_tokens(tiny_model_dir: Path
     pushed = actor.state_dict_for_push()
     assert set(pushed) == set(actor.model.state_dict())
     assert all(t.device.type == "cpu" and t.is_contiguous() for t in pushed.values())
+
+
+def test_a_fully_masked_batch_leaves_the_weights_alone(tiny_model_dir: Path) -> None:
+    """With every token rejected the gradient is 0; AdamW's momentum must not move the weights
+    anyway (it did: a collapsed geometric-RS run drifted with 100 % of sequences masked)."""
+    trajs = _trajectories(4, seed=3)
+    actor = Actor(tiny_model_dir, actor_config(lr=1e-2), **MODEL_ARGS)
+    batch = _prepared_batch(actor, trajs)
+    actor.update(batch)  # one real step: Adam has momentum now
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    masked = batch.clone()
+    masked["response_mask"] = torch.zeros_like(masked["response_mask"])
+    metrics = actor.update(masked)
+    assert metrics["actor/skipped_empty_minibatch"] == 1.0
+    after = actor.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -5,14 +5,18 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import load, load_file
 
 from agentrl.inference.client import PolicyClient
+from agentrl.inference.lora import ADAPTER_CONFIG, ADAPTER_FILE, METADATA_KEY, LoraAdapter, LoraSpec
 from agentrl.training.checkpoint_engine import (
+    VLLM_LORA_NAME,
     CheckpointEngine,
     HttpStreamTransport,
     PushReport,
@@ -131,10 +135,46 @@ def test_make_transport_builds_each_transport(tmp_path: Path) -> None:
 
 
 def test_make_transport_errors_name_the_field() -> None:
-    with pytest.raises(ValueError, match=r"checkpoint\.transport='ftp'.*shared_dir.*http"):
+    with pytest.raises(ValueError, match=r"checkpoint\.transport='ftp'.*shared_dir.*collective"):
         make_transport("ftp")
-    with pytest.raises(NotImplementedError, match=r"checkpoint\.transport='nccl'.*GPU"):
+    with pytest.raises(ValueError, match=r"'nccl' was renamed: use 'collective'"):
         make_transport("nccl")
+
+
+def test_transport_from_config_passes_the_collective_knobs(tmp_path: Path) -> None:
+    from agentrl.config import CheckpointConfig
+    from agentrl.training.checkpoint_engine import transport_from_config
+    from agentrl.training.collective_transport import CollectiveTransport
+
+    ck = CheckpointConfig(
+        transport="collective", bucket_mb=2, collective_backend="gloo", collective_timeout_s=7
+    )
+    transport = transport_from_config(ck)
+    assert isinstance(transport, CollectiveTransport)
+    assert (transport.bucket_bytes, transport.resolved_backend(), transport.timeout_s) == (
+        2 << 20,
+        "gloo",
+        7.0,
+    )
+    shared = transport_from_config(CheckpointConfig(shared_dir=str(tmp_path / "w")))
+    assert isinstance(shared, SharedDirTransport) and shared.root == tmp_path / "w"
+
+
+def test_resolve_says_what_collective_needs_on_a_cpu_machine(monkeypatch) -> None:
+    from agentrl.config import ExperimentConfig
+    from agentrl.training import resolve
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = ExperimentConfig.model_validate({"checkpoint": {"transport": "collective"}})
+    resolve._transport(cfg)  # gloo on CPU, embedded servers: fine
+    cfg.checkpoint.collective_backend = "nccl"
+    with pytest.raises(resolve.RegistryError, match=r"collective_backend: 'nccl' needs GPUs"):
+        resolve._transport(cfg)
+    cfg = ExperimentConfig.model_validate(
+        {"checkpoint": {"transport": "collective"}, "inference": {"backend": "vllm"}}
+    )
+    with pytest.raises(resolve.RegistryError, match=r"vLLM's NCCL weight-transfer API.*shared_dir"):
+        resolve._transport(cfg)
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -457,3 +497,106 @@ async def test_aclose_closes_the_clients_and_stops_the_weight_server() -> None:
     assert transport._server is not None  # pull mode published the payload
     await engine.aclose()
     assert transport._server is None and engine.clients[0]._http.is_closed
+
+
+# ---- LoRA adapters and the prepare hook ----------------------------------------------------------
+
+
+def _adapter() -> LoraAdapter:
+    g = torch.Generator().manual_seed(3)
+    prefix = "base_model.model.model.layers.0.self_attn.q_proj"
+    return LoraAdapter(
+        state={
+            f"{prefix}.lora_A.weight": torch.randn(4, 8, generator=g),
+            f"{prefix}.lora_B.weight": torch.randn(8, 4, generator=g),
+        },
+        spec=LoraSpec(r=4, lora_alpha=8, target_modules=("q_proj",)),
+    )
+
+
+def test_shared_dir_stages_an_adapter_as_a_peft_directory(tmp_path: Path) -> None:
+    adapter = _adapter()
+    staged = SharedDirTransport(tmp_path).stage(adapter.state, 2, lora=adapter.spec)
+    assert staged.path is not None and staged.lora == adapter.spec
+    assert sorted(p.name for p in staged.path.iterdir()) == [ADAPTER_CONFIG, ADAPTER_FILE]
+    _assert_same(load_file(str(staged.path / ADAPTER_FILE)), adapter.state)
+    cfg = json.loads((staged.path / ADAPTER_CONFIG).read_text())
+    assert (cfg["peft_type"], cfg["r"], cfg["lora_alpha"], cfg["target_modules"]) == (
+        "LORA",
+        4,
+        8,
+        ["q_proj"],
+    )
+    assert LoraSpec.from_dict(cfg) == adapter.spec
+
+
+def test_http_stages_an_adapter_with_its_spec_in_the_metadata() -> None:
+    from agentrl.inference.weights import safetensors_metadata
+
+    adapter = _adapter()
+    staged = HttpStreamTransport(mode="push").stage(adapter.state, 2, lora=adapter.spec)
+    assert staged.data is not None
+    _assert_same(load(staged.data), adapter.state)
+    meta = safetensors_metadata(staged.data)
+    assert LoraSpec.from_json(meta[METADATA_KEY]) == adapter.spec
+
+
+async def test_an_adapter_push_is_reported_as_lora_with_the_adapter_bytes(tmp_path: Path) -> None:
+    a = FakeInferenceServer("http://a", version=1)
+    engine = CheckpointEngine(_clients(a), SharedDirTransport(tmp_path))
+    adapter = _adapter()
+    report = await engine.push(adapter, 2)
+    report.raise_if_failed()
+    assert report.kind == "lora" and report.metrics()["weight_sync/lora"] == 1.0
+    assert adapter.num_bytes < report.num_bytes < adapter.num_bytes + 1024  # + the header
+    assert "LoRA adapter" in report.describe()
+    rpc = next(body for path, body in a.control_calls if path == "/collective_rpc")
+    assert Path(rpc["kwargs"]["weights_path"]).name == "v2"
+
+
+class _VllmWithLora(FakeInferenceServer):
+    """The vLLM fake plus ``POST /v1/load_lora_adapter`` (vLLM 0.32's body: lora_name,
+    lora_path, load_inplace; ``text/plain`` success answer)."""
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/load_lora_adapter":
+            body = json.loads(request.content)
+            self.control_calls.append((request.url.path, body))
+            assert set(body) <= {"lora_name", "lora_path", "load_inplace", "is_3d_lora_weight"}
+            return httpx.Response(200, text="Success: LoRA adapter added successfully.")
+        return await super()._handle(request)
+
+
+async def test_a_vllm_adapter_push_loads_the_adapter_and_probes_it_by_name(tmp_path: Path) -> None:
+    v = _VllmWithLora("http://v", version=1, version_in_body=False)
+    engine = CheckpointEngine(_clients(v), SharedDirTransport(tmp_path))
+    report = await engine.push(_adapter(), 2, score=lambda p, t: [-0.5] * len(t))
+    assert [p for p, _ in v.control_calls][:3] == [
+        "/pause",
+        "/v1/load_lora_adapter",
+        "/update_weight_version",
+    ]
+    body = dict(v.control_calls)["/v1/load_lora_adapter"]
+    assert body == {
+        "lora_name": VLLM_LORA_NAME,
+        "lora_path": str(tmp_path / "v2"),
+        "load_inplace": True,
+    }
+    assert v.generate_requests[-1]["body"]["model"] == VLLM_LORA_NAME  # the verify probe
+    report.raise_if_failed()
+
+
+class _PrepareFails(HttpStreamTransport):
+    async def prepare(self, clients) -> None:
+        raise OSError("no weight group")
+
+
+async def test_a_failed_prepare_fails_every_server_without_pausing_any() -> None:
+    a, b = FakeInferenceServer("http://a", version=5), FakeInferenceServer("http://b", version=5)
+    engine = CheckpointEngine(_clients(a, b), _PrepareFails())
+    report = await engine.push(_state(), 6)
+    assert not report.ok
+    for s in report.servers.values():
+        assert (s.stage, s.version, s.paused) == ("prepare", 5, False)
+        assert "no weight group" in (s.error or "")
+    assert not any(p == "/pause" for p, _ in a.control_calls + b.control_calls)

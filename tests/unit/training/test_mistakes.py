@@ -52,7 +52,7 @@ CASES = [
     ("imports=[agnet.py]", ["imports[0]: 'agnet.py' does not exist"]),
     (
         "checkpoint.transport=nccl",
-        ["checkpoint.transport: 'nccl' is not available", "use 'shared_dir'"],
+        ["checkpoint.transport", "'nccl' was renamed: write 'collective'"],
     ),
     ("data.max_prompt_tokens=64", ["data.max_prompt_tokens=64", "raise data.max_prompt_tokens"]),
     (

@@ -106,3 +106,39 @@ def test_share_prefix_batches_each_tools_group_separately(tokenizer, tiny_model_
     train_sft(model, tokenizer, convs, SFTSettings(steps=8, batch_size=3, share_prefix=True))
     assert all(len(kinds) == 1 for kinds in seen), seen
     assert {next(iter(k)) for k in seen} == {True, False}
+
+
+def test_micro_batches_cover_every_row_once_within_the_token_budget() -> None:
+    from agentrl.training.sft import micro_batches
+
+    lengths = [213, 95, 210, 54, 99, 220, 60, 97]
+    chunks = micro_batches(lengths, max_tokens=600)
+    assert sorted(i for c in chunks for i in c) == list(range(len(lengths)))
+    for c in chunks:
+        assert len(c) * max(lengths[i] for i in c) <= 600
+    # Long and short rows are not padded together when the budget allows both splits.
+    assert all(len({lengths[i] > 150 for i in c}) == 1 for c in micro_batches(lengths, 4096))
+    assert micro_batches([1200, 5], max_tokens=100) == [[0], [1]]  # a long row goes alone
+
+
+def test_micro_batched_gradient_equals_the_one_batch_gradient(tiny_model_dir: Path, tokenizer):
+    """Splitting a step's rows by length changes the speed, not the token-mean loss."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.training.sft import _batch_loss, _collate, _train_batch
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    picked = [
+        tokenize_conversation(tokenizer, _conversation(a, a + 1), TOOLS if a % 2 else None)
+        for a in (3, 14, 159, 2653)
+    ]
+    settings = SFTSettings(batch_size=len(picked), micro_batch_max_tokens=200)
+    loss, _ = _train_batch(model, picked, 0, torch.device("cpu"), settings)
+    split = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    whole = _batch_loss(model, _collate(picked, 0), 0)
+    whole.backward()
+    assert loss == pytest.approx(whole.item(), rel=1e-5)
+    for g_split, p in zip(split, model.parameters(), strict=True):
+        assert p.grad is not None
+        assert torch.allclose(g_split, p.grad, atol=1e-6, rtol=1e-4)

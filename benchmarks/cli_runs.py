@@ -1,0 +1,90 @@
+"""Run ``agentrl train`` as a user does and read its per-step metrics back (for benchmarks).
+
+Benchmarks that time whole training runs go through the public CLI, not the trainer's Python
+API, so that refactors inside the trainer do not break them: :func:`run_train` runs
+``python -m agentrl train CONFIG overrides --quiet`` in a subprocess and reads the step metrics
+from the run's local MLflow store (``trainer.output_dir/mlruns/mlflow.db``, SQLite, read with
+the standard library) and the summary JSON the command prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["median_after_first", "mlflow_metrics", "run_train"]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def mlflow_metrics(db: Path, keys: Sequence[str] | None = None) -> dict[str, dict[int, float]]:
+    """``{key: {step: value}}`` from a local MLflow SQLite store (all keys when ``keys`` is None)."""
+    if not db.is_file():
+        raise FileNotFoundError(f"{db}: no MLflow store (was tracking.enabled=false?)")
+    con = sqlite3.connect(str(db))
+    try:
+        if keys:
+            marks = ",".join("?" * len(keys))
+            rows = con.execute(
+                f"SELECT key, step, value FROM metrics WHERE key IN ({marks})", tuple(keys)
+            ).fetchall()
+        else:
+            rows = con.execute("SELECT key, step, value FROM metrics").fetchall()
+    finally:
+        con.close()
+    out: dict[str, dict[int, float]] = {}
+    for key, step, value in rows:
+        out.setdefault(key, {})[int(step)] = float(value)
+    return out
+
+
+def run_train(
+    config: Path,
+    output_dir: Path,
+    overrides: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    timeout_s: float = 1800,
+) -> dict[str, Any]:
+    """Run ``agentrl train`` to completion; returns its summary, wall time and step metrics.
+
+    ``env`` replaces the named environment variables of this process for the child (a value of
+    ``""`` removes the variable). Raises ``RuntimeError`` with the stderr tail on failure.
+    """
+    child_env = dict(os.environ)
+    for k, v in (env or {}).items():
+        if v == "":
+            child_env.pop(k, None)
+        else:
+            child_env[k] = v
+    cmd = [sys.executable, "-m", "agentrl", "train", str(config)]
+    cmd += [f"trainer.output_dir={output_dir}", "tracking.enabled=true", *overrides, "--quiet"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env, timeout=timeout_s)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"agentrl train failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-3000:]}"
+        )
+    start = proc.stdout.rfind("\n{")
+    summary = json.loads(proc.stdout[start + 1 if start >= 0 else 0 :])
+    return {
+        "wall_s": wall,
+        "summary": summary,
+        "metrics": mlflow_metrics(output_dir / "mlruns" / "mlflow.db"),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+
+
+def median_after_first(series: Mapping[int, float]) -> float:
+    """Median over the steps after the first (step 1 fills the pipeline from empty)."""
+    steps = sorted(series)
+    values = [series[s] for s in steps[1:]] or [series[s] for s in steps]
+    return statistics.median(values)
