@@ -829,7 +829,7 @@ class TrainerActor:
 
         async def connect_rewards(run: Any) -> None:
             if reward is not None and self.cfg.reward.models:
-                await _await_ref(reward.connect_models.remote(*run.rewards.model_servers()))
+                await await_ref(reward.connect_models.remote(*run.rewards.model_servers()))
 
         directory = ServerDirectory(urls=list(server_urls))
         workers = [RemoteWorker(h, i, directory=directory) for i, h in enumerate(worker_handles)]
