@@ -792,6 +792,8 @@ class DistributedConfig(Section):
     """GPUs per inference server (Ray placement)."""
     num_trainer_gpus: float = Field(default=0.0, ge=0.0)
     """GPUs for the trainer (Ray placement)."""
+    max_actor_restarts: int = Field(default=3, ge=-1)
+    """Ray restarts of each server, worker and reward actor that dies (-1 = no limit, 0 = none); see docs/distributed.md."""
     cpus: list[int] | int | None = None
     """CPUs this run may use: a list of CPU ids, a count, or null for the process's affinity set."""
     trainer_threads: int | None = Field(default=None, ge=1)

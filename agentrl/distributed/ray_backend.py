@@ -15,7 +15,8 @@ Placement (see docs/distributed.md)::
       AgentLoopWorkerActor x rollout.num_workers      -> AgentLoopWorker over a ServerPool,
           scoring through RemoteScorer(reward actor)
       TrainerActor                                    (num_gpus = distributed.num_trainer_gpus)
-          -> Trainer(cfg, server_urls=..., workers=[RemoteWorker(actor), ...]).run()
+          -> RayTrainer(cfg, server_urls=..., workers=[RemoteWorker(actor), ...],
+                        server_actors=...).run()   (a Trainer; pushes via the ServerRegistry)
           TrainerRankActor x (trainer.world_size - 1)  (the same GPUs each; started by the
               trainer actor as trainer ranks 1..N-1, in one placement group with it on GPUs)
 
@@ -28,6 +29,13 @@ Guarantees:
   process dies without shutting down (``ray.kill``, a crash).
 - The actor classes are plain classes (``ray.remote`` is applied at placement time), so their
   constructor state pickles and they can be unit-tested without a cluster.
+- Server, worker and reward actors that die are restarted by Ray
+  (``distributed.max_actor_restarts``) and the run goes on (docs/distributed.md, "Faults"): a
+  server that comes back on a new URL serves rollouts only after a verified push of the
+  trainer's version (:mod:`agentrl.distributed.faults`); a failed worker's episode is
+  re-dispatched once by the manager (:class:`RemoteWorker` raises, then waits for the restart);
+  a scoring lost with the reward actor is tried once more (:class:`RemoteScorer`). Every
+  retry is counted; Ray itself retries no call (``max_task_retries`` = 0).
 
 Servers bind ``127.0.0.1`` unless ``AGENTRL_SERVER_BIND_HOST`` (or ``run_with_ray(...,
 server_bind_host=)``) says otherwise; a multi-node cluster needs ``0.0.0.0`` there, and the URL
@@ -44,6 +52,8 @@ import os
 import subprocess
 import sys
 import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +105,20 @@ if alive(child):
     else:
         os.kill(child, signal.SIGKILL)
 """
+
+
+def _reconstructed() -> bool:
+    """True inside a Ray actor that Ray restarted (its constructor ran again)."""
+    import ray
+
+    if not ray.is_initialized():
+        return False
+    context = ray.get_runtime_context()
+    if context.get_actor_id() is None:
+        return False
+    with warnings.catch_warnings():  # Ray's own property reads a deprecated field of itself
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return bool(context.was_current_actor_reconstructed)
 
 
 def _url_host(bind_host: str) -> str:
@@ -153,22 +177,57 @@ class InferenceServerActor:
         self._handle: ServerHandle | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
         self._url = ""
+        self._launch_id = ""
+        self._launches = 0
+        """Servers this actor process started (a restarted actor counts from 0 again)."""
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_handle"] = None  # a running process belongs to the node that started it
         state["_reaper"] = None
         state["_url"] = ""
+        state["_launch_id"] = ""
         return state
 
     def start(self) -> str:
-        """Launch the server and its reaper (once; later calls return the same URL); its URL."""
+        """Launch the server and its reaper if none runs (:meth:`ensure_serving`); its URL."""
+        return str(self.ensure_serving()["url"])
+
+    def ensure_serving(self) -> dict[str, Any]:
+        """A running server, and where it is (:meth:`info`, with a ``launch_id`` unique to each
+        server process). Starts one when none runs: on the first call, after Ray restarted this
+        actor (its constructor ran again), or after the server process died. A new process gets
+        a new port, so a new URL, and the model's initial weights: the run's
+        :class:`~agentrl.distributed.faults.ServerRegistry` pushes the current ones before
+        anything is routed to it."""
+        if self._handle is not None and self._handle.is_running():
+            return self.info()
         if self._handle is not None:
-            return self._url
-        log = None
-        if self.log_dir:
-            Path(self.log_dir).mkdir(parents=True, exist_ok=True)
-            log = Path(self.log_dir) / f"{self.backend}-{self.index}.log"
+            logger.warning(
+                "server %d (pid %d, %s) exited with code %s; starting a new one",
+                self.index,
+                self._handle.pid,
+                self._url,
+                self._handle.process.poll(),
+            )
+            self.shutdown()
+        self._launch()
+        return self.info()
+
+    def _log_path(self) -> Path | None:
+        """``{backend}-{index}.log`` for the actor's first server; later ones (after a restart
+        of the actor or of its server) get their own file, named after their launch."""
+        if not self.log_dir:
+            return None
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        first = self._launches == 0 and not _reconstructed()
+        suffix = "" if first else f".{self._launch_id}"
+        return Path(self.log_dir) / f"{self.backend}-{self.index}{suffix}.log"
+
+    def _launch(self) -> None:
+        """Start the server subprocess and its reaper; set the URL and the launch id."""
+        self._launch_id = uuid.uuid4().hex[:12]
+        log = self._log_path()
         if self.backend == "embedded":
             from agentrl.inference.server import launch_embedded_server
 
@@ -196,6 +255,7 @@ class InferenceServerActor:
                 api_key=self.api_key,
             )
         self._handle = handle
+        self._launches += 1
         self._reaper = subprocess.Popen(
             [sys.executable, "-c", _REAPER, str(os.getpid()), str(handle.pid)],
             stdin=subprocess.DEVNULL,
@@ -204,21 +264,26 @@ class InferenceServerActor:
         )
         port = handle.base_url.rsplit(":", 1)[1]
         self._url = f"http://{_url_host(self.bind_host)}:{port}"
-        return self._url
 
     def url(self) -> str:
         """The server's URL as other nodes reach it ("" before :meth:`start`)."""
         return self._url
 
     def info(self) -> dict[str, Any]:
-        """Where things run: the actor's pid, the server's pid and URL, the log file."""
+        """Where things run: the actor's pid, the server's pid, URL and launch id, the log file."""
         h = self._handle
         return {
+            "index": self.index,
             "actor_pid": os.getpid(),
             "server_pid": h.pid if h is not None else None,
             "url": self._url,
+            "launch_id": self._launch_id,
             "log_path": str(h.log_path) if h is not None else None,
         }
+
+    def ping(self) -> bool:
+        """True (the actor answers: it is not dead or restarting)."""
+        return True
 
     def healthy(self) -> bool:
         """The server process runs and answers ``/health`` with 200."""
@@ -287,22 +352,57 @@ class RewardWorkerActor:
         """The actor's pid and how many trajectories it scored."""
         return {"actor_pid": os.getpid(), "scored": self.scored}
 
+    def ping(self) -> bool:
+        """True (the actor answers: it is not dead or restarting)."""
+        return True
+
 
 class RemoteScorer:
-    """The ``Scorer`` protocol over a :class:`RewardWorkerActor` handle (pickles: a handle does)."""
+    """The ``Scorer`` protocol over a :class:`RewardWorkerActor` handle (pickles: a handle does).
 
-    def __init__(self, handle: Any) -> None:
+    A scoring whose reward actor died (``RayActorError``: killed, crashed, its node lost) is
+    tried once more, once the actor answers again (Ray restarts it), counted
+    ``reward_retries``. Scoring is a function of the trajectory and the task, so a second try
+    gives the same answer (a reward with side effects, e.g. a paid judge, may run twice); a
+    second failure reaches the worker as an error: a counted drop (``reward_errors``).
+    Dropping at once instead would drop every episode that finishes while the actor restarts,
+    enough in a row to stop the run. An error raised by the reward itself is not retried.
+    """
+
+    def __init__(self, handle: Any, *, restart_timeout_s: float = 120.0) -> None:
         self.handle = handle
+        self.restart_timeout_s = restart_timeout_s
+        self.counts: dict[str, int] = {}
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         """``traj`` scored by the reward actor (cancelling cancels the remote call)."""
-        return await _await_ref(self.handle.score.remote(traj, task))
+        from ray.exceptions import RayActorError
+
+        try:
+            return await await_ref(self.handle.score.remote(traj, task))
+        except RayActorError as exc:
+            self.counts["reward_retries"] = self.counts.get("reward_retries", 0) + 1
+            logger.warning(
+                "the reward actor failed scoring episode %s/%d (%s); scoring it again once the "
+                "actor answers",
+                traj.uid,
+                traj.index,
+                type(exc).__name__,
+            )
+        await wait_reachable(self.handle, self.restart_timeout_s, what="the reward actor")
+        return await await_ref(self.handle.score.remote(traj, task))
 
 
 class AgentLoopWorkerActor:
     """An ``AgentLoopWorker`` built inside the actor: a ServerPool over the server URLs, the
     tokenizer from the model dir, the config's ToolSet (built on first use), and scoring through
-    a reward actor (``reward``) or a local ``RewardManager`` (``reward=None``)."""
+    a reward actor (``reward``) or a local ``RewardManager`` (``reward=None``).
+
+    The servers it routes to follow the run's :class:`~agentrl.distributed.faults.
+    ServerDirectory`: each episode call carries its ``(generation, urls)``, and the pool is made
+    to match when the generation changed, so a replaced server is used as soon as it was pushed
+    to, and a restarted worker actor (built again from its constructor's URLs) catches up on its
+    first call."""
 
     def __init__(
         self,
@@ -321,13 +421,22 @@ class AgentLoopWorkerActor:
         self.reward = reward
         self.worker_id = worker_id
         self.episodes = 0
+        self.running = 0
+        """Episodes in flight in this actor now."""
+        self.incarnation = uuid.uuid4().hex
+        """New each time the constructor runs (so after Ray restarted the actor)."""
+        self._generation = 0
+        self._follow_lock: asyncio.Lock | None = None
         self._worker: AgentLoopWorker | None = None
         self._pool: Any = None
+        self._scorer: RemoteScorer | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_worker"] = None  # rebuilt on the actor's node (pool, tokenizer, tools)
         state["_pool"] = None
+        state["_scorer"] = None
+        state["_follow_lock"] = None
         return state
 
     def _build(self) -> AgentLoopWorker:
@@ -346,10 +455,10 @@ class AgentLoopWorkerActor:
             self.server_urls, self.cfg.inference, api_key=self.cfg.inference.api_key
         )
         self._pool.start()
-        scorer: Any = (
-            RemoteScorer(self.reward)
-            if self.reward is not None
-            else RewardManager.from_config(self.cfg.reward, base_dir=self.cfg.base_dir)
+        if self.reward is not None:
+            self._scorer = RemoteScorer(self.reward)
+        scorer: Any = self._scorer or RewardManager.from_config(
+            self.cfg.reward, base_dir=self.cfg.base_dir
         )
         self._worker = AgentLoopWorker(
             self._pool,
@@ -363,26 +472,66 @@ class AgentLoopWorkerActor:
         )
         return self._worker
 
-    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
-        """``AgentLoopWorker.run_episode`` on this actor's worker (built on first use)."""
-        traj = await self._build().run_episode(task, uid, index)
+    async def _follow(self, servers: tuple[int, list[str]] | None) -> None:
+        """Route to the directory's servers when its generation is newer than the one followed
+        (an empty list is ignored: the pool keeps failing over among the servers it has). One
+        change at a time, so concurrent episodes never interleave two of them."""
+        if servers is None or servers[0] <= self._generation or not servers[1]:
+            return
+        if self._follow_lock is None:
+            self._follow_lock = asyncio.Lock()
+        async with self._follow_lock:
+            if servers[0] <= self._generation:
+                return
+            self._generation, urls = servers[0], list(servers[1])
+            if self._pool is None:
+                self.server_urls = urls
+            else:
+                await self._pool.set_servers(urls)
+
+    async def run_episode(
+        self, task: Task, uid: str, index: int, servers: tuple[int, list[str]] | None = None
+    ) -> Trajectory | None:
+        """``AgentLoopWorker.run_episode`` on this actor's worker (built on first use), routed
+        to ``servers`` (a directory snapshot) when given."""
+        await self._follow(servers)
+        self.running += 1
+        try:
+            traj = await self._build().run_episode(task, uid, index)
+        finally:
+            self.running -= 1
         self.episodes += 1
         return traj
 
     async def run_episode_counted(
-        self, task: Task, uid: str, index: int
-    ) -> tuple[Trajectory | None, dict[str, int]]:
-        """``run_episode`` plus the worker's counters (one round trip for both)."""
-        traj = await self.run_episode(task, uid, index)
-        return traj, self.counts()
+        self, task: Task, uid: str, index: int, servers: tuple[int, list[str]] | None = None
+    ) -> tuple[Trajectory | None, dict[str, int], str]:
+        """``run_episode`` plus the worker's counters and this actor's :attr:`incarnation`
+        (one round trip for all)."""
+        traj = await self.run_episode(task, uid, index, servers)
+        return traj, self.counts(), self.incarnation
 
     def counts(self) -> dict[str, int]:
-        """The worker's counters (empty before the first episode)."""
-        return dict(self._worker.counts) if self._worker is not None else {}
+        """The worker's counters, the reward retries included (empty before the first episode)."""
+        out = dict(self._worker.counts) if self._worker is not None else {}
+        if self._scorer is not None:
+            out.update(self._scorer.counts)
+        return out
 
     def info(self) -> dict[str, Any]:
-        """The actor's pid, its worker id and how many episodes it ran."""
-        return {"actor_pid": os.getpid(), "episodes": self.episodes, "worker_id": self.worker_id}
+        """The actor's pid, its worker id, how many episodes it ran and runs now, and the
+        servers it uses."""
+        return {
+            "actor_pid": os.getpid(),
+            "episodes": self.episodes,
+            "running": self.running,
+            "worker_id": self.worker_id,
+            "servers": self._pool.urls if self._pool is not None else list(self.server_urls),
+        }
+
+    def ping(self) -> bool:
+        """True (the actor answers: it is not dead or restarting)."""
+        return True
 
     async def shutdown(self) -> None:
         """Close the worker's server pool."""
@@ -394,21 +543,87 @@ class AgentLoopWorkerActor:
 
 class RemoteWorker:
     """The trainer-side stand-in for an :class:`AgentLoopWorkerActor`: what ``AgentLoopManager``
-    needs of a worker (``run_episode``, ``counts``); cancelling an episode cancels it remotely."""
+    needs of a worker (``run_episode``, ``counts``, ``available``); cancelling an episode cancels
+    it remotely.
 
-    def __init__(self, handle: Any, worker_id: int = 0) -> None:
+    Faults: a call that finds the actor dead raises (the manager re-dispatches the episode once);
+    the next call first waits until the actor answers again (Ray restarts it, up to
+    ``restart_timeout_s``), so episodes are not sent into a restart. An actor that is gone for
+    good (its restarts used up) makes :attr:`available` false: the manager sends it nothing more.
+    Counters survive a restart of the actor (the old incarnation's are kept), and
+    ``worker_restarts`` counts the restarts seen.
+    """
+
+    def __init__(
+        self,
+        handle: Any,
+        worker_id: int = 0,
+        *,
+        directory: Any = None,
+        restart_timeout_s: float = 120.0,
+    ) -> None:
         self.handle = handle
         self.worker_id = worker_id
-        self.counts: dict[str, int] = {}
+        self.directory = directory
+        """The run's :class:`~agentrl.distributed.faults.ServerDirectory` (None = the URLs the
+        actor was built with, always)."""
+        self.restart_timeout_s = restart_timeout_s
+        self.available = True
+        self._base: dict[str, int] = {}
+        self._current: dict[str, int] = {}
+        self._incarnation: str | None = None
+        self._suspect = False
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The actor's counters, summed over its incarnations, and ``worker_restarts``."""
+        out = dict(self._base)
+        for k, v in self._current.items():
+            out[k] = out.get(k, 0) + v
+        return out
 
     async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
         """The remote episode's trajectory; the worker's counters are refreshed with it."""
-        traj, counts = await _await_ref(self.handle.run_episode_counted.remote(task, uid, index))
-        self.counts = counts
+        from ray.exceptions import RayActorError
+
+        if self._suspect:
+            await self._wait_until_back()
+        servers = self.directory.snapshot() if self.directory is not None else None
+        try:
+            traj, counts, incarnation = await await_ref(
+                self.handle.run_episode_counted.remote(task, uid, index, servers)
+            )
+        except RayActorError:  # died, restarting or unreachable: the manager re-dispatches
+            self._suspect = True
+            raise
+        self._refresh(counts, incarnation)
         return traj
 
+    async def _wait_until_back(self) -> None:
+        from ray.exceptions import ActorDiedError
 
-async def _await_ref(ref: Any) -> Any:
+        try:
+            await wait_reachable(
+                self.handle, self.restart_timeout_s, what=f"worker actor {self.worker_id}"
+            )
+        except ActorDiedError:
+            if self.available:
+                logger.error("worker actor %d is gone for good (restarts used up)", self.worker_id)
+            self.available = False
+            raise
+        self._suspect = False
+
+    def _refresh(self, counts: dict[str, int], incarnation: str) -> None:
+        if self._incarnation is not None and incarnation != self._incarnation:
+            for k, v in self._current.items():  # the previous incarnation's final counters
+                self._base[k] = self._base.get(k, 0) + v
+            self._base["worker_restarts"] = self._base.get("worker_restarts", 0) + 1
+        self._incarnation = incarnation
+        self._current = dict(counts)
+
+
+async def await_ref(ref: Any) -> Any:
+    """The result of a Ray ``ObjectRef``; cancelling the await cancels the remote call."""
     import ray
 
     try:
@@ -417,6 +632,30 @@ async def _await_ref(ref: Any) -> Any:
         with contextlib.suppress(Exception):
             ray.cancel(ref)
         raise
+
+
+async def wait_reachable(handle: Any, timeout_s: float, *, what: str = "the actor") -> None:
+    """Return once the actor behind ``handle`` answers ``ping()`` (it may be restarting).
+
+    Raises ``ActorDiedError`` when it is gone for good (its restarts used up) and
+    ``TimeoutError`` (naming ``what``) when it does not answer within ``timeout_s``.
+    """
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await asyncio.wait_for(await_ref(handle.ping.remote()), max(1.0, timeout_s))
+            return
+        except ActorDiedError:
+            raise
+        except (ActorUnavailableError, RayActorError, TimeoutError) as exc:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{what} did not answer within {timeout_s:g} s after it failed "
+                    f"(Ray restarts it up to distributed.max_actor_restarts times): {exc}"
+                ) from exc
+        await asyncio.sleep(0.5)
 
 
 class TrainerRankActor:
@@ -562,36 +801,49 @@ class TrainerActor:
         self.stop_after_step = stop_after_step
         self.placement_group = placement_group
         self._ranks: list[dict[str, Any]] = []
+        self._trainer: Any = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_ranks"] = []
+        state["_trainer"] = None
         return state
 
     async def run(
-        self, server_urls: list[str], worker_handles: list[Any], reward: Any = None
+        self,
+        server_urls: list[str],
+        worker_handles: list[Any],
+        server_handles: list[Any] | None = None,
+        reward: Any = None,
     ) -> Any:
         """Train to the end with these servers and remote workers; returns the ``TrainResult``.
 
-        ``reward`` (the :class:`RewardWorkerActor` the workers score through) is told the
-        servers of the model rewards (``reward.models``) this actor's builder started.
+        ``server_handles`` (the :class:`InferenceServerActor` s behind ``server_urls``, in the
+        same order) let the run follow servers that restart on new URLs
+        (:class:`~agentrl.distributed.faults.ServerRegistry`). ``reward`` (the
+        :class:`RewardWorkerActor` the workers score through) is told the servers of the model
+        rewards (``reward.models``) this actor's builder started.
         """
+        from agentrl.distributed.faults import RayTrainer, ServerDirectory
         from agentrl.training.ranks import launcher_scope
-        from agentrl.training.trainer import Trainer
 
         async def connect_rewards(run: Any) -> None:
             if reward is not None and self.cfg.reward.models:
-                await _await_ref(reward.connect_models.remote(*run.rewards.model_servers()))
+                await await_ref(reward.connect_models.remote(*run.rewards.model_servers()))
 
-        workers = [RemoteWorker(h, i) for i, h in enumerate(worker_handles)]
-        trainer = Trainer(
+        directory = ServerDirectory(urls=list(server_urls))
+        workers = [RemoteWorker(h, i, directory=directory) for i, h in enumerate(worker_handles)]
+        trainer = RayTrainer(
             self.cfg,
+            server_actors=list(server_handles or []),
+            directory=directory,
             resume=self.resume,
             server_urls=server_urls,
             stop_after_step=self.stop_after_step,
             workers=workers or None,
             on_built=connect_rewards,
         )
+        self._trainer = trainer
         launcher = None
         if self.cfg.trainer.world_size > 1:
             launcher = RayRankLauncher(self.cfg.distributed.num_trainer_gpus, self.placement_group)
@@ -601,6 +853,20 @@ class TrainerActor:
         finally:
             if launcher is not None:
                 self._ranks = launcher.info()
+
+    def accounting(self) -> dict[str, Any]:
+        """Where the last run's tasks and servers stand: the task ids dispatched, trained and
+        dropped (the rest of the dispatched ones are pending), and the server registry's view
+        (:meth:`~agentrl.distributed.faults.ServerRegistry.info`)."""
+        t = self._trainer
+        if t is None:
+            return {}
+        return {
+            "dispatched": list(t.dispatched_task_ids),
+            "trained": list(t.trained_task_ids),
+            "dropped": list(t.dropped_task_ids),
+            "servers": t.registry.info() if t.registry is not None else {},
+        }
 
     def info(self) -> dict[str, Any]:
         """The actor's pid."""
@@ -657,8 +923,12 @@ def run_with_ray(
     Connects to ``distributed.ray_address`` (or a running cluster, else a local one), places
     the actors, runs the trainer actor to the end and returns its ``TrainResult``. Every actor
     is shut down and killed on the way out, also on failure. ``placement_info``, when given, is
-    filled with what ran where (actor and server pids, per-actor episode counts) for tests and
-    logs.
+    filled with what ran where (actor and server pids, per-actor episode counts; ``handles``:
+    the actor handles, as soon as they exist; ``accounting``: the trainer's task ids and server
+    registry) for tests and logs.
+
+    Server, worker and reward actors are restarted by Ray when they die (up to
+    ``distributed.max_actor_restarts`` times each; see docs/distributed.md, "Faults").
     """
     import ray
 
@@ -683,14 +953,8 @@ def run_with_ray(
         # The servers share this machine's cpus with the trainer (one plan; vLLM sizes itself).
         threads = make_plan(inf.num_servers, cpus=dist.cpus, server_threads=dist.server_threads)
         servers, urls = _place_servers(cfg, model_path, bind_host, threads, actors)
-        reward = ray.remote(RewardWorkerActor).options(num_cpus=0).remote(cfg)
-        actors.append(reward)
-        worker_cls = ray.remote(AgentLoopWorkerActor).options(num_cpus=0)
-        workers = [
-            worker_cls.remote(cfg, urls, model_path, workers_cfg, reward=reward, worker_id=i)
-            for i in range(cfg.rollout.num_workers)
-        ]
-        actors.extend(workers)
+        reward, workers = _place_workers(cfg, urls, model_path, workers_cfg, actors)
+        info["handles"] = {"servers": servers, "workers": workers, "reward": reward}
         info["servers"] = ray.get([a.info.remote() for a in servers], timeout=60)
         result = _run_trainer(
             cfg,
@@ -698,18 +962,59 @@ def run_with_ray(
             workers,
             actors,
             info,
+            servers=servers,
             resume=resume,
             stop_after_step=stop_after_step,
             reward=reward,
         )
-        info["workers"] = ray.get([w.info.remote() for w in workers], timeout=60)
-        info["worker_counts"] = ray.get([w.counts.remote() for w in workers], timeout=60)
-        info["reward"] = ray.get(reward.info.remote(), timeout=60)
+        _collect_info(info, servers, workers, reward)
         return result
     finally:
         _shutdown(actors)
         if started:
             ray.shutdown()
+
+
+def _restarts(cfg: ExperimentConfig) -> dict[str, Any]:
+    """Ray ``.options()`` of the actors that are restarted when they die (servers, workers, the
+    reward actor). ``max_task_retries`` stays 0: Ray never runs a call again by itself; the run
+    decides what is tried again, and counts it (the registry polls the servers, the manager
+    re-dispatches an episode once, :class:`RemoteScorer` scores once more)."""
+    return {"max_restarts": cfg.distributed.max_actor_restarts, "max_task_retries": 0}
+
+
+def _place_workers(
+    cfg: ExperimentConfig,
+    urls: list[str],
+    model_path: str,
+    workers_cfg: WorkerConfig,
+    actors: list[Any],
+) -> tuple[Any, list[Any]]:
+    """The reward actor and ``rollout.num_workers`` worker actors (added to ``actors``)."""
+    import ray
+
+    reward = ray.remote(RewardWorkerActor).options(num_cpus=0, **_restarts(cfg)).remote(cfg)
+    actors.append(reward)
+    worker_cls = ray.remote(AgentLoopWorkerActor).options(num_cpus=0, **_restarts(cfg))
+    workers = [
+        worker_cls.remote(cfg, urls, model_path, workers_cfg, reward=reward, worker_id=i)
+        for i in range(cfg.rollout.num_workers)
+    ]
+    actors.extend(workers)
+    return reward, workers
+
+
+def _collect_info(
+    info: dict[str, Any], servers: list[Any], workers: list[Any], reward: Any
+) -> None:
+    """What ran where, after the run: per-worker episodes and counters, the reward actor's
+    count, and each server actor's server now (``servers_final``; a restarted one differs)."""
+    import ray
+
+    info["workers"] = ray.get([w.info.remote() for w in workers], timeout=60)
+    info["worker_counts"] = ray.get([w.counts.remote() for w in workers], timeout=60)
+    info["reward"] = ray.get(reward.info.remote(), timeout=60)
+    info["servers_final"] = ray.get([a.info.remote() for a in servers], timeout=60)
 
 
 def _place_servers(
@@ -732,7 +1037,7 @@ def _place_servers(
         return [], list(inf.urls)
     device, dtype = embedded_device(cfg)
     server_cls = ray.remote(InferenceServerActor).options(
-        num_cpus=0, num_gpus=dist.num_gpus_per_server
+        num_cpus=0, num_gpus=dist.num_gpus_per_server, **_restarts(cfg)
     )
     servers: list[Any] = []
     for i in range(inf.num_servers):
@@ -764,12 +1069,15 @@ def _run_trainer(
     actors: list[Any],
     info: dict[str, Any],
     *,
+    servers: list[Any],
     resume: bool,
     stop_after_step: int | None,
     reward: Any = None,
 ) -> Any:
     """Place the trainer actor (trainer rank 0; in a placement group with its ranks' GPUs when
-    :func:`trainer_bundles` asks for one), run it to the end and return its ``TrainResult``."""
+    :func:`trainer_bundles` asks for one), run it to the end and return its ``TrainResult``.
+    The trainer actor itself is not restarted: its state is the run (``--resume`` continues
+    it from the last checkpoint)."""
     import ray
 
     group = _trainer_group(cfg)
@@ -783,11 +1091,13 @@ def _run_trainer(
         info["trainer"] = ray.get(trainer.info.remote(), timeout=120)
         t0 = time.perf_counter()
         try:
-            return ray.get(trainer.run.remote(urls, workers, reward))
+            return ray.get(trainer.run.remote(urls, workers, servers, reward))
         finally:
             info["train_wall_s"] = time.perf_counter() - t0
             with contextlib.suppress(Exception):
                 info["trainer_ranks"] = ray.get(trainer.rank_info.remote(), timeout=60)
+            with contextlib.suppress(Exception):
+                info["accounting"] = ray.get(trainer.accounting.remote(), timeout=60)
     finally:
         if group is not None:
             from ray.util.placement_group import remove_placement_group

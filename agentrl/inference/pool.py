@@ -19,7 +19,12 @@ Invariants:
 - a server's ``outstanding`` count goes up when a request is sent to it and down when that
   request ends, whatever the outcome (``completed`` or ``failures`` goes up by one);
 - a dead server gets no new requests until a health check finds it healthy again; the
-  background health loop (``health_check_interval_s``) probes every server, dead or alive.
+  background health loop (``health_check_interval_s``) probes every server, dead or alive;
+- membership may change at run time (:meth:`ServerPool.add_server`,
+  :meth:`ServerPool.remove_server`, :meth:`ServerPool.set_servers`: a restarted server comes
+  back on a new URL): a removed server gets no new request and its sessions move on their next
+  turn; requests already in flight on it end as usual (counted), and its client is closed once
+  none is left.
 
 Broadcast helpers (pause, resume, weight updates, versions, prefix cache) run on every server
 concurrently and return a per-server report ``{url: Ok | exception}``; they never raise for a
@@ -90,6 +95,7 @@ class _Server:
     outstanding: int = 0
     completed: int = 0
     failures: int = 0
+    removed: bool = False
 
 
 class ServerPool:
@@ -139,10 +145,12 @@ class ServerPool:
                 api_key=api_key,
             )
 
-        factory = client_factory or default_factory
+        self._factory = client_factory or default_factory
         self._servers: dict[str, _Server] = {}
+        self._retired: list[_Server] = []
+        """Removed servers whose client is still open (requests were in flight on them)."""
         for url in urls:
-            client = factory(url)
+            client = self._factory(url)
             self._servers[client.base_url] = _Server(client.base_url, client)
         self.health_check_interval_s = health_check_interval_s
         self.max_sessions = max_sessions
@@ -190,7 +198,9 @@ class ServerPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
-        await asyncio.gather(*(s.client.aclose() for s in self._servers.values()))
+        servers = [*self._servers.values(), *self._retired]
+        self._retired = []
+        await asyncio.gather(*(s.client.aclose() for s in servers))
 
     async def __aenter__(self) -> ServerPool:
         self.start()
@@ -248,11 +258,10 @@ class ServerPool:
     def _pick(self, session_id: str | None, exclude: set[str]) -> _Server | None:
         if session_id is not None:
             url = self._sessions.get(session_id)
-            if url is not None:
-                server = self._servers[url]
-                if server.alive and url not in exclude:
-                    self._sessions.move_to_end(session_id)
-                    return server
+            server = self._servers.get(url) if url is not None else None
+            if server is not None and server.alive and server.url not in exclude:
+                self._sessions.move_to_end(session_id)
+                return server
         candidates = [s for s in self._servers.values() if s.alive and s.url not in exclude]
         if not candidates:
             return None
@@ -309,6 +318,8 @@ class ServerPool:
                 continue
             finally:
                 server.outstanding -= 1
+                if server.removed and server.outstanding == 0:
+                    await self._close_idle_retired()
             server.completed += 1
             return gen
         raise InferenceServerError(
@@ -317,6 +328,51 @@ class ServerPool:
             f"dead servers: {self.dead_servers()}; last error: {last_error}",
             connection_failed=True,
         )
+
+    # ---- membership -----------------------------------------------------------------------
+    def add_server(self, url: str) -> str:
+        """Route requests to the server at ``url`` from now on (alive until a check says
+        otherwise); returns its normalized URL. Adding a URL that is in the pool does nothing."""
+        client = self._factory(url)
+        if client.base_url in self._servers:
+            self._close_later(client)
+            return client.base_url
+        self._servers[client.base_url] = _Server(client.base_url, client)
+        logger.info("server %s joined the pool", client.base_url)
+        return client.base_url
+
+    async def remove_server(self, url: str) -> bool:
+        """Stop routing to ``url`` (False if it is not in the pool). Its sessions are
+        forgotten (their next turn picks another server); requests in flight on it finish as
+        usual, and its client is closed once none is left."""
+        server = self._servers.pop(url.rstrip("/"), None)
+        if server is None:
+            return False
+        server.removed = True
+        for session, pinned in list(self._sessions.items()):
+            if pinned == server.url:
+                del self._sessions[session]
+        self._retired.append(server)
+        await self._close_idle_retired()
+        logger.info("server %s left the pool", server.url)
+        return True
+
+    async def set_servers(self, urls: Sequence[str]) -> None:
+        """Make the pool's servers exactly ``urls`` (added and removed as needed)."""
+        if not urls:
+            raise ValueError("ServerPool.set_servers needs at least one server URL in 'urls'")
+        wanted = [self.add_server(u) for u in urls]
+        for url in [u for u in self._servers if u not in wanted]:
+            await self.remove_server(url)
+
+    async def _close_idle_retired(self) -> None:
+        idle = [s for s in self._retired if s.outstanding == 0]
+        self._retired = [s for s in self._retired if s.outstanding > 0]
+        await asyncio.gather(*(s.client.aclose() for s in idle), return_exceptions=True)
+
+    def _close_later(self, client: PolicyClient) -> None:
+        """Close a client that was built but not needed (no request was ever sent on it)."""
+        self._retired.append(_Server(client.base_url, client, alive=False, removed=True))
 
     async def _mark_dead_unless_healthy(self, server: _Server, exc: BaseException) -> None:
         """A connection failed: dead only if ``/health`` fails too (one short probe)."""

@@ -12,8 +12,17 @@ Invariants (what is always true):
 - An agent that raises ends as a trajectory with ``stop_reason=error`` (what it recorded before the
   error, the message in ``Trajectory.error``), counted and logged; an episode that runs past
   ``episode_timeout_s`` ends as ``stop_reason=aborted`` with the tokens recorded so far. Neither
-  hangs the stream. A drop happens only on cancellation, or when not even the prompt can be
-  rendered (logged).
+  hangs the stream. A drop happens only on cancellation, when not even the prompt can be
+  rendered (logged), or when the episode's worker failed twice (below).
+- A worker that fails (its ``run_episode`` raises anything but a cancellation or
+  :class:`~agentrl.types.EpisodeDropped`: e.g. the Ray actor running it died) does not lose the
+  episode: it is re-dispatched once (``max_redispatches``), to another available worker when
+  there is one, as the same admitted episode (same key, ``on_admitted``/``on_finished`` still
+  once each, ``running`` meanwhile), counted ``redispatched``. Only the re-dispatched run can
+  deliver a trajectory (the failed one returned none), so nothing is trained twice; a second
+  failure is a counted drop (``worker_errors`` counts every failure). A worker whose
+  ``available`` attribute is false (gone for good) gets no new episode while another is
+  available.
 - Admission is atomic: an episode starts only when ``admission.may_start()`` is true, and
   ``on_admitted`` is called in the same event-loop step, so a rule like AReaL's
   ``(η + v + 1) · batch_size > accepted + running`` is never overshot. ``on_admitted`` is called
@@ -67,6 +76,7 @@ __all__ = [
     "AgentLoopWorker",
     "AlwaysAdmit",
     "EpisodeKey",
+    "EpisodeRunner",
     "Scorer",
     "StalenessAdmission",
     "TrajectoryStream",
@@ -95,6 +105,23 @@ class Scorer(Protocol):
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         """``traj`` with its reward (and ``reward_info``) filled in for ``task``."""
+        ...
+
+
+@runtime_checkable
+class EpisodeRunner(Protocol):
+    """What the manager needs of a worker: :class:`AgentLoopWorker`, or a stand-in for one that
+    runs elsewhere (the Ray backend's ``RemoteWorker``). A worker may also have an
+    ``available`` attribute: while it is false the manager sends it no new episode."""
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """The worker's counters (errors, timeouts, ...), summed into the manager's stats."""
+        ...
+
+    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
+        """Run sample ``index`` of group ``uid`` of ``task``: its trajectory (module docstring:
+        what raising means)."""
         ...
 
 
@@ -481,7 +508,10 @@ class AgentLoopManager:
         num_workers: how many :class:`AgentLoopWorker` share the episodes.
         max_concurrency: most episodes in flight across all workers.
         admission: the trainer's admission hook (default: :class:`AlwaysAdmit`).
-        workers: ready-made workers (instead of building ``num_workers`` from the above).
+        workers: ready-made workers (instead of building ``num_workers`` from the above):
+            :class:`AgentLoopWorker` s, or stand-ins for workers elsewhere (:class:`EpisodeRunner`).
+        max_redispatches: how often an episode whose worker failed is sent to a worker again
+            (module docstring); 0 = a failed worker's episode is a counted drop at once.
     """
 
     def __init__(
@@ -495,7 +525,8 @@ class AgentLoopManager:
         num_workers: int = _ROLLOUT_DEFAULTS.num_workers,
         max_concurrency: int = _ROLLOUT_DEFAULTS.max_concurrency,
         admission: AdmissionController | None = None,
-        workers: Sequence[AgentLoopWorker] | None = None,
+        workers: Sequence[EpisodeRunner] | None = None,
+        max_redispatches: int = 1,
     ) -> None:
         if max_concurrency < 1:
             raise ValueError(f"rollout.max_concurrency must be >= 1, got {max_concurrency}")
@@ -512,9 +543,12 @@ class AgentLoopManager:
             ]
         if not workers:
             raise ValueError("AgentLoopManager needs at least one worker")
-        self.workers = list(workers)
+        self.workers: list[EpisodeRunner] = list(workers)
         self.max_concurrency = max_concurrency
         self.admission: AdmissionController = admission or AlwaysAdmit()
+        if max_redispatches < 0:
+            raise ValueError(f"max_redispatches must be >= 0, got {max_redispatches}")
+        self.max_redispatches = max_redispatches
         self._outstanding = [0] * len(self.workers)
         self._groups = itertools.count()
         self._counts: dict[str, int] = {}
@@ -649,24 +683,47 @@ class AgentLoopManager:
         run.admitted += 1
         self._count("admitted")
         self._running += 1
-        w = min(range(len(self.workers)), key=self._outstanding.__getitem__)
+        self._dispatch(run, key, task, attempt=0, avoid=None)
+
+    def _pick_worker(self, avoid: int | None) -> int:
+        """The least-busy available worker, other than ``avoid`` when another one is available
+        (any worker when none is: its failure is then counted like any other)."""
+        ids = range(len(self.workers))
+        usable = [w for w in ids if getattr(self.workers[w], "available", True)] or list(ids)
+        others = [w for w in usable if w != avoid] or usable
+        return min(others, key=self._outstanding.__getitem__)
+
+    def _dispatch(
+        self, run: _StreamRun, key: EpisodeKey, task: Task, *, attempt: int, avoid: int | None
+    ) -> None:
+        """Run (attempt ``attempt`` of) episode ``key`` on a worker."""
+        w = self._pick_worker(avoid)
         self._outstanding[w] += 1
         ep = asyncio.create_task(self.workers[w].run_episode(task, key.uid, key.index))
         run.episodes.add(ep)
-        ep.add_done_callback(functools.partial(self._on_episode_done, run, w, key))
+        ep.add_done_callback(functools.partial(self._on_episode_done, run, w, key, task, attempt))
 
     def _on_episode_done(
-        self, run: _StreamRun, w: int, key: EpisodeKey, ep: asyncio.Task[Trajectory | None]
+        self,
+        run: _StreamRun,
+        w: int,
+        key: EpisodeKey,
+        task: Task,
+        attempt: int,
+        ep: asyncio.Task[Trajectory | None],
     ) -> None:
         """Account for a finished episode: free its slot, count it, call ``on_finished`` and
-        queue its trajectory (or a drop) for the stream.
+        queue its trajectory (or a drop) for the stream; or re-dispatch it once if its worker
+        failed.
 
         A done-callback, not a ``finally``: a task cancelled before its first step never runs its
         body, and every admitted episode must still be accounted for.
         """
         run.episodes.discard(ep)
-        traj = self._episode_result(w, key, ep)
         self._outstanding[w] -= 1
+        if self._redispatch(run, w, key, task, attempt, ep):
+            return
+        traj = self._episode_result(w, key, ep)
         self._running -= 1
         run.slots.release()
         if traj is None:
@@ -676,6 +733,37 @@ class AgentLoopManager:
             self._count(f"stop_reason/{traj.stop_reason.value}")
         self._hook("on_finished", key, traj)
         run.events.put_nowait(("drop", None) if traj is None else ("traj", traj))
+
+    def _redispatch(
+        self,
+        run: _StreamRun,
+        w: int,
+        key: EpisodeKey,
+        task: Task,
+        attempt: int,
+        ep: asyncio.Task[Trajectory | None],
+    ) -> bool:
+        """If worker ``w`` failed this episode and it may be tried again (not cancelled, not
+        stopping, ``max_redispatches`` not used up), send it to a worker again; True if so."""
+        if ep.cancelled() or run.cancel.is_set() or attempt >= self.max_redispatches:
+            return False
+        exc = ep.exception()
+        if exc is None or isinstance(exc, EpisodeDropped):
+            return False
+        self._count("worker_errors")
+        self._count("redispatched")
+        logger.warning(
+            "worker %d failed on episode %s/%d (%s: %s); re-dispatching it (attempt %d of %d)",
+            w,
+            key.uid,
+            key.index,
+            type(exc).__name__,
+            exc,
+            attempt + 2,
+            self.max_redispatches + 1,
+        )
+        self._dispatch(run, key, task, attempt=attempt + 1, avoid=w)
+        return True
 
     def _episode_result(
         self, w: int, key: EpisodeKey, ep: asyncio.Task[Trajectory | None]

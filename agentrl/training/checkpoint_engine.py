@@ -799,6 +799,23 @@ class CheckpointEngine:
             status.stage = "verify"
         status.timings["verify"] = time.perf_counter() - t0
 
+    def replace_client(
+        self, old_url: str | None, client: PolicyClient | None
+    ) -> PolicyClient | None:
+        """Change which servers the next :meth:`push` reaches (a server replaced at run time,
+        e.g. a restarted Ray server actor on a new URL): remove the client of ``old_url`` (if
+        any; it is returned, open, for the caller to close) and add ``client`` (if given).
+        Call it between pushes, never while one runs."""
+        removed = None
+        if old_url is not None:
+            for c in self.clients:
+                if c.base_url == old_url.rstrip("/"):
+                    removed = c
+            self.clients = [c for c in self.clients if c is not removed]
+        if client is not None:
+            self.clients.append(client)
+        return removed
+
 
 def describe_versions(report: PushReport) -> dict[str, Any]:
     """``{url: version}`` for logs and error messages."""

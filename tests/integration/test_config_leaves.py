@@ -34,6 +34,7 @@ READ_ELSEWHERE = {
     "distributed.ray_address": "Ray placement (tests/integration/test_ray.py)",
     "distributed.num_gpus_per_server": "Ray placement of server actors (agentrl/distributed)",
     "distributed.num_trainer_gpus": "Ray placement of the trainer actor (agentrl/distributed)",
+    "distributed.max_actor_restarts": "Ray restarts (tests/integration/test_ray_faults.py)",
 }
 
 
