@@ -292,11 +292,13 @@ def report_from_trajectories(
 
 def _check_temperature(runner: Any, temperature: float | None) -> None:
     """A manager must already sample at ``temperature`` (evaluation never mutates its workers)."""
-    from agentrl.rollout.manager import AgentLoopManager
+    from agentrl.rollout.manager import AgentLoopManager, AgentLoopWorker
 
     if temperature is None or not isinstance(runner, AgentLoopManager):
         return
     for worker in runner.workers:
+        if not isinstance(worker, AgentLoopWorker):  # remote: its sampling is its own
+            continue
         got = worker.config.sampling.temperature
         if got != temperature:
             raise ValueError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from agentrl.rollout.manager import AgentLoopManager
+from agentrl.rollout.manager import AgentLoopManager, AgentLoopWorker
 from agentrl.training.build import Serving, build_serving
 
 __all__ = ["Serving", "build_serving", "with_sampling"]
@@ -27,6 +27,8 @@ def with_sampling(manager: AgentLoopManager, **overrides: Any) -> AgentLoopManag
     if not update:
         return manager
     for worker in manager.workers:
+        if not isinstance(worker, AgentLoopWorker):
+            raise TypeError(f"with_sampling: {worker!r} is not an in-process AgentLoopWorker")
         cfg = worker.config
         worker.config = dataclasses.replace(cfg, sampling=cfg.sampling.model_copy(update=update))
     return manager

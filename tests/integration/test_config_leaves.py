@@ -141,11 +141,11 @@ def _run_config(tiny_model_dir: Path, out: Path) -> ExperimentConfig:
 
 
 def test_every_config_leaf_is_read_by_the_run(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from agentrl.threads import make_plan
-    from agentrl.training.build import server_launch, start_servers
     from transformers import AutoModelForCausalLM
 
+    from agentrl.threads import make_plan
     from agentrl.training.actor import wrap_lora
+    from agentrl.training.build import server_launch, start_servers
     from agentrl.training.critic import CriticConfig
     from agentrl.training.trainer import Trainer
 
