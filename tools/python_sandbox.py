@@ -488,14 +488,22 @@ def _bwrap_command(
             cmd += ["--symlink", os.readlink(d), d]
         elif os.path.isdir(d):
             cmd += ["--ro-bind", d, d]
+    # An interpreter under /tmp (a venv in a /tmp checkout) is bound inside the scratch's tmp
+    # directory, which /tmp links to below: the same paths, and /tmp stays the private scratch.
+    in_tmp = [p for p in iso.bind_paths if p.startswith("/tmp/")]
     made: set[str] = set()
-    for p in iso.bind_paths:
+
+    def bind(source: str, target: str) -> None:
         # bwrap would create missing parents 0700: unreadable to the sandbox's user.
-        for parent in _ancestors(p):
+        for parent in _ancestors(target):
             if parent not in made:
                 made.add(parent)
-                cmd += ["--perms", "0755", "--dir", parent]
-        cmd += ["--ro-bind", p, p]
+                cmd.extend(["--perms", "0755", "--dir", parent])
+        cmd.extend(["--ro-bind", source, target])
+
+    for p in iso.bind_paths:
+        if p not in in_tmp:
+            bind(p, p)
     cmd += ["--tmpfs", "/dev"]
     for dev in _DEVICES:
         cmd += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
@@ -504,6 +512,9 @@ def _bwrap_command(
     for d in (_WORKDIR, _TMPDIR, _SHMDIR):
         cmd += ["--dir", d, "--chmod", "1777", d]
     cmd += ["--symlink", _TMPDIR, "/tmp"]
+    made.update(_ancestors(_TMPDIR + "/x"))
+    for p in in_tmp:
+        bind(p, _TMPDIR + p[len("/tmp") :])
     state = state_dir / _STATE_FILE
     if state.exists():
         cmd += ["--perms", "0755", "--dir", os.path.dirname(_STATE_IN)]

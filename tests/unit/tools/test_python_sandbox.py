@@ -418,3 +418,28 @@ async def test_an_archive_over_its_cap_is_not_kept_and_the_call_says_so():
         await tool.release(state)
     assert r.content.endswith("note: files not saved for the next call (more than 3 MiB)")
     assert after.content == "1\n"  # the previous call's files
+
+
+async def test_an_interpreter_under_tmp_runs_sandboxed_with_a_private_tmp(tmp_path):
+    """A virtualenv in /tmp (a clone there, CI scratch): its packages import in the sandbox,
+    /tmp is still the private, writable scratch, and the host's /tmp stays out of sight."""
+    import subprocess
+
+    assert str(tmp_path).startswith("/tmp/")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "venv_only_module.py").write_text("ANSWER = 42\n")
+    (tmp_path / "host-secret.txt").write_text("secret")
+    exe = str(venv / "bin" / "python")
+    iso = isolation(exe)
+    assert not isinstance(iso, str), iso
+    assert str(venv) in iso.bind_paths, iso.bind_paths
+    code = (
+        "import os, venv_only_module\n"
+        "open('/tmp/x', 'w').write('ok')\n"
+        "print(venv_only_module.ANSWER, open('/tmp/x').read(), "
+        f"os.path.exists({str(tmp_path / 'host-secret.txt')!r}))"
+    )
+    r = await PythonTool(python_executable=exe).run(code)
+    assert r.content.split() == ["42", "ok", "False"], r.content
