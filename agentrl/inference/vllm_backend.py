@@ -213,6 +213,17 @@ def vllm_cpu_env(
     return env
 
 
+def _log_file(log_path: str | Path | None, port: int) -> Path:
+    """``log_path`` (its directory made), or a fresh temporary file named after the port."""
+    if log_path is None:
+        fd, name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
+        os.close(fd)
+        log_path = name
+    path = Path(log_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def launch_vllm_server(
     model_dir: str | Path,
     *,
@@ -235,8 +246,8 @@ def launch_vllm_server(
     """Start ``vllm.entrypoints.openai.api_server`` on ``model_dir`` and wait until healthy.
 
     ``dtype=None`` serves the checkpoint's own dtype (:func:`checkpoint_dtype`); pass
-    ``"auto"`` for vLLM's choice (it downcasts float32 checkpoints). ``cpu_kvcache_space_gb`` sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps
-    vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
+    ``"auto"`` for vLLM's choice (it downcasts float32 checkpoints). ``cpu_kvcache_space_gb``
+    sets ``VLLM_CPU_KVCACHE_SPACE`` (ignored by GPU builds; None keeps vLLM's default). ``enforce_eager`` skips graph capture/compilation (start-up ~50 s on CPU).
     ``threads`` is this server's share of the run's thread plan (None = vLLM's own CPU
     defaults; see :func:`vllm_cpu_env`). ``env`` adds environment variables; ``api_key`` is
     required on vLLM's ``/v1`` routes (``VLLM_API_KEY``) and kept on the handle. Raises
@@ -252,13 +263,7 @@ def launch_vllm_server(
     if dtype is None:
         dtype = checkpoint_dtype(model_dir)
     port = port or free_port(host)
-    if log_path is None:
-        fd, name = tempfile.mkstemp(prefix=f"vllm-{port}-", suffix=".log")
-        os.close(fd)
-        log_path = name
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-
+    log_path = _log_file(log_path, port)
     child_env = vllm_cpu_env(os.environ, threads, cpu_kvcache_space_gb)
     child_env.update(env or {})
     if api_key:

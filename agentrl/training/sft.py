@@ -248,6 +248,80 @@ def _train_batch(
     return loss_sum, tokens
 
 
+def _tokenize_all(
+    tokenizer: Any, conversations: Sequence[dict[str, Any]], max_seq_len: int
+) -> list[SFTExample]:
+    """Every conversation tokenized; one too long or without an assistant message is an error."""
+    examples = []
+    for k, conv in enumerate(conversations):
+        ex = tokenize_conversation(tokenizer, conv["messages"], conv.get("tools"), name=str(k))
+        if len(ex.input_ids) > max_seq_len:
+            raise ValueError(
+                f"conversation {k} has {len(ex.input_ids)} tokens > max_seq_len "
+                f"{max_seq_len}; raise trainer.max_seq_len or shorten the data"
+            )
+        if sum(ex.loss_mask) == 0:
+            raise ValueError(f"conversation {k} has no assistant message to learn from")
+        examples.append(ex)
+    if not examples:
+        raise ValueError("no SFT conversations to train on")
+    return examples
+
+
+def _lr_factor(settings: SFTSettings) -> Callable[[int], float]:
+    """The learning-rate multiplier per step: linear warm-up, then constant or cosine to 0.1."""
+
+    def lr_at(step: int) -> float:
+        if step < settings.warmup_steps:
+            return (step + 1) / settings.warmup_steps
+        if settings.schedule == "constant":
+            return 1.0
+        span = max(1, settings.steps - settings.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - settings.warmup_steps) / span))
+
+    return lr_at
+
+
+class _Batches:
+    """Draws each step's examples: shuffled epochs, or, with ``share_prefix`` and more than one
+    tool set, a batch from one tool-set group (conversations offering the same tools share a
+    long system-prompt prefix)."""
+
+    def __init__(
+        self,
+        examples: list[SFTExample],
+        conversations: Sequence[dict[str, Any]],
+        settings: SFTSettings,
+        rng: random.Random,
+    ) -> None:
+        self.examples, self.settings, self.rng = examples, settings, rng
+        self.order: list[int] = []
+        self.groups: dict[str, list[int]] = {}
+        for k, conv in enumerate(conversations):
+            self.groups.setdefault(json.dumps(conv.get("tools"), sort_keys=True), []).append(k)
+        self.keys = sorted(self.groups)
+        self.weights = [len(self.groups[g]) for g in self.keys]
+        self.pending: dict[str, list[int]] = {g: [] for g in self.keys}
+
+    def draw(self) -> list[SFTExample]:
+        """The next batch of ``settings.batch_size`` examples."""
+        n = self.settings.batch_size
+        if self.settings.share_prefix and len(self.keys) > 1:
+            key = self.rng.choices(self.keys, self.weights)[0]
+            picked = []
+            for _ in range(n):
+                if not self.pending[key]:
+                    self.pending[key] = list(self.groups[key])
+                    self.rng.shuffle(self.pending[key])
+                picked.append(self.examples[self.pending[key].pop()])
+            return picked
+        if len(self.order) < n:
+            more = list(range(len(self.examples)))
+            self.rng.shuffle(more)
+            self.order.extend(more)
+        return [self.examples[self.order.pop()] for _ in range(n)]
+
+
 def train_sft(
     model: torch.nn.Module,
     tokenizer: Any,
@@ -257,19 +331,7 @@ def train_sft(
     on_log: Callable[[int, dict[str, float]], None] | None = None,
 ) -> dict[str, float]:
     """Train ``model`` in place; returns the final metrics (``sft/loss``, ``sft/tokens_per_s``)."""
-    examples = []
-    for k, conv in enumerate(conversations):
-        ex = tokenize_conversation(tokenizer, conv["messages"], conv.get("tools"), name=str(k))
-        if len(ex.input_ids) > settings.max_seq_len:
-            raise ValueError(
-                f"conversation {k} has {len(ex.input_ids)} tokens > max_seq_len "
-                f"{settings.max_seq_len}; raise trainer.max_seq_len or shorten the data"
-            )
-        if sum(ex.loss_mask) == 0:
-            raise ValueError(f"conversation {k} has no assistant message to learn from")
-        examples.append(ex)
-    if not examples:
-        raise ValueError("no SFT conversations to train on")
+    examples = _tokenize_all(tokenizer, conversations, settings.max_seq_len)
     rng = random.Random(settings.seed)
     torch.manual_seed(settings.seed)
     device = next(model.parameters()).device
@@ -282,50 +344,15 @@ def train_sft(
         betas=settings.betas,
         weight_decay=settings.weight_decay,
     )
-
-    def lr_at(step: int) -> float:
-        if step < settings.warmup_steps:
-            return (step + 1) / settings.warmup_steps
-        if settings.schedule == "constant":
-            return 1.0
-        span = max(1, settings.steps - settings.warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - settings.warmup_steps) / span))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr_factor(settings))
     model.train()
-    order: list[int] = []
+    batches = _Batches(examples, conversations, settings, rng)
     metrics: dict[str, float] = {}
     tokens = 0
     t0 = time.perf_counter()
     loss_ema = None
-    # With share_prefix, conversations offering different tools (or none) have different system
-    # prompts; a batch drawn from one such group keeps its long common prefix shareable.
-    groups: dict[str, list[int]] = {}
-    for k, conv in enumerate(conversations):
-        groups.setdefault(json.dumps(conv.get("tools"), sort_keys=True), []).append(k)
-    group_keys = sorted(groups)
-    group_weights = [len(groups[g]) for g in group_keys]
-    pending: dict[str, list[int]] = {g: [] for g in group_keys}
-
-    def draw_grouped() -> list[SFTExample]:
-        key = rng.choices(group_keys, group_weights)[0]
-        picked = []
-        for _ in range(settings.batch_size):
-            if not pending[key]:
-                pending[key] = list(groups[key])
-                rng.shuffle(pending[key])
-            picked.append(examples[pending[key].pop()])
-        return picked
-
     for step in range(settings.steps):
-        if settings.share_prefix and len(group_keys) > 1:
-            picked = draw_grouped()
-        else:
-            if len(order) < settings.batch_size:
-                more = list(range(len(examples)))
-                rng.shuffle(more)
-                order.extend(more)
-            picked = [examples[order.pop()] for _ in range(settings.batch_size)]
+        picked = batches.draw()
         opt.zero_grad(set_to_none=True)
         loss, step_tokens = _train_batch(model, picked, pad_id, device, settings)
         torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)

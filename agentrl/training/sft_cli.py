@@ -135,26 +135,12 @@ def _apply_threads() -> int:
     return share.threads
 
 
-def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
-    """Train per ``cfg`` (an :class:`~agentrl.config.SFTConfig`), save to ``output_dir`` and
-    return the manifest (also written as ``sft_manifest.json``)."""
-    if cfg.data.train_on != "assistant":
-        raise ValueError(
-            f"data.train_on = {cfg.data.train_on!r} is not supported by agentrl sft; use 'assistant'"
-        )
-    threads = _apply_threads()  # before torch loads OpenMP
+def _load_model(cfg: Any, conversations: list[Any]) -> tuple[Any, Any, str, dict[str, Any] | None]:
+    """The model to train (``model.path``, else the tiny model built on the spot), its tokenizer,
+    the device it is on and the SFT manifest it was made with (None for a fresh model)."""
     import torch
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.tracking import make_tracker
-    from agentrl.training.sft import SFTSettings, train_sft
-
-    out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-
-    conversations = load_sft_data(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         model_path = cfg.model.path
         if model_path is None:
@@ -192,11 +178,18 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
             trust_remote_code=cfg.model.trust_remote_code,
         )
         model.to(device)
+    return model, tokenizer, device, init_manifest
+
+
+def _settings(cfg: Any, num_conversations: int) -> Any:
+    """The :class:`~agentrl.training.sft.SFTSettings` of ``cfg`` (``trainer.epochs`` sets the
+    number of steps when given)."""
+    from agentrl.training.sft import SFTSettings
 
     steps = cfg.trainer.total_steps
     if cfg.trainer.epochs is not None:
-        steps = max(1, math.ceil(cfg.trainer.epochs * len(conversations) / cfg.data.batch_size))
-    settings = SFTSettings(
+        steps = max(1, math.ceil(cfg.trainer.epochs * num_conversations / cfg.data.batch_size))
+    return SFTSettings(
         steps=steps,
         batch_size=cfg.data.batch_size,
         lr=cfg.trainer.lr,
@@ -211,6 +204,29 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
         share_prefix=cfg.trainer.share_prefix,
         micro_batch_max_tokens=cfg.trainer.micro_batch_max_tokens,
     )
+
+
+def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
+    """Train per ``cfg`` (an :class:`~agentrl.config.SFTConfig`), save to ``output_dir`` and
+    return the manifest (also written as ``sft_manifest.json``)."""
+    if cfg.data.train_on != "assistant":
+        raise ValueError(
+            f"data.train_on = {cfg.data.train_on!r} is not supported by agentrl sft; use 'assistant'"
+        )
+    threads = _apply_threads()  # before torch loads OpenMP
+    import torch
+    import transformers
+
+    from agentrl.tracking import make_tracker
+    from agentrl.training.sft import train_sft
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    conversations = load_sft_data(cfg)
+    model, tokenizer, device, init_manifest = _load_model(cfg, conversations)
+    settings = _settings(cfg, len(conversations))
+    steps = settings.steps
     tr = cfg.tracking
     tracker = make_tracker(
         enabled=tr.enabled,
