@@ -524,29 +524,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    shape = {
+        "num_layers": args.layers,
+        "hidden_size": args.hidden_size,
+        "num_heads": args.heads,
+        "num_kv_heads": args.kv_heads,
+        "intermediate_size": args.intermediate_size,
+        "max_position_embeddings": args.max_position_embeddings,
+        "seed": args.seed,
+    }
     if getattr(args, "reward_model", False):
-        out = build_tiny_reward_model(
-            args.out_dir,
-            num_layers=args.layers,
-            hidden_size=args.hidden_size,
-            num_heads=args.heads,
-            num_kv_heads=args.kv_heads,
-            intermediate_size=args.intermediate_size,
-            max_position_embeddings=args.max_position_embeddings,
-            seed=args.seed,
-        )
-        print(json.dumps({"model_dir": str(out)}))
-        return 0
-    out = build_tiny_model(
-        args.out_dir,
-        num_layers=args.layers,
-        hidden_size=args.hidden_size,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_position_embeddings,
-        seed=args.seed,
-        tie_embeddings=args.tie_embeddings,
-    )
+        out = build_tiny_reward_model(args.out_dir, **shape)
+    else:
+        out = build_tiny_model(args.out_dir, tie_embeddings=args.tie_embeddings, **shape)
     print(json.dumps({"model_dir": str(out)}))
     return 0
