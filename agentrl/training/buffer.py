@@ -5,7 +5,11 @@ running``) lives in :class:`agentrl.rollout.manager.StalenessAdmission`, the one
 implementation; this buffer enforces the other half: no group staler than ``η`` is trained on.
 
 :class:`TrajectoryBuffer` collects scored trajectories into GRPO groups (all samples of one
-task share a ``uid``) and hands out whole groups, oldest first.
+task share a ``uid``) and hands out whole groups, oldest policy first: the ready group whose
+oldest sampled token is the oldest goes first (ties in completion order). Completion order
+alone starved the slow groups (multi-turn, tool-calling episodes finish last, and a partial
+rollout counts from its first token), so they went stale and were dropped while faster,
+tool-free ones filled the batches: a drop that selected on the very behaviour being learned.
 
 Invariants (asserted by tests):
 
@@ -35,7 +39,7 @@ class BufferClosed(RuntimeError):
 
 
 class TrajectoryBuffer:
-    """Groups scored trajectories by ``uid`` and releases whole groups, oldest first.
+    """Groups scored trajectories by ``uid`` and releases whole groups, oldest policy first.
 
     ``group_size`` is the number of samples per task (GRPO's G). A group is complete when it holds
     ``group_size`` trajectories; groups that can never complete (an episode was dropped upstream)
@@ -140,7 +144,7 @@ class TrajectoryBuffer:
                             f"buffer closed with {len(out)}/{num_groups} groups collected"
                         )
                     await self._cond.wait()
-                _, group = self._ready.popitem(last=False)
+                group = self._ready.pop(self._oldest_ready())
                 reason = self._rejection_reason(group, current_version)
                 if reason is not None:
                     self.dropped[reason] += len(group)
@@ -149,6 +153,10 @@ class TrajectoryBuffer:
                 out.append(group)
                 self.consumed += len(group)
         return out
+
+    def _oldest_ready(self) -> str:
+        """The uid of the ready group sampled by the oldest policy (first completed on ties)."""
+        return min(self._ready, key=lambda uid: _oldest_version(self._ready[uid]))
 
     def _rejection_reason(self, group: list[Trajectory], version: int) -> str | None:
         if any(t.staleness(version) > self.max_staleness for t in group):
@@ -183,3 +191,8 @@ class TrajectoryBuffer:
         self.put_count = int(state["put_count"])
         self.consumed = int(state["consumed"])
         self.dropped = Counter({k: int(v) for k, v in state["dropped"].items()})
+
+
+def _oldest_version(group: list[Trajectory]) -> int:
+    versions = [v for v in (t.min_version for t in group) if v is not None]
+    return min(versions) if versions else 0

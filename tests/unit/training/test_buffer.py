@@ -95,3 +95,25 @@ async def test_dropped_groups_report_their_task_ids_once() -> None:
     assert await buf.discard_group("c") == 1
     assert buf.pop_dropped_task_ids() == ["task-a", "task-c"]
     assert buf.pop_dropped_task_ids() == []
+
+
+async def test_the_group_of_the_oldest_policy_goes_first_so_slow_groups_are_not_starved() -> None:
+    """A slow group (a multi-turn episode, sampled at version 1) completes after a fast one
+    (version 2). Taken in completion order, the fast one fills step 2's batch and the slow one
+    is 2 versions old at step 3: dropped, with the behaviour that made it slow. Oldest policy
+    first, both are trained on."""
+    buf = TrajectoryBuffer(group_size=2, max_staleness=1)
+    for uid, version in (("fast", 2), ("slow", 1)):
+        for i in range(2):
+            await buf.put(_traj(uid, version, index=i))
+    assert [g[0].uid for g in await buf.get_groups(1, current_version=2)] == ["slow"]
+    assert [g[0].uid for g in await buf.get_groups(1, current_version=3)] == ["fast"]
+    assert buf.dropped["stale"] == 0
+
+
+async def test_groups_of_the_same_policy_go_in_completion_order() -> None:
+    buf = TrajectoryBuffer(group_size=1, max_staleness=2)
+    for uid in ("first", "second", "third"):
+        await buf.put(_traj(uid, 1))
+    groups = await buf.get_groups(3, current_version=1)
+    assert [g[0].uid for g in groups] == ["first", "second", "third"]
