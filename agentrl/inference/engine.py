@@ -65,7 +65,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -179,12 +179,13 @@ class _Request:
 def process_logits(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float
 ) -> torch.Tensor:
-    """Processed log-probabilities ``[V]`` of one row of raw logits ``[V]`` (float32).
+    """Processed log-probabilities ``[..., V]`` of raw logits ``[..., V]`` (float32), per row.
 
     ``temperature == 0``: ``log_softmax(logits)`` (greedy; the unscaled distribution).
     Otherwise ``log_softmax`` of ``logits / temperature`` after top-k (keep the k largest;
     ``top_k <= 0`` is off) and top-p (drop the smallest tokens whose cumulative mass is at most
-    ``1 - top_p``, always keeping the most likely one; vLLM's rule) masking.
+    ``1 - top_p``, always keeping the most likely one; vLLM's rule) masking. Every operation is
+    along the last axis, so a row of NaNs spoils only itself.
     """
     x = logits.float()
     if temperature == 0.0:
@@ -192,26 +193,48 @@ def process_logits(
     x = x / temperature
     vocab = x.shape[-1]
     if 0 < top_k < vocab:
-        kth = torch.topk(x, top_k).values[-1]
+        kth = torch.topk(x, top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=False)
+        sorted_x, order = torch.sort(x, dim=-1, descending=False)
         cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
         drop = cum <= (1.0 - top_p)
-        drop[-1] = False
+        drop[..., -1] = False
         sorted_x = sorted_x.masked_fill(drop, float("-inf"))
         x = torch.empty_like(x).scatter_(-1, order, sorted_x)
     return torch.log_softmax(x, dim=-1)
 
 
+def sample_tokens(
+    logprobs: torch.Tensor,
+    temperature: float,
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """One token per row of processed logprobs ``[N, V]`` (CPU): ``[N]`` token ids.
+
+    Greedy (``temperature == 0``): the argmax. Otherwise inverse-CDF sampling with one uniform
+    draw per row from that row's generator (a request's own stream, so its tokens do not depend
+    on what else is in the batch): the first token whose cumulative probability (float64)
+    exceeds ``u`` times the row's total. A token with probability 0 is never picked.
+    """
+    if temperature == 0.0:
+        return torch.argmax(logprobs, dim=-1)
+    probs = torch.exp(logprobs.double())
+    cum = probs.cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
+    picked = torch.searchsorted(cum, (u * cum[:, -1])[:, None], right=True)[:, 0]
+    picked = picked.clamp_(max=probs.shape[-1] - 1)
+    # u * total rounds up to the total only at the very end: fall back to the last token that
+    # has probability (a masked tail has none).
+    last = probs.shape[-1] - 1 - torch.argmax((probs.flip(-1) > 0).to(torch.int8), dim=-1)
+    return torch.where(probs.gather(1, picked[:, None])[:, 0] > 0, picked, last)
+
+
 def sample_token(
     logprobs: torch.Tensor, temperature: float, generator: torch.Generator | None
 ) -> int:
-    """Pick a token from processed logprobs ``[V]`` (CPU): argmax when greedy, else sample."""
-    if temperature == 0.0:
-        return int(torch.argmax(logprobs).item())
-    probs = torch.exp(logprobs)
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+    """One token from processed logprobs ``[V]`` (CPU); :func:`sample_tokens` for one row."""
+    return int(sample_tokens(logprobs[None], temperature, [generator])[0].item())
 
 
 def normalize_sampling(sampling: SamplingParams) -> SamplingParams:
@@ -1009,74 +1032,121 @@ class InferenceEngine:
         while len(self._rows) < self.max_batch_size:
             if any(r.suspect for r in self._rows):
                 return  # a suspect decodes alone until it has done one step
-            with self._cond:
-                if not self._waiting or (self._waiting[0].suspect and self._rows):
-                    return
-                req = self._waiting.popleft()
+            reqs = self._take_waiting(self.max_batch_size - len(self._rows))
+            if not reqs:
+                return
+            self._prefill(reqs)
+
+    def _take_waiting(self, room: int) -> list[_Request]:
+        """Up to ``room`` waiting requests, in order, to prefill together. A suspect goes
+        alone, and only into an empty batch."""
+        out: list[_Request] = []
+        with self._cond:
+            while self._waiting and len(out) < room:
+                head = self._waiting[0]
+                if head.suspect and (self._rows or out):
+                    break
+                out.append(self._waiting.popleft())
+                if head.suspect:
+                    break
+        return out
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """Prefill ``reqs`` in one left-padded forward and join them to the running batch. If
+        that forward raises, each request is prefilled alone, so a failure fails only the
+        request that causes it."""
+        live: list[_Request] = []
+        now = time.monotonic()
+        for req in reqs:
+            req.started = req.started or now
             if req.aborted:
                 self._finish(req, "abort")
-                continue
+            elif req.max_new <= 0:
+                self._finish(req, "length")
+            else:
+                live.append(req)
+        if len(live) > 1:
             try:
-                self._prefill(req)
+                self._join_prefilled(live, *self._prefill_forward(live))
+                return
+            except Exception as e:
+                log.warning("prefill of %d requests together failed (%s); one by one", len(live), e)
+                self.stats["prefill_batch_failures"] += 1
+        for req in live:
+            try:
+                self._join_prefilled([req], *self._prefill_forward([req]))
             except Exception as e:  # this request's prefill failed: it alone fails
                 log.exception("prefill of %s failed", req.request_id)
                 self._fail(req, EngineStepError(f"prefill failed: {type(e).__name__}: {e}"))
 
     @torch.no_grad()
-    def _prefill(self, req: _Request) -> None:
+    def _prefill_forward(self, reqs: list[_Request]) -> tuple[Any, torch.Tensor, list[int]]:
+        """The forward over ``reqs`` left-padded to one width: (output, mask ``[N, T]``, the
+        length of each row). A recomputed row (its batch's forward failed) re-prefills prompt +
+        output so far, without the last output token, which the next decode step feeds."""
         from transformers import DynamicCache
 
-        req.started = req.started or time.monotonic()
-        if req.max_new <= 0:
-            self._finish(req, "length")
-            return
-        # A recomputed row (its batch's forward failed) re-prefills prompt + output so far,
-        # without the last output token, which the next decode step feeds.
-        ids_list = req.prompt_ids + req.output_ids[:-1]
-        n = len(ids_list)
-        ids = torch.tensor([ids_list], dtype=torch.long, device=self.device)
-        cache = DynamicCache()
+        seqs = [req.prompt_ids + req.output_ids[:-1] for req in reqs]
+        lens = [len(x) for x in seqs]
+        width = max(lens)
+        ids = torch.zeros(len(seqs), width, dtype=torch.long)
+        mask = torch.zeros(len(seqs), width, dtype=torch.long)
+        for i, x in enumerate(seqs):
+            ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
+            mask[i, width - len(x) :] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         out = self.model(
             input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            position_ids=torch.arange(n, device=self.device)[None],
-            past_key_values=cache,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(-1) - 1).clamp_(min=0),
+            past_key_values=DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
         )
-        self.stats["prompt_tokens"] += n
-        if not req.output_ids and self._accept(req, out.logits[0, -1]):
-            return
-        new_kv = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        self._join(req, new_kv, n)
+        self.stats["prompt_tokens"] += sum(lens)
+        self.stats["prefill_forwards"] += 1
+        return out, mask, lens
 
-    def _join(self, req: _Request, new_kv: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> None:
+    def _join_prefilled(
+        self, reqs: list[_Request], out: Any, mask: torch.Tensor, lens: list[int]
+    ) -> None:
+        """Sample the first token of each new request and add the unfinished ones to the
+        running batch (their KV cache left-padded to the batch's width)."""
         from transformers import DynamicCache
 
-        width = self._mask.shape[1] if self._rows else 0
-        new_width = max(width, n)
-        new_mask = torch.ones(1, n, dtype=torch.long, device=self.device)
-        if not self._rows:
-            kv = new_kv
-            mask = new_mask
-        else:
+        done = [False] * len(reqs)
+        fresh = [i for i, req in enumerate(reqs) if not req.output_ids]
+        if fresh:
+            accepted = self._accept([reqs[i] for i in fresh], out.logits[fresh, -1])
+            for i, d in zip(fresh, accepted, strict=True):
+                done[i] = d
+        keep = [i for i, d in enumerate(done) if not d]
+        if not keep:
+            return
+        pad = (mask == 0)[:, None, :, None]
+        new_kv = [
+            (layer.keys.masked_fill(pad, 0.0), layer.values.masked_fill(pad, 0.0))
+            for layer in out.past_key_values.layers
+        ]  # padded positions hold zeros, as the running batch's left padding does
+        if len(keep) < len(reqs):
+            new_kv, mask = _select_rows(new_kv, mask, keep)
+        if self._rows:
             old_kv = [(layer.keys, layer.values) for layer in self._cache.layers]
-            kv = [
+            width = max(self._mask.shape[1], mask.shape[1])
+            new_kv = [
                 (
-                    torch.cat([_left_pad(k0, new_width), _left_pad(k1, new_width)], dim=0),
-                    torch.cat([_left_pad(v0, new_width), _left_pad(v1, new_width)], dim=0),
+                    torch.cat([_left_pad(k0, width), _left_pad(k1, width)], dim=0),
+                    torch.cat([_left_pad(v0, width), _left_pad(v1, width)], dim=0),
                 )
                 for (k0, v0), (k1, v1) in zip(old_kv, new_kv, strict=True)
             ]
             mask = torch.cat(
-                [_left_pad(self._mask, new_width, dim=1), _left_pad(new_mask, new_width, dim=1)],
-                dim=0,
+                [_left_pad(self._mask, width, dim=1), _left_pad(mask, width, dim=1)], dim=0
             )
-        cache = DynamicCache(ddp_cache_data=kv)
-        self._rows.append(req)
-        self._next_pos.append(n)
+        self._cache = DynamicCache(ddp_cache_data=new_kv)
         self._mask = mask
-        self._cache = cache
+        self._rows.extend(reqs[i] for i in keep)
+        self._next_pos.extend(lens[i] for i in keep)
 
     @torch.no_grad()
     def _decode_step(self) -> None:
@@ -1107,16 +1177,13 @@ class InferenceEngine:
             return
         self._mask = mask
         self._cache = out.past_key_values
-        logits = out.logits[:, -1].float().cpu()
         self.stats["decode_steps"] += 1
-        keep: list[int] = []
-        for i, r in enumerate(rows):
+        for r in rows:
             r.suspect = False
-            self._next_pos[i] += 1
-            if not self._accept(r, logits[i]):
-                keep.append(i)
-        if len(keep) < b:
-            self._keep_rows(keep)
+        self._next_pos = [p + 1 for p in self._next_pos]
+        done = self._accept(rows, out.logits[:, -1])
+        if any(done):
+            self._keep_rows([i for i, d in enumerate(done) if not d])
 
     def _recompute_rows(self, error: Exception) -> None:
         """The batched forward raised. A batch of one: that request is the cause, it fails.
@@ -1141,53 +1208,83 @@ class InferenceEngine:
         if not keep:
             self._reset_batch()
             return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        mask = self._mask.index_select(0, idx)
-        first = int(mask.any(dim=0).long().argmax().item())  # leading all-padding columns
-        kv = [
-            (
-                layer.keys.index_select(0, idx)[:, :, first:],
-                layer.values.index_select(0, idx)[:, :, first:],
-            )
-            for layer in self._cache.layers
-        ]
+        kv = [(layer.keys, layer.values) for layer in self._cache.layers]
+        kv, self._mask = _select_rows(kv, self._mask, keep)
         self._rows = [self._rows[i] for i in keep]
         self._next_pos = [self._next_pos[i] for i in keep]
-        self._mask = mask[:, first:]
         self._cache = DynamicCache(ddp_cache_data=kv)
 
-    def _accept(self, req: _Request, logits: torch.Tensor) -> bool:
-        """Sample the next token of ``req`` from raw logits ``[V]``; True if the request is done
-        (finished, aborted, past its deadline, or failed because its logits are not finite)."""
-        if req.aborted:
-            self._finish(req, "abort")
-            return True
-        sp = req.sampling
+    def _accept(self, rows: Sequence[_Request], logits: torch.Tensor) -> list[bool]:
+        """Sample the next token of every request in ``rows`` from its raw logits (row ``i`` of
+        ``[N, V]``); per row, True if that request is done (finished, aborted, past its
+        deadline, or failed because its logits are not finite). Rows that share sampling
+        parameters are processed and sampled together."""
+        done = [True] * len(rows)
+        groups: dict[tuple[float, int, float], list[int]] = {}
+        for i, req in enumerate(rows):
+            if req.aborted:
+                self._finish(req, "abort")
+                continue
+            sp = req.sampling
+            groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(i)
+        cpu = logits.float().cpu()
+        for (temperature, top_k, top_p), idx in groups.items():
+            members = [rows[i] for i in idx]
+            sub = cpu if len(idx) == len(rows) else cpu[idx]
+            sampled = self._sample_group(members, sub, temperature, top_k, top_p)
+            for i, ok in zip(idx, sampled, strict=True):
+                done[i] = not ok or self._done_after_token(rows[i])
+        return done
+
+    def _sample_group(
+        self,
+        members: list[_Request],
+        logits: torch.Tensor,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+    ) -> list[bool]:
+        """Append one sampled token to each member; False for a member that failed instead."""
         try:
-            lp = process_logits(logits.float().cpu(), sp.temperature, sp.top_k, sp.top_p)
-            if not bool(torch.isfinite(lp).any()):
-                raise EngineStepError("every logit is NaN or -inf")
-            tok = sample_token(lp, sp.temperature, req.generator)
-            value = float(lp[tok].item())
-            if not math.isfinite(value):
-                raise EngineStepError(f"the sampled token {tok} has logprob {value}")
-        except Exception as e:  # this row's numbers are broken: it alone fails
-            self._fail(req, EngineStepError(f"sampling failed (non-finite logits?): {e}"))
-            return True
-        req.output_ids.append(tok)
-        req.logprobs.append(value)
-        req.versions.append(self._version)
-        if req.num_top_logprobs:
-            top = torch.topk(lp, min(req.num_top_logprobs, lp.shape[-1]))
-            req.top_logprobs.append(
-                [
-                    (int(i), float(v))
-                    for i, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
-                    if math.isfinite(v)
-                ]
-            )
-        self.stats["generation_tokens"] += 1
-        if tok in req.stop_ids:
+            lp = process_logits(logits, temperature, top_k, top_p)
+            finite = torch.isfinite(lp).any(dim=-1).tolist()
+            toks = sample_tokens(lp, temperature, [r.generator for r in members])
+            values = lp.gather(1, toks[:, None])[:, 0].tolist()
+            toks_list = toks.tolist()
+        except Exception as e:  # the group's numbers broke the sampler: its members fail
+            for req in members:
+                self._fail(req, EngineStepError(f"sampling failed: {type(e).__name__}: {e}"))
+            return [False] * len(members)
+        ok = []
+        for j, req in enumerate(members):
+            if not finite[j] or not math.isfinite(values[j]):
+                why = (
+                    "every logit is NaN or -inf"
+                    if not finite[j]
+                    else (f"the sampled token {toks_list[j]} has logprob {values[j]}")
+                )
+                self._fail(req, EngineStepError(f"sampling failed (non-finite logits?): {why}"))
+                ok.append(False)
+                continue
+            req.output_ids.append(toks_list[j])
+            req.logprobs.append(values[j])
+            req.versions.append(self._version)
+            if req.num_top_logprobs:
+                top = torch.topk(lp[j], min(req.num_top_logprobs, lp.shape[-1]))
+                req.top_logprobs.append(
+                    [
+                        (int(t), float(v))
+                        for t, v in zip(top.indices.tolist(), top.values.tolist(), strict=True)
+                        if math.isfinite(v)
+                    ]
+                )
+            ok.append(True)
+        self.stats["generation_tokens"] += sum(ok)
+        return ok
+
+    def _done_after_token(self, req: _Request) -> bool:
+        """Finish ``req`` if its last token stops it or it reached its length; True if done."""
+        if req.output_ids[-1] in req.stop_ids:
             self._finish(req, "stop")
             return True
         if len(req.output_ids) >= req.max_new:
@@ -1259,6 +1356,20 @@ def _eos_ids(model_dir: Path, cfg: Any) -> frozenset[int]:
         eos = getattr(cfg, "eos_token_id", None)
     eos_list = [eos] if isinstance(eos, int) else list(eos or [])
     return frozenset(int(e) for e in eos_list)
+
+
+def _select_rows(
+    kv: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor, keep: list[int]
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor]:
+    """Rows ``keep`` of a left-padded KV cache and its mask, without all-padding leading
+    columns."""
+    idx = torch.tensor(keep, dtype=torch.long, device=mask.device)
+    mask = mask.index_select(0, idx)
+    first = int(mask.any(dim=0).long().argmax().item())
+    kv = [
+        (k.index_select(0, idx)[:, :, first:], v.index_select(0, idx)[:, :, first:]) for k, v in kv
+    ]
+    return kv, mask[:, first:]
 
 
 def _left_pad(x: torch.Tensor, width: int, dim: int = 2) -> torch.Tensor:

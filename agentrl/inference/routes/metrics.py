@@ -70,6 +70,10 @@ def make_metrics(st: ServerState) -> CollectorRegistry:
             "Batched decode steps run so far",
             lambda: engine.stats["decode_steps"],
         ),
+        "agentrl_prefill_forwards": (
+            "Prefill forwards run so far (waiting requests are prefilled together)",
+            lambda: engine.stats["prefill_forwards"],
+        ),
         "agentrl_is_paused": ("1 while generation is paused", lambda: engine.is_paused),
         "agentrl_pause_expired": (
             "Pauses that ended by their deadline (no resume came)",

@@ -18,6 +18,7 @@ from agentrl.inference.engine import (
     WeightLoadError,
     process_logits,
     sample_token,
+    sample_tokens,
 )
 from agentrl.types import SamplingParams
 
@@ -83,7 +84,46 @@ def test_seeded_sampling_follows_the_distribution() -> None:
     assert torch.allclose(freq, lp.exp(), atol=0.04)
 
 
+def test_batched_sampling_never_picks_a_masked_token_and_rows_are_independent() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, -1.0], [5.0, 0.0, 0.0, 0.0, 0.0]])
+    lp = process_logits(logits, 1.0, 2, 1.0)  # top-k 2: per row, only the two largest
+    assert torch.equal(lp, torch.stack([process_logits(row, 1.0, 2, 1.0) for row in logits]))
+    gens = [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]
+    draws = torch.stack([sample_tokens(lp, 1.0, gens) for _ in range(2000)])
+    assert set(draws[:, 0].tolist()) == {2, 3} and set(draws[:, 1].tolist()) <= {0, 1, 2, 3, 4}
+    freq = torch.bincount(draws[:, 0], minlength=5).float() / len(draws)
+    assert torch.allclose(freq, lp[0].exp(), atol=0.04)
+    # A row's token depends on its own generator only, not on the rows beside it.
+    alone = sample_tokens(lp[1:], 1.0, [torch.Generator().manual_seed(7)])
+    beside = sample_tokens(
+        lp, 1.0, [torch.Generator().manual_seed(3), torch.Generator().manual_seed(7)]
+    )
+    assert alone[0] == beside[1]
+
+
 # ---- batching ----------------------------------------------------------------------------------
+def test_waiting_requests_are_prefilled_together_token_exact(engine, hf_model) -> None:
+    prompts = _prompts()[:4]  # ragged: left padding in the prefill
+    params = [
+        SamplingParams(max_tokens=8, temperature=t, seed=40 + i)
+        for i, t in enumerate((0.0, 1.0, 0.7, 1.0))
+    ]
+    singles = [
+        engine.submit(p, sp).result(timeout=120) for p, sp in zip(prompts, params, strict=True)
+    ]
+    engine.pause()
+    before = engine.stats["prefill_forwards"]
+    futs = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    engine.resume()
+    together = [f.result(timeout=120) for f in futs]
+    assert engine.stats["prefill_forwards"] - before == 1
+    for p, sp, one, t in zip(prompts, params, singles, together, strict=True):
+        assert t.token_ids == one.token_ids
+        assert t.logprobs == pytest.approx(one.logprobs, abs=1e-5)
+        ref = _reference_logprobs(hf_model, p, t.token_ids, sp.temperature)
+        assert torch.allclose(torch.tensor(t.logprobs), ref, atol=1e-4)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
 def test_batched_equals_single_and_matches_hf_forward(engine, hf_model, temperature: float) -> None:
     prompts = _prompts()
@@ -340,6 +380,7 @@ def test_a_failing_prefill_fails_only_its_request(fresh) -> None:
     outs = [f.result(timeout=60) for f in futs]
     assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [r.token_ids for r in refs]
     assert fresh.stats["requests_failed"] == 1
+    assert fresh.stats["prefill_batch_failures"] == 1  # together first, then one by one
 
 
 def test_a_failing_decode_step_is_isolated_to_the_row_that_causes_it(fresh) -> None:
