@@ -802,6 +802,8 @@ class DistributedConfig(Section):
     """Torch threads of each embedded server; null = its share of `cpus`."""
     pin_cpus: bool = False
     """Pin the trainer and each embedded server to disjoint CPUs (when there are enough)."""
+    server_nice: int | None = Field(default=None, ge=0, le=19)
+    """Niceness added to each local embedded server; null = 10 when the plan has more threads than CPUs (the trainer wins contention), else 0."""
 
 
 class ExperimentConfig(Section):

@@ -43,6 +43,7 @@ _CLEAR = {
         "OMP_WAIT_POLICY",
         "AGENTRL_THREADS",
         "AGENTRL_CPUS",
+        "AGENTRL_NICE",
     )
 }
 ONE = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -50,6 +51,7 @@ PASSIVE = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
     "default": ({}, []),
+    "servers_not_niced": ({}, ["distributed.server_nice=0"]),
     "omp1": (ONE, []),
     "trainer2": ({}, ["distributed.trainer_threads=2"]),
     "trainer2_passive": (PASSIVE, ["distributed.trainer_threads=2"]),

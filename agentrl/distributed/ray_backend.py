@@ -951,7 +951,12 @@ def run_with_ray(
         model_path = str(model_dir(cfg))  # builds the tiny model (if any); starts nothing
         workers_cfg = worker_config(cfg, greedy_baseline=plan.advantage.needs_greedy_baseline)
         # The servers share this machine's cpus with the trainer (one plan; vLLM sizes itself).
-        threads = make_plan(inf.num_servers, cpus=dist.cpus, server_threads=dist.server_threads)
+        threads = make_plan(
+            inf.num_servers,
+            cpus=dist.cpus,
+            server_threads=dist.server_threads,
+            server_nice=dist.server_nice,
+        )
         servers, urls = _place_servers(cfg, model_path, bind_host, threads, actors)
         reward, workers = _place_workers(cfg, urls, model_path, workers_cfg, actors)
         info["handles"] = {"servers": servers, "workers": workers, "reward": reward}

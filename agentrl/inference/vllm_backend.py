@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from agentrl.inference.handle import ServerHandle, ServerStartError, free_port
-from agentrl.threads import ENV_CPUS, ENV_THREADS, THREAD_ENV_VARS
+from agentrl.threads import ENV_CPUS, ENV_NICE, ENV_THREADS, THREAD_ENV_VARS
 
 if TYPE_CHECKING:
     from agentrl.threads import ProcessThreads
@@ -195,7 +195,11 @@ def vllm_cpu_env(
     - ``threads=None``: vLLM's own defaults (``auto`` binding, a core kept for the scheduler).
     Values already in ``base`` for ``VLLM_CPU_*`` win over the share (a user's explicit choice).
     """
-    env = {k: v for k, v in base.items() if k not in (*THREAD_ENV_VARS, ENV_THREADS, ENV_CPUS)}
+    env = {
+        k: v
+        for k, v in base.items()
+        if k not in (*THREAD_ENV_VARS, ENV_THREADS, ENV_CPUS, ENV_NICE)
+    }
     # Our own venv must not leak into vLLM's interpreter.
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)

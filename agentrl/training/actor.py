@@ -37,6 +37,7 @@ from tensordict import TensorDict
 
 from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
 from agentrl.batch import merge_micro_batches, split_by_token_budget
+from correction import CorrectionConfig, apply_correction
 
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
@@ -410,21 +411,40 @@ class Actor(FrozenPolicy):
         """
         return self.update_with_log_probs(batch)[0]
 
-    def update_with_log_probs(self, batch: TensorDict) -> tuple[dict[str, float], torch.Tensor]:
+    def fuses_old_log_probs(self, num_rows: int) -> bool:
+        """True when an update of ``num_rows`` rows is one optimizer step (one epoch, one
+        mini-batch) in this process: π_old is then exactly the update's own first forward."""
+        c = self.config
+        return (
+            self.dist is None and c.ppo_epochs == 1 and (c.mini_batch_size or num_rows) >= num_rows
+        )
+
+    def update_with_log_probs(
+        self, batch: TensorDict, *, anchor: CorrectionConfig | None = None
+    ) -> tuple[dict[str, float], torch.Tensor]:
         """:meth:`update`, also returning the first pass's log-probs ``[B, R]`` (detached).
 
         In bypass mode those are π_θ as the update first sees it (before the step for the first
         mini-batch; after the earlier mini-batches' steps for later ones), which the off-policy
         diagnostics use without an extra forward pass.
+
+        With ``anchor`` (only where :meth:`fuses_old_log_probs`), ``batch`` holds no
+        ``old_log_probs``: π_old is each micro-batch's own forward, detached (the weights have
+        not moved yet), and the IS weights of ``anchor`` are computed per micro-batch from it
+        and ``rollout_log_probs`` (row-local: no RS, no batch normalization). That saves the
+        separate π_old pass, which computed the same numbers.
         """
         c = self.config
         n = batch.batch_size[0]
         mini = c.mini_batch_size or n
+        if anchor is not None and not self.fuses_old_log_probs(n):
+            raise ValueError("anchor= needs one optimizer step per batch (fuses_old_log_probs)")
         stats = _Stats()
         first: _FirstPass = ([], [])
         for epoch in range(c.ppo_epochs):
             for start in range(0, n, mini):
-                self._mini_batch_step(batch[start : start + mini], start, epoch, stats, first)
+                mb = batch[start : start + mini]
+                self._mini_batch_step(mb, start, epoch, stats, first, anchor)
         self.scheduler.step()
         self.global_step += 1
         sums, counts = stats.sums, stats.counts
@@ -446,7 +466,13 @@ class Actor(FrozenPolicy):
         return metrics, merged * batch["response_mask"].float()
 
     def _mini_batch_step(
-        self, mb_full: TensorDict, start: int, epoch: int, stats: _Stats, first: _FirstPass
+        self,
+        mb_full: TensorDict,
+        start: int,
+        epoch: int,
+        stats: _Stats,
+        first: _FirstPass,
+        anchor: CorrectionConfig | None = None,
     ) -> None:
         """Accumulate the gradient of one mini-batch over its micro-batches, then step."""
         width = float(mb_full["responses"].shape[1])
@@ -470,7 +496,7 @@ class Actor(FrozenPolicy):
                 first[0].append(logp.detach().cpu())
                 first[1].append([start + r for r in rows])
             assert entropy is not None
-            loss, terms = self._micro_loss(mb, logp, entropy, norm, width)
+            loss, terms = self._micro_loss(mb, logp, entropy, norm, width, anchor)
             if self.dist is not None:
                 loss = loss * (0.0 if padding else loss_scale)
             loss.backward()
@@ -500,6 +526,7 @@ class Actor(FrozenPolicy):
         entropy: torch.Tensor,
         norm: tuple[Any, Any],
         width: float,
+        anchor: CorrectionConfig | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Policy loss − entropy bonus + KL loss of one micro-batch, and its metric terms.
 
@@ -511,10 +538,19 @@ class Actor(FrozenPolicy):
         m = mb["response_mask"].to(self.device).float()
         agg = {"global_tokens": norm[0], "global_seqs": norm[1], "loss_scale_factor": width}
         extra = {}
-        if "rollout_is_weights" in mb:
-            extra["rollout_is_weights"] = mb["rollout_is_weights"].to(self.device)
+        if anchor is not None:  # π_old is this forward: the weights have not moved yet
+            old = logp.detach()
+            if anchor.is_level is not None:
+                rollout = mb["rollout_log_probs"].to(self.device)
+                weights = apply_correction(anchor, (old - rollout) * m, m).weights
+                assert weights is not None
+                extra["rollout_is_weights"] = weights
+        else:
+            old = mb["old_log_probs"].to(self.device)
+            if "rollout_is_weights" in mb:
+                extra["rollout_is_weights"] = mb["rollout_is_weights"].to(self.device)
         pg_loss, pg_metrics = c.loss(
-            mb["old_log_probs"].to(self.device),
+            old,
             logp,
             mb["advantages"].to(self.device),
             m,

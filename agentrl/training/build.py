@@ -73,6 +73,7 @@ def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
         trainer_threads=d.trainer_threads,
         server_threads=d.server_threads,
         pin=d.pin_cpus,
+        server_nice=d.server_nice,
         # vLLM binds its own threads; external servers are not ours to size.
         external_servers=inf.backend != "embedded",
         reward_servers=local_model_servers(cfg),

@@ -1,6 +1,11 @@
 """One training step as plain functions: π_old -> correction -> reference -> rewards -> values ->
 advantages -> update.
 
+When the update is one optimizer step on the batch and nothing needs π_old before it
+(:func:`fuses_old_log_probs`), π_old is the update's own first forward (detached) and the
+correction's row-local IS weights are formed per micro-batch inside it: one forward pass less
+per step, the same numbers (TRL does the same when it takes one step per generation).
+
 Why it exists: the step is where the RL math meets the models, and it must be readable and
 testable without servers. Each stage is a small function of a TensorDict batch; :func:`train_step`
 chains them in a dozen lines. The models are anything with the :class:`Policies` methods, so
@@ -41,6 +46,7 @@ __all__ = [
     "anchor_log_probs",
     "compute_advantages",
     "compute_rewards",
+    "fuses_old_log_probs",
     "run_correction",
     "train_step",
     "trajectory_metrics",
@@ -158,8 +164,30 @@ def compute_advantages(
     batch["returns"] = returns
 
 
+def fuses_old_log_probs(plan: AlgorithmPlan, actor: Any, num_rows: int) -> bool:
+    """True when π_old can come from the update's own first forward instead of a pass of its
+    own: decoupled mode, the update is one optimizer step (:meth:`Actor.fuses_old_log_probs`),
+    and nothing needs π_old before it: no RS rules (they change the mask the advantages and the
+    loss normalizer see), no batch-normalized IS, no KL in the reward, no Σπ² baseline."""
+    c = plan.correction
+    fusable = getattr(actor, "fuses_old_log_probs", None)
+    return (
+        plan.needs_old_log_probs
+        and not c.rs_rules
+        and not c.is_batch_normalize
+        and plan.kl_in_reward is None
+        and not plan.advantage.needs_sum_pi_squared
+        and fusable is not None
+        and bool(fusable(num_rows))
+    )
+
+
 async def _update_models(
-    batch: TensorDict, policies: Policies, train_actor: bool, m: dict[str, float]
+    batch: TensorDict,
+    policies: Policies,
+    train_actor: bool,
+    m: dict[str, float],
+    anchor: correction.CorrectionConfig | None = None,
 ) -> torch.Tensor | None:
     """Critic update (when there is one), then the actor's; returns the actor's first-pass π_θ."""
     if policies.critic is not None:
@@ -173,7 +201,12 @@ async def _update_models(
     if not train_actor:
         return None
     t0 = time.perf_counter()
-    actor_metrics, first_lp = await _off_loop(policies.actor.update_with_log_probs, batch)
+    if anchor is None:
+        actor_metrics, first_lp = await _off_loop(policies.actor.update_with_log_probs, batch)
+    else:
+        actor_metrics, first_lp = await asyncio.to_thread(
+            policies.actor.update_with_log_probs, batch, anchor=anchor
+        )
     m["timing_s/update_actor"] = time.perf_counter() - t0
     m.update(actor_metrics)
     return first_lp
@@ -191,7 +224,8 @@ async def train_step(
     """One optimizer step on ``trajs`` (see the module docstring for the stages)."""
     m: dict[str, float] = {}
     batch = trajectories_to_batch(list(trajs), pad_token_id=pad_token_id)
-    train_lp = await anchor_log_probs(batch, policies.actor, plan, m)
+    fused = train_actor and fuses_old_log_probs(plan, policies.actor, len(trajs))
+    train_lp = None if fused else await anchor_log_probs(batch, policies.actor, plan, m)
     if train_lp is not None:
         run_correction(batch, train_lp, plan, m)
     if policies.reference is not None:
@@ -202,8 +236,17 @@ async def train_step(
         batch["values"] = await _off_loop(policies.critic.compute_values, batch)
         m["timing_s/values"] = time.perf_counter() - t0
     compute_advantages(batch, plan, reward_baselines, [t.reward_info for t in trajs])
-    first_lp = await _update_models(batch, policies, train_actor, m)
-    if train_lp is None:
+    first_lp = await _update_models(
+        batch, policies, train_actor, m, plan.correction if fused else None
+    )
+    if fused:
+        # π_old was the update's first forward: the batch and the diagnostics get the same
+        # numbers the separate pass would have given (row-local IS: the weights are equal).
+        assert first_lp is not None
+        batch["old_log_probs"] = first_lp
+        run_correction(batch, first_lp, plan, m)
+        m["actor/old_log_prob_fused"] = 1.0
+    elif train_lp is None:
         # Bypass without IS/RS: the diagnostics come from the update's first pass (π_θ before
         # the step), or, while the actor is frozen, from one forward pass of the policy.
         theta = first_lp

@@ -76,7 +76,7 @@ def run_agentrl(args: argparse.Namespace, setting: str, tasks: Path, out: Path) 
         f"model.path={args.model_dir}",
         f"trainer.total_steps={args.steps}",
         f"data.train_files=[{tasks}]",
-        "data.generator_kwargs.n_val=0",
+        "data.generator_val_size=0",
         f"data.batch_size={args.batch_tasks}",
         f"data.n_samples={args.n_samples}",
         f"trainer.mini_batch_size={args.batch_tasks}",

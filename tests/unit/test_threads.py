@@ -15,7 +15,35 @@ def test_two_cores_three_processes_get_one_thread_each() -> None:
     plan = make_plan(2, cpus=[0, 1])
     assert plan.trainer.threads == 1
     assert [s.threads for s in plan.servers] == [1, 1]
-    assert plan.describe().startswith("2 cpus: trainer=1 server0=1 server1=1")
+    assert plan.describe().startswith("2 cpus: trainer=1 server0=1~10 server1=1~10")
+
+
+def test_servers_yield_to_the_trainer_only_when_the_cores_are_oversubscribed() -> None:
+    crowded = make_plan(2, cpus=[0, 1], reward_servers=1)
+    assert [s.nice for s in (*crowded.servers, *crowded.reward_servers)] == [10, 10, 10]
+    assert crowded.trainer.nice == 0
+    assert crowded.servers[0].env()["AGENTRL_NICE"] == "10"
+    assert make_plan(1, cpus=[0, 1]).servers[0].nice == 0  # 1 + 1 threads on 2 cores
+    assert make_plan(2, cpus=8).servers[0].nice == 0
+    assert make_plan(1, cpus=[0, 1, 2, 3], pin=True).servers[0].nice == 0
+    assert "AGENTRL_NICE" not in make_plan(1, cpus=4).servers[0].env()
+    # the knob wins both ways
+    assert make_plan(2, cpus=[0, 1], server_nice=0).servers[0].nice == 0
+    assert make_plan(1, cpus=8, server_nice=5).servers[0].nice == 5
+    with pytest.raises(ValueError, match=r"distributed\.server_nice"):
+        make_plan(1, server_nice=20)
+
+
+def test_a_child_lowers_its_priority_once() -> None:
+    env = make_plan(2, cpus=[0, 1]).servers[0].env()
+    code = (
+        "import os; from agentrl.threads import apply_env_threads; "
+        "before = os.nice(0); apply_env_threads(); apply_env_threads(); print(os.nice(0) - before)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**env}, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "10"
 
 
 def test_cores_are_split_without_oversubscription() -> None:

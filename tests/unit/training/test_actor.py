@@ -115,3 +115,77 @@ def test_a_fully_masked_batch_leaves_the_weights_alone(tiny_model_dir: Path) -> 
     assert metrics["actor/skipped_empty_minibatch"] == 1.0
     after = actor.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize(
+    ("preset", "budget"), [("decoupled_token_is", 16), ("decoupled_seq_is", 10**5)]
+)
+async def test_pi_old_from_the_update_equals_a_separate_pass(
+    tiny_model_dir: Path, preset: str, budget: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One optimizer step per batch: π_old is the update's own first forward, and the step is
+    the one a separate π_old pass gives (weights, IS weights, diagnostics), one pass cheaper."""
+    from agentrl.training.algorithm import build_algorithm
+    from agentrl.training.step import Policies, train_step
+    from tests.fakes import experiment
+
+    plan = build_algorithm(experiment(f"algorithm.correction.preset={preset}").algorithm)
+    trajs = _trajectories(6, seed=4)
+    # π_rollout = the model's own log-probs + noise, so that the IS weights vary around 1
+    policy = FrozenPolicy(
+        tiny_model_dir, temperature=1.0, micro_batch_max_tokens=4096, **MODEL_ARGS
+    )
+    own = policy.compute_log_probs(trajectories_to_batch(trajs, pad_token_id=PAD))
+    gen = torch.Generator().manual_seed(0)
+    for row, t in enumerate(trajs):
+        noise = 0.3 * torch.randn(len(t.response_ids), generator=gen)
+        lp = (own[row, : len(t.response_ids)] + noise).tolist()
+        t.rollout_logprobs = [v if m else 0.0 for v, m in zip(lp, t.loss_mask, strict=True)]
+    runs = []
+    for fuse in (True, False):
+        cfg = actor_config(lr=1e-3, micro_batch_max_tokens=budget)
+        actor = Actor(tiny_model_dir, cfg, **MODEL_ARGS)
+        if not fuse:
+            monkeypatch.setattr(actor, "fuses_old_log_probs", lambda n: False)
+        out = await train_step(trajs, Policies(actor), plan, pad_token_id=PAD)
+        weights = torch.cat([p.detach().flatten() for p in actor.model.parameters()])
+        runs.append((out, weights))
+    (fused, w_fused), (separate, w_separate) = runs
+    assert fused.metrics["actor/old_log_prob_fused"] == 1.0
+    assert "timing_s/old_log_prob" not in fused.metrics
+    assert "actor/old_log_prob_fused" not in separate.metrics
+    torch.testing.assert_close(w_fused, w_separate, atol=1e-7, rtol=0)
+    for key in ("old_log_probs", "rollout_is_weights", "advantages", "response_mask"):
+        torch.testing.assert_close(fused.batch[key], separate.batch[key], atol=1e-6, rtol=0)
+    w = separate.batch["rollout_is_weights"][separate.batch["response_mask"].bool()]
+    assert float(w.min()) < 0.9 and float(w.max()) > 1.1  # the weights did work
+    for key, value in separate.metrics.items():
+        if key.startswith(("actor/", "rollout_corr/")) and key != "actor/lr":
+            assert fused.metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_pi_old_needs_its_own_pass_when_something_uses_it_before_the_update(
+    tiny_model_dir: Path,
+) -> None:
+    from agentrl.training.algorithm import build_algorithm
+    from agentrl.training.step import fuses_old_log_probs
+    from tests.fakes import experiment
+
+    def plan(*overrides: str):
+        return build_algorithm(experiment(*overrides).algorithm)
+
+    one_step = Actor(tiny_model_dir, actor_config(), **MODEL_ARGS)
+    token_is = plan("algorithm.correction.preset=decoupled_token_is")
+    assert fuses_old_log_probs(token_is, one_step, 8)
+    # RS changes the mask the advantages and the loss normalizer see; KL in the reward and
+    # bypass use π_old/π_rollout before the update; several steps move the weights.
+    for other in (
+        plan("algorithm.correction.preset=decoupled_seq_is_rs"),
+        plan("algorithm.correction.preset=decoupled_token_is", "algorithm.use_kl_in_reward=true"),
+        plan("algorithm.correction.preset=bypass_ppo_clip"),
+    ):
+        assert not fuses_old_log_probs(other, one_step, 8)
+    epochs = Actor(tiny_model_dir, actor_config(ppo_epochs=2), **MODEL_ARGS)
+    minis = Actor(tiny_model_dir, actor_config(mini_batch_size=4), **MODEL_ARGS)
+    assert not fuses_old_log_probs(token_is, epochs, 8)
+    assert not fuses_old_log_probs(token_is, minis, 8)
