@@ -11,6 +11,14 @@ from agentrl import threads
 from agentrl.threads import make_plan
 
 
+def _in_child(env: dict[str, str], code: str) -> str:
+    """What ``code`` prints in a fresh interpreter with only ``env`` (a server's environment)."""
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**env}, capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip()
+
+
 def test_two_cores_three_processes_get_one_thread_each() -> None:
     plan = make_plan(2, cpus=[0, 1])
     assert plan.trainer.threads == 1
@@ -40,10 +48,7 @@ def test_a_child_lowers_its_priority_once() -> None:
         "import os; from agentrl.threads import apply_env_threads; "
         "before = os.nice(0); apply_env_threads(); apply_env_threads(); print(os.nice(0) - before)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env={**env}, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "10"
+    assert _in_child(env, code) == "10"
 
 
 def test_cores_are_split_without_oversubscription() -> None:
@@ -85,10 +90,7 @@ def test_child_env_sets_the_pools_before_torch_starts() -> None:
         "from agentrl.threads import apply_env_threads; import torch; "
         "apply_env_threads(); print(torch.get_num_threads())"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env={**env}, capture_output=True, text=True, check=True
-    )
-    assert out.stdout.strip() == "2"
+    assert _in_child(env, code) == "2"
 
 
 def test_plan_pickles() -> None:
