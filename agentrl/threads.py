@@ -185,22 +185,7 @@ def make_plan(
     shares = _share(n, processes)
     t_trainer = trainer_threads or shares[0]
     t_servers = [server_threads or s for s in shares[1:]]
-    cpu_sets: list[tuple[int, ...] | None] = [None] * processes
-    if pin:
-        want = [t_trainer, *t_servers]
-        if sum(want) <= n:
-            start = 0
-            for i, k in enumerate(want):
-                cpu_sets[i] = chosen[start : start + k]
-                start += k
-        else:
-            logger.warning(
-                "distributed.pin_cpus: %d processes want %d threads but only %d cpus are usable; "
-                "not pinning",
-                processes,
-                sum(want),
-                n,
-            )
+    cpu_sets = _pin_sets([t_trainer, *t_servers], chosen) if pin else [None] * processes
     trainer = ProcessThreads("trainer", t_trainer, 1, cpu_sets[0])
     roles = [f"server{i}" for i in range(local_servers)]
     roles += [f"reward{i}" for i in range(reward_servers)]
@@ -221,6 +206,26 @@ def make_plan(
         servers=tuple(others[:local_servers]),
         reward_servers=tuple(others[local_servers:]),
     )
+
+
+def _pin_sets(want: list[int], chosen: tuple[int, ...]) -> list[tuple[int, ...] | None]:
+    """Disjoint CPU sets of ``want[i]`` CPUs each from ``chosen``, or no pinning at all (logged)
+    when they do not fit."""
+    if sum(want) > len(chosen):
+        logger.warning(
+            "distributed.pin_cpus: %d processes want %d threads but only %d cpus are usable; "
+            "not pinning",
+            len(want),
+            sum(want),
+            len(chosen),
+        )
+        return [None] * len(want)
+    sets: list[tuple[int, ...] | None] = []
+    start = 0
+    for k in want:
+        sets.append(chosen[start : start + k])
+        start += k
+    return sets
 
 
 _applied: tuple[int, int, tuple[int, ...] | None] | None = None
