@@ -803,7 +803,7 @@ class DistributedConfig(Section):
     pin_cpus: bool = False
     """Pin the trainer and each embedded server to disjoint CPUs (when there are enough)."""
     server_nice: int | None = Field(default=None, ge=0, le=19)
-    """Niceness added to each local embedded server; null = 10 when the plan has more threads than CPUs (the trainer wins contention), else 0."""
+    """Niceness added to each local embedded server (0-19); null = 10 when the plan has more threads than CPUs and nothing is pinned (the trainer, the critical path, wins contention), else 0."""
 
 
 class ExperimentConfig(Section):
