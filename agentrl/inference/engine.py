@@ -1067,11 +1067,13 @@ class InferenceEngine:
                 live.append(req)
         if len(live) > 1:
             try:
-                self._join_prefilled(live, *self._prefill_forward(live))
-                return
+                together = self._prefill_forward(live)
             except Exception as e:
                 log.warning("prefill of %d requests together failed (%s); one by one", len(live), e)
                 self.stats["prefill_batch_failures"] += 1
+            else:  # outside the try: the join samples tokens, a retry would sample them again
+                self._join_prefilled(live, *together)
+                return
         for req in live:
             try:
                 self._join_prefilled([req], *self._prefill_forward([req]))

@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -201,12 +202,10 @@ async def _update_models(
     if not train_actor:
         return None
     t0 = time.perf_counter()
-    if anchor is None:
-        actor_metrics, first_lp = await _off_loop(policies.actor.update_with_log_probs, batch)
-    else:
-        actor_metrics, first_lp = await asyncio.to_thread(
-            policies.actor.update_with_log_probs, batch, anchor=anchor
-        )
+    update = policies.actor.update_with_log_probs
+    if anchor is not None:
+        update = functools.partial(update, anchor=anchor)
+    actor_metrics, first_lp = await _off_loop(update, batch)
     m["timing_s/update_actor"] = time.perf_counter() - t0
     m.update(actor_metrics)
     return first_lp
