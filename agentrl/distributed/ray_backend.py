@@ -879,23 +879,14 @@ class TrainerActor:
 
 # ---- placement ----------------------------------------------------------------------------------
 def _connect(address: str | None) -> bool:
-    """Join ``address`` (or a running cluster), else start a local one. True if we started it."""
-    import ray
+    """Join ``address`` (or a running cluster), else start a local one. True if we connected
+    (:mod:`agentrl.distributed.cluster`: a cluster we start has its own token, whatever
+    ``~/.ray`` holds)."""
+    from agentrl.distributed.cluster import connect
 
-    if ray.is_initialized():
-        return False
     root = str(Path(__file__).resolve().parents[2])
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    runtime_env = {"env_vars": {"PYTHONPATH": pythonpath}}
-    if address is not None:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=False)
-        return True
-    try:
-        ray.init(address="auto", runtime_env=runtime_env, log_to_driver=False)
-    except ConnectionError:
-        logger.info("no running Ray cluster found: starting a local one")
-        ray.init(runtime_env=runtime_env, log_to_driver=False)
-    return True
+    return connect(address, {"env_vars": {"PYTHONPATH": pythonpath}})
 
 
 def _absolute(cfg: ExperimentConfig) -> ExperimentConfig:
@@ -977,7 +968,9 @@ def run_with_ray(
     finally:
         _shutdown(actors)
         if started:
-            ray.shutdown()
+            from agentrl.distributed.cluster import disconnect
+
+            disconnect()
 
 
 def _restarts(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -578,9 +578,12 @@ class CheckpointEngine:
         api_key: str | None = None,
         tied_weights: Mapping[str, str] | None = None,
         probe_token_ids: Sequence[int] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if not clients:
             raise ValueError("CheckpointEngine needs at least one server client")
+        self.clock = clock
+        """Where the report's timings come from (tests inject a counting clock)."""
         self.clients = [
             c
             if isinstance(c, PolicyClient)
@@ -625,16 +628,16 @@ class CheckpointEngine:
         failure (it is in the report; call :meth:`PushReport.raise_if_failed`); raises only for
         bad arguments or if staging the weights fails (before any server is touched).
         """
-        t0 = time.perf_counter()
+        t0 = self.clock()
         report = PushReport(version=version, transport=self.transport.name)
         staged = await self._stage(weights, version, report)
         report.num_bytes = staged.num_bytes
-        report.stage_seconds = time.perf_counter() - t0
+        report.stage_seconds = self.clock() - t0
         verifier = _Verifier(self, score) if self.verify and score is not None else None
         if verifier is not None:
-            t_score = time.perf_counter()
+            t_score = self.clock()
             await verifier.prepare()
-            report.score_seconds = time.perf_counter() - t_score
+            report.score_seconds = self.clock() - t_score
         try:
             await self.transport.prepare(self.clients)
         except Exception as exc:  # no server was paused: every one keeps its version
@@ -645,7 +648,7 @@ class CheckpointEngine:
         report.servers = {s.url: s for s in statuses}
         report.verify_seconds = report.stage_time("verify")
         self.transport.cleanup(keep_version=version)
-        report.total_seconds = time.perf_counter() - t0
+        report.total_seconds = self.clock() - t0
         if not report.ok:
             logger.error("%s", report.describe())
         return report
@@ -670,7 +673,7 @@ class CheckpointEngine:
             status = ServerPushStatus(url=c.base_url, stage="prepare", error=error)
             await self._read_version(c, status, report.version)
             report.servers[c.base_url] = status
-        report.total_seconds = time.perf_counter() - t0
+        report.total_seconds = self.clock() - t0
         logger.error("%s", report.describe())
         return report
 
@@ -690,7 +693,7 @@ class CheckpointEngine:
         self, client: PolicyClient, staged: StagedWeights, verifier: _Verifier | None
     ) -> ServerPushStatus:
         status = ServerPushStatus(url=client.base_url)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         pause_sent = False
         try:
             async with asyncio.timeout(self.push_timeout_s):
@@ -720,7 +723,7 @@ class CheckpointEngine:
         if verifier is not None and status.ok and not status.verified_while_paused:
             model = VLLM_LORA_NAME if staged.lora is not None else None
             await self._verify_serving(client, status, verifier, staged.version, model)
-        status.seconds = time.perf_counter() - t0
+        status.seconds = self.clock() - t0
         return status
 
     async def _transfer(
@@ -733,18 +736,17 @@ class CheckpointEngine:
         status.stage = "set_version"
         await self._timed(status, "transfer", client.set_weight_version(staged.version))
 
-    @staticmethod
-    async def _timed(status: ServerPushStatus, stage: str, work: Awaitable[Any]) -> Any:
-        t0 = time.perf_counter()
+    async def _timed(self, status: ServerPushStatus, stage: str, work: Awaitable[Any]) -> Any:
+        t0 = self.clock()
         try:
             return await work
         finally:
-            status.timings[stage] = status.timings.get(stage, 0.0) + time.perf_counter() - t0
+            status.timings[stage] = status.timings.get(stage, 0.0) + self.clock() - t0
 
     async def _resume(self, client: PolicyClient, status: ServerPushStatus) -> None:
         """Resume, then read the pause state back: a server still paused (a ``wait`` pause that
         landed after the first resume) is resumed once more, and reported paused if it stays."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             for _attempt in range(2):
                 await asyncio.wait_for(client.resume(), timeout=30.0)
@@ -763,7 +765,7 @@ class CheckpointEngine:
             status.error = (status.error + "; " if status.error else "") + (
                 f"resume failed: {type(exc).__name__}: {exc}"
             )
-        status.timings["resume"] = time.perf_counter() - t0
+        status.timings["resume"] = self.clock() - t0
 
     @staticmethod
     async def _read_version(client: PolicyClient, status: ServerPushStatus, expected: int) -> None:
@@ -789,7 +791,7 @@ class CheckpointEngine:
     ) -> None:
         """vLLM: nothing is served while paused, so the probe runs right after the resume
         (``model``: the LoRA adapter's name for an adapter push)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             gen = await verifier.probe_serving(client, model)
             await verifier.check(status, gen, version)
@@ -797,7 +799,7 @@ class CheckpointEngine:
             status.error = f"verify probe failed: {type(exc).__name__}: {exc}"
         if status.error is not None:
             status.stage = "verify"
-        status.timings["verify"] = time.perf_counter() - t0
+        status.timings["verify"] = self.clock() - t0
 
     def replace_client(
         self, old_url: str | None, client: PolicyClient | None

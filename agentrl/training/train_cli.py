@@ -60,6 +60,11 @@ def run(args: argparse.Namespace) -> int:
     except RunFailed as exc:
         print(f"error: the run stopped: {exc}", file=sys.stderr)
         return 1
+    except RuntimeError as exc:
+        if type(exc).__name__ != "RayAuthError":  # agentrl.distributed.cluster
+            raise
+        print(f"error: distributed.ray_address: {exc}", file=sys.stderr)
+        return 2
     print(json.dumps(summary(result), indent=2))
     return 0
 

@@ -117,13 +117,22 @@ def inference_server(request: pytest.FixtureRequest):
     return request.getfixturevalue(f"{request.param}_server")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_cluster() -> Iterator[str]:
+    """One Ray head (``ray start --head --block``, 127.0.0.1, a free port, 2 CPUs, its own temp
+    dir) for the whole test session, token-authenticated with a token of its own
+    (:func:`agentrl.distributed.cluster.head_env`): the test process and every child it starts
+    get that token in their environment, so a ``~/.ray/auth_token`` left by an earlier Ray run
+    on the machine is never read. The process group is ended at the end of the session."""
+    from agentrl.distributed.cluster import AUTH_ENV, head_env, set_auth_env, wait_ready
+
     ray_bin = Path(sys.executable).parent / "ray"
     assert ray_bin.exists(), f"{ray_bin} is missing: install ray into the venv (pip install ray)"
     port = _free_ray_port()
     tmp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths have a limit
     log = open(Path(tmp) / "head.log", "wb")  # noqa: SIM115 (closed in the finally below)
+    auth = head_env()
+    env = {k: v for k, v in os.environ.items() if k not in AUTH_ENV} | auth
     proc = subprocess.Popen(
         [
             str(ray_bin),
@@ -141,24 +150,21 @@ def ray_cluster() -> Iterator[str]:
         stdout=log,
         stderr=subprocess.STDOUT,
         start_new_session=True,
+        env=env,
     )
     address = f"127.0.0.1:{port}"
     try:
         import ray  # noqa: F401 (fail, not skip, when Ray is missing)
 
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, (Path(tmp) / "head.log").read_text()[-3000:]
-            r = subprocess.run(
-                [str(ray_bin), "status", f"--address={address}"],
-                capture_output=True,
-                timeout=30,
-            )
-            if r.returncode == 0:
-                break
-            assert time.monotonic() < deadline, "the Ray head did not come up in 90 s"
-            time.sleep(1)
-        yield address
+        try:
+            wait_ready(ray_bin, address, auth, timeout_s=90, alive=lambda: proc.poll() is None)
+        except (TimeoutError, RuntimeError) as exc:
+            raise AssertionError(f"{exc}\n{(Path(tmp) / 'head.log').read_text()[-3000:]}") from exc
+        saved = set_auth_env(auth)
+        try:
+            yield address
+        finally:
+            set_auth_env(saved)
     finally:
         with_pg = os.getpgid(proc.pid) if proc.poll() is None else None
         if with_pg is not None:

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 from pathlib import Path
 
@@ -235,7 +236,10 @@ class _FailingLoad(HttpStreamTransport):
 
 async def test_push_pauses_loads_resets_sets_version_and_resumes_in_order() -> None:
     a, b = FakeInferenceServer("http://a", version=2), FakeInferenceServer("http://b", version=2)
-    engine = CheckpointEngine(_clients(a, b), HttpStreamTransport(), pause_mode="abort")
+    ticks = itertools.count()
+    engine = CheckpointEngine(
+        _clients(a, b), HttpStreamTransport(), pause_mode="abort", clock=lambda: next(ticks)
+    )
     report = await engine.push(_state(), 3)
     assert report.ok, report.describe()
     assert report.transport == "http"
@@ -267,8 +271,10 @@ async def test_push_pauses_loads_resets_sets_version_and_resumes_in_order() -> N
         "timing_s/push/verify",
         "timing_s/push/resume",
     }
+    # A counting clock (one tick per reading): each phase is timed inside the push, in order,
+    # so the phases add up to no more than the whole; no wall clock is read.
     parts = sum(metrics[f"timing_s/push/{k}"] for k in ("stage", "pause", "transfer", "resume"))
-    assert 0 < parts <= metrics["weight_sync/push_s"] * 1.01 + 1e-3
+    assert 0 < parts <= metrics["weight_sync/push_s"]
 
 
 async def test_a_failed_transfer_still_resumes_and_reports_the_old_version() -> None:
