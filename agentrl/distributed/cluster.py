@@ -61,7 +61,7 @@ def set_auth_env(env: Mapping[str, str | None]) -> dict[str, str | None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    from ray._raylet import Config
+    from ray._raylet import Config  # type: ignore[attr-defined]  # compiled module, no stub
 
     Config.initialize("")
     return saved
