@@ -42,7 +42,7 @@ from agentrl.evaluation.stats import (
     flatten_statistics,
     validation_statistics,
 )
-from agentrl.rollout.rewards import extract_answer, final_answer_text, parse_number
+from agentrl.rollout.answers import extract_answer, final_answer_text, parse_number
 from agentrl.types import StopReason, Task, Trajectory
 
 if TYPE_CHECKING:

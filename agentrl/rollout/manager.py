@@ -3,6 +3,9 @@
 Why it exists: the trainer wants finished, scored episodes as soon as they exist (so slow
 episodes never block fast ones), a bound on how many run at once, and a hook to stop admitting
 new episodes when the rollouts would run too far ahead of the weights (the staleness budget).
+The manager owns the bookkeeping of every episode; what one episode does is the worker's
+(:mod:`agentrl.rollout.worker`), when one may start is the admission's
+(:mod:`agentrl.rollout.admission`).
 
 Invariants (what is always true):
 
@@ -12,8 +15,10 @@ Invariants (what is always true):
 - An agent that raises ends as a trajectory with ``stop_reason=error`` (what it recorded before the
   error, the message in ``Trajectory.error``), counted and logged; an episode that runs past
   ``episode_timeout_s`` ends as ``stop_reason=aborted`` with the tokens recorded so far. Neither
-  hangs the stream. A drop happens only on cancellation, when not even the prompt can be
-  rendered (logged), or when the episode's worker failed twice (below).
+  hangs the stream. A drop happens only on cancellation, when the worker drops the episode
+  (:class:`~agentrl.types.EpisodeDropped`: a failed reward, an overlong prompt; counted
+  ``dropped/<reason>``), when not even the prompt can be rendered (logged), or when the
+  episode's worker failed twice (below).
 - A worker that fails (its ``run_episode`` raises anything but a cancellation or
   :class:`~agentrl.types.EpisodeDropped`: e.g. the Ray actor running it died) does not lose the
   episode: it is re-dispatched once (``max_redispatches``), to another available worker when
@@ -28,8 +33,8 @@ Invariants (what is always true):
   ``(η + v + 1) · batch_size > accepted + running`` is never overshot. ``on_admitted`` is called
   exactly once per admitted episode and ``on_finished`` exactly once after it (with the
   trajectory, or ``None`` for a drop).
-- A trajectory is yielded only after it is scored (when a reward manager is given); a scorer that
-  raises leaves reward 0.0 and ``reward_info["error"]`` (counted), never a lost trajectory.
+- A trajectory is yielded only after it is scored (when a reward manager is given); a reward
+  that fails drops its episode (counted ``dropped/reward_error``), never a 0.0 trained on.
 - All samples of one task share a ``uid``; ``index`` is the sample number; every turn of an
   episode uses the session id ``"{uid}/{index}"`` (sticky routing to one server's prefix cache).
 
@@ -37,10 +42,14 @@ Shutdown order (``stream.aclose()``, leaving ``async with``, or ``manager.cancel
 admitting -> cancel running episodes (each agent's tool episode releases its tools on the way
 out) -> count each as a drop and call ``on_finished(key, None)`` -> close the stream.
 
-Workers: ``num_workers`` :class:`AgentLoopWorker` objects, each a plain class whose state pickles
-(policy, tokenizer, tools, reward, config); in one process they run as asyncio tasks, and the
-manager sends each episode to the worker with the fewest episodes in flight. Placing workers in
-Ray actors needs only ``run_episode`` as a remote method.
+Workers: ``num_workers`` :class:`~agentrl.rollout.worker.AgentLoopWorker` objects, each a plain
+class whose state pickles (policy, tokenizer, tools, reward, config); in one process they run as
+asyncio tasks, and the manager sends each episode to the worker with the fewest episodes in
+flight. Placing workers in Ray actors needs only ``run_episode`` as a remote method
+(:class:`~agentrl.rollout.worker.EpisodeRunner`).
+
+The agent loop's names are all importable from here (``AgentLoopManager``, ``AgentLoopWorker``,
+``WorkerConfig``, ``StalenessAdmission``, ``EpisodeKey``, ...).
 
 Example::
 
@@ -59,15 +68,19 @@ import asyncio
 import functools
 import itertools
 import logging
-import time
 from collections.abc import AsyncGenerator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-from agentrl.config import AgentConfig, RolloutConfig
-from agentrl.episode import EpisodeRecorder
-from agentrl.types import EpisodeDropped, Policy, SamplingParams, StopReason, Task, Trajectory
-from agents import AgentContext, AgentLimits, get_agent_class, get_parser
+from agentrl.config import RolloutConfig
+from agentrl.rollout.admission import (
+    AdmissionController,
+    AlwaysAdmit,
+    EpisodeKey,
+    StalenessAdmission,
+)
+from agentrl.rollout.worker import AgentLoopWorker, EpisodeRunner, Scorer, WorkerConfig
+from agentrl.types import EpisodeDropped, Policy, Task, Trajectory
 from tools import ToolSet
 
 __all__ = [
@@ -85,389 +98,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_AGENT_DEFAULTS = AgentConfig()
 _ROLLOUT_DEFAULTS = RolloutConfig()
 """The config's defaults (``agentrl.config`` is their only home)."""
-
-
-@dataclass(frozen=True)
-class EpisodeKey:
-    """Identifies one admitted episode."""
-
-    uid: str
-    index: int
-    task_id: str
-
-
-@runtime_checkable
-class Scorer(Protocol):
-    """Anything with ``async score(traj, task) -> Trajectory`` (e.g. ``RewardManager``)."""
-
-    async def score(self, traj: Trajectory, task: Task) -> Trajectory:
-        """``traj`` with its reward (and ``reward_info``) filled in for ``task``."""
-        ...
-
-
-@runtime_checkable
-class EpisodeRunner(Protocol):
-    """What the manager needs of a worker: :class:`AgentLoopWorker`, or a stand-in for one that
-    runs elsewhere (the Ray backend's ``RemoteWorker``). A worker may also have an
-    ``available`` attribute: while it is false the manager sends it no new episode."""
-
-    @property
-    def counts(self) -> dict[str, int]:
-        """The worker's counters (errors, timeouts, ...), summed into the manager's stats."""
-        ...
-
-    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
-        """Run sample ``index`` of group ``uid`` of ``task``: its trajectory (module docstring:
-        what raising means)."""
-        ...
-
-
-# ---- admission -------------------------------------------------------------------------------
-
-
-@runtime_checkable
-class AdmissionController(Protocol):
-    """The trainer's hook on when episodes may start (the staleness budget).
-
-    The manager calls, per episode: ``await wait_for_admission()`` (returns when ``may_start()``
-    is likely true), then ``may_start()`` (re-checked; if false it waits again), then, in the
-    same event-loop step, ``on_admitted(key)``; when the episode ends, ``on_finished(key, traj)``
-    (``traj`` is ``None`` for a drop). Hooks must not block; exceptions in ``on_*`` are logged
-    and counted (``rollout/hook_errors``).
-    """
-
-    def may_start(self) -> bool:
-        """True when one more episode may start now."""
-        ...
-
-    async def wait_for_admission(self) -> None:
-        """Return when ``may_start()`` is likely true (the manager re-checks)."""
-        ...
-
-    def on_admitted(self, key: EpisodeKey) -> None:
-        """Episode ``key`` was admitted (same event-loop step as ``may_start()``)."""
-        ...
-
-    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
-        """Episode ``key`` ended: with ``traj``, or ``None`` for a drop."""
-        ...
-
-
-class AlwaysAdmit:
-    """No staleness budget: admit whenever a concurrency slot is free."""
-
-    def may_start(self) -> bool:
-        """Always true."""
-        return True
-
-    async def wait_for_admission(self) -> None:
-        """Returns at once."""
-        return None
-
-    def on_admitted(self, key: EpisodeKey) -> None:
-        """Nothing to record."""
-        return None
-
-    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
-        """Nothing to record."""
-        return None
-
-
-class StalenessAdmission:
-    """AReaL's admission rule: start an episode only while ``(η + v + 1) · B > accepted + running``.
-
-    ``η`` = ``max_staleness``, ``v`` = the trainer's weight version (``set_version``), ``B`` =
-    ``batch_size`` (episodes per trainer step). ``running`` counts admitted, unfinished episodes;
-    ``accepted`` counts finished ones. The trainer calls ``set_version(v)`` after each weight
-    push, and ``reject(n)`` for finished episodes it threw away (e.g. too stale) so that they are
-    replaced. With η = 0 this is synchronous training: at most one batch per version.
-    """
-
-    def __init__(self, batch_size: int, max_staleness: int = 0, version: int = 0) -> None:
-        if batch_size < 1 or max_staleness < 0:
-            raise ValueError(
-                f"StalenessAdmission(batch_size={batch_size}, max_staleness={max_staleness}): "
-                "batch_size must be >= 1 and max_staleness >= 0"
-            )
-        self.batch_size = batch_size
-        self.max_staleness = max_staleness
-        self.version = version
-        self.accepted = 0
-        self.running = 0
-        self._changed = asyncio.Event()
-
-    @property
-    def capacity(self) -> int:
-        """Episodes that may still start now."""
-        limit = (self.max_staleness + self.version + 1) * self.batch_size
-        return limit - (self.accepted + self.running)
-
-    def may_start(self) -> bool:
-        """True while the budget has room (``capacity > 0``)."""
-        return self.capacity > 0
-
-    async def wait_for_admission(self) -> None:
-        """Wait until the budget has room (a version bump, a finish or a reject)."""
-        while not self.may_start():
-            self._changed.clear()
-            await self._changed.wait()
-
-    def on_admitted(self, key: EpisodeKey) -> None:
-        """Count the episode as running."""
-        self.running += 1
-
-    def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
-        """Move the episode from running to accepted (a drop just stops running)."""
-        self.running -= 1
-        if traj is not None:
-            self.accepted += 1
-        self._changed.set()
-
-    def set_version(self, version: int) -> None:
-        """The trainer pushed weight version ``version`` (the budget grows a batch per version)."""
-        self.version = version
-        self._changed.set()
-
-    def reject(self, n: int = 1) -> None:
-        """``n`` finished episodes were thrown away by the trainer: admit as many replacements."""
-        self.accepted -= n
-        self._changed.set()
-
-
-# ---- worker ----------------------------------------------------------------------------------
-
-
-@dataclass
-class WorkerConfig:
-    """What every episode of a worker shares (plain data; pickles). Build it with
-    :meth:`from_config`; the defaults here are the config's (``agentrl.config``)."""
-
-    sampling: SamplingParams = field(default_factory=SamplingParams)
-    limits: AgentLimits = field(default_factory=AgentLimits)
-    tool_call_format: str = _AGENT_DEFAULTS.tool_call_format
-    system_prompt: str | None = None
-    episode_timeout_s: float | None = None
-    """Wall-clock limit of one episode; past it the episode ends with ``stop_reason=aborted``."""
-    agent_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Agent name -> keyword arguments of its constructor."""
-    max_abort_resumes: int = 3
-    """How often a turn aborted by the server (weight push in abort mode) is resumed."""
-    default_agent: str = _AGENT_DEFAULTS.default
-    """The agent of tasks that name none (``agent.default``)."""
-    greedy_sample_index: int | None = None
-    """The sample index that runs greedily (temperature 0): ReMax's baseline sample."""
-    base_dir: str | None = None
-    """Folder that ``module:attr`` / path specs (agents) resolve against."""
-
-    @classmethod
-    def from_config(
-        cls,
-        agent: Any,
-        sampling: SamplingParams | None = None,
-        *,
-        max_context_tokens: int | None = None,
-        agent_kwargs: dict[str, dict[str, Any]] | None = None,
-        max_prompt_tokens: int | None = None,
-        overlong_prompts: str = "drop",
-        greedy_sample_index: int | None = None,
-        base_dir: str | None = None,
-    ) -> WorkerConfig:
-        """From the ``agent`` config section (``agentrl.config.AgentConfig``, or any object
-        with its fields: ``default``, ``max_turns``, ``max_response_tokens``,
-        ``max_parallel_calls``, ``tool_call_format``, ``system_prompt``, ``episode_timeout_s``)."""
-        return cls(
-            sampling=sampling or SamplingParams(),
-            limits=AgentLimits(
-                max_turns=agent.max_turns,
-                max_response_tokens=agent.max_response_tokens,
-                max_context_tokens=max_context_tokens,
-                max_parallel_calls=agent.max_parallel_calls,
-                max_prompt_tokens=max_prompt_tokens,
-                overlong_prompts=overlong_prompts,
-            ),
-            tool_call_format=agent.tool_call_format,
-            system_prompt=agent.system_prompt,
-            episode_timeout_s=agent.episode_timeout_s,
-            agent_kwargs=dict(agent_kwargs or {}),
-            default_agent=agent.default,
-            greedy_sample_index=greedy_sample_index,
-            base_dir=base_dir,
-        )
-
-
-class AgentLoopWorker:
-    """Runs episodes: builds the context, runs the agent, turns failures into trajectories, scores.
-
-    A plain class whose state pickles (policy, tokenizer, tools, reward, config, counters), so it
-    can live in another process or a Ray actor; pass ``tools`` as a factory (a module-level
-    function returning a ToolSet) for that, since a ToolSet itself holds a lock.
-    ``run_episode`` never raises except on cancellation and :class:`EpisodeDropped` (a reward
-    that failed, a prompt over ``max_prompt_tokens``): a counted drop, never trained on. It
-    returns ``None`` only when not even the prompt could be rendered.
-    """
-
-    def __init__(
-        self,
-        policy: Policy,
-        tokenizer: Any,
-        *,
-        tools: ToolSet | Callable[[], ToolSet] | None = None,
-        reward: Scorer | None = None,
-        config: WorkerConfig | None = None,
-        worker_id: int = 0,
-    ) -> None:
-        self.policy = policy
-        self.tokenizer = tokenizer
-        self._tools_spec = tools
-        self._tools: ToolSet | None = tools if isinstance(tools, ToolSet) else None
-        self.reward = reward
-        self.config = config or WorkerConfig()
-        self.worker_id = worker_id
-        get_parser(self.config.tool_call_format)  # fail at construction on an unknown format
-        self.counts: dict[str, int] = {}
-
-    @property
-    def tools(self) -> ToolSet | None:
-        """The worker's ToolSet, built on first use when a factory was given."""
-        if self._tools is None and self._tools_spec is not None:
-            factory = self._tools_spec
-            assert callable(factory)
-            self._tools = factory()
-        return self._tools
-
-    def __getstate__(self) -> dict[str, Any]:
-        # A ToolSet holds a lock and possibly closures: ship the factory, rebuild on arrival.
-        state = dict(self.__dict__)
-        if not isinstance(self._tools_spec, ToolSet):
-            state["_tools"] = None
-        return state
-
-    def _count(self, key: str) -> None:
-        self.counts[key] = self.counts.get(key, 0) + 1
-
-    def _context(self, task: Task, agent_name: str, uid: str, index: int) -> AgentContext:
-        cfg = self.config
-        sampling = cfg.sampling
-        if cfg.greedy_sample_index is not None and index == cfg.greedy_sample_index:
-            sampling = sampling.model_copy(update={"temperature": 0.0})
-        return AgentContext(
-            policy=self.policy,
-            tokenizer=self.tokenizer,
-            tools=self.tools,
-            sampling=sampling,
-            limits=cfg.limits,
-            parser=get_parser(cfg.tool_call_format),
-            session_id=f"{uid}/{index}",
-            uid=uid,
-            index=index,
-            agent_name=agent_name,
-            system_prompt=cfg.system_prompt,
-            max_abort_resumes=cfg.max_abort_resumes,
-            logger=logging.LoggerAdapter(logger, {"uid": uid, "index": index}),
-        )
-
-    async def run_episode(self, task: Task, uid: str, index: int) -> Trajectory | None:
-        """Run one episode of ``task`` (sample ``index`` of group ``uid``), scored."""
-        cfg = self.config
-        agent_name = task.agent or cfg.default_agent
-        ctx = self._context(task, agent_name, uid, index)
-        start = time.perf_counter()
-        try:
-            traj = await self._run_agent(task, agent_name, ctx)
-        except EpisodeDropped as drop:
-            self._count(f"dropped_{drop.reason}")
-            raise
-        if traj is None:
-            return None
-        timings = dict(traj.timings)
-        timings["total"] = time.perf_counter() - start
-        traj = traj.model_copy(
-            update={
-                "uid": uid,
-                "index": index,
-                "task_id": task.id,
-                "agent": agent_name,
-                "data_source": task.data_source,
-                "timings": timings,
-            }
-        )
-        if self.reward is not None:
-            traj = await self._score(traj, task)
-        return traj
-
-    async def _run_agent(self, task: Task, agent_name: str, ctx: AgentContext) -> Trajectory | None:
-        """The agent's trajectory; a raising or timed-out agent gives its partial trajectory."""
-        cfg = self.config
-        timeout = cfg.episode_timeout_s
-        start = time.perf_counter()
-        try:
-            agent = get_agent_class(agent_name, key="agent", base_dir=cfg.base_dir)(
-                **cfg.agent_kwargs.get(agent_name, {})
-            )
-            traj = await asyncio.wait_for(agent.run(task, ctx), timeout)
-            if not isinstance(traj, Trajectory):
-                raise TypeError(
-                    f"agent {agent_name!r} returned {type(traj).__name__}; run() must return a "
-                    "Trajectory (use ctx.finish(stop_reason))"
-                )
-            return traj
-        except (asyncio.CancelledError, EpisodeDropped):
-            raise
-        except Exception as exc:
-            elapsed = time.perf_counter() - start
-            if isinstance(exc, TimeoutError) and timeout is not None and elapsed >= timeout * 0.99:
-                self._count("timeouts")
-                logger.warning("episode %s/%d timed out after %.1f s", ctx.uid, ctx.index, elapsed)
-                return self._partial(
-                    task, ctx, StopReason.ABORTED, f"episode timed out after {timeout:g} s"
-                )
-            self._count("errors")
-            logger.exception("agent %r raised in episode %s/%d", agent_name, ctx.uid, ctx.index)
-            return self._partial(task, ctx, StopReason.ERROR, f"{type(exc).__name__}: {exc}")
-
-    def _partial(
-        self, task: Task, ctx: AgentContext, reason: StopReason, error: str
-    ) -> Trajectory | None:
-        """What was recorded before a failure, as a trajectory (prompt only if nothing was)."""
-        try:
-            if ctx.recorder is None:
-                tools = self.tools.schemas() if self.tools is not None and len(self.tools) else None
-                messages = task.initial_messages(ctx.system_prompt)
-                ctx.messages = messages
-                ctx.recorder = EpisodeRecorder.from_messages(messages, self.tokenizer, tools=tools)
-            return ctx.finish(reason, error=error)
-        except Exception:
-            self._count("dropped_unrenderable")
-            logger.exception(
-                "episode %s/%d: cannot even render the prompt; dropped", ctx.uid, ctx.index
-            )
-            return None
-
-    async def _score(self, traj: Trajectory, task: Task) -> Trajectory:
-        """The scored trajectory; a reward that fails or times out drops the episode (counted)."""
-        assert self.reward is not None
-        try:
-            scored = await self.reward.score(traj, task)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        else:
-            error = scored.reward_info.get("error")
-            if error is None:
-                return scored
-        self._count("reward_errors")
-        raise EpisodeDropped(
-            "reward_error",
-            f"reward of episode {traj.uid}/{traj.index} (task {task.id}, data_source "
-            f"{task.data_source!r}) failed: {error}",
-        )
-
-
-# ---- manager ---------------------------------------------------------------------------------
 
 
 class TrajectoryStream:

@@ -45,7 +45,7 @@ from typing import Any
 
 import httpx
 
-from agentrl.rollout.rewards import _last_boxed, final_answer_text, parse_number
+from agentrl.rollout.answers import final_answer_text, last_boxed, parse_number
 from agentrl.types import Task, Trajectory
 
 __all__ = [
@@ -301,7 +301,7 @@ def parse_judge_score(
     Numbers are read like the rule rewards read them (``7``, ``7.5``, ``3/4``, ``80%``).
     """
     if parse == "boxed":
-        text = _last_boxed(reply)
+        text = last_boxed(reply)
     elif parse == "number":
         text = reply.strip()
     elif parse == "regex":
