@@ -13,7 +13,6 @@ from typing import Literal, Union
 
 from pydantic import Field, model_validator
 
-from agentrl.config import yaml_io
 from agentrl.config.agent import AgentConfig
 from agentrl.config.algorithm import AlgorithmConfig
 from agentrl.config.checkpoint import CheckpointConfig
@@ -27,6 +26,7 @@ from agentrl.config.section import Section
 from agentrl.config.tools import ToolsConfig
 from agentrl.config.tracking import TrackingConfig
 from agentrl.config.trainer import SFTTrainerConfig, TrainerConfig
+from agentrl.config.yaml_io import dump_yaml, flatten_params
 
 __all__ = ["KINDS", "AnyConfig", "ExperimentConfig", "SFTConfig"]
 
@@ -91,11 +91,11 @@ class ExperimentConfig(Section):
 
     def flatten(self) -> dict[str, str]:
         """Dotted keys -> string values (e.g. for MLflow params)."""
-        return yaml_io.flatten(self.model_dump(mode="json"))
+        return flatten_params(self.model_dump(mode="json"))
 
     def to_yaml(self) -> str:
         """The full resolved config as YAML (loads back to an equal config)."""
-        return yaml_io.dump_yaml(self)
+        return dump_yaml(self)
 
 
 class SFTConfig(Section):
@@ -114,11 +114,11 @@ class SFTConfig(Section):
 
     def flatten(self) -> dict[str, str]:
         """Dotted keys -> string values (e.g. for MLflow params)."""
-        return yaml_io.flatten(self.model_dump(mode="json"))
+        return flatten_params(self.model_dump(mode="json"))
 
     def to_yaml(self) -> str:
         """The full resolved config as YAML (loads back to an equal config)."""
-        return yaml_io.dump_yaml(self)
+        return dump_yaml(self)
 
 
 KINDS: dict[str, type[ExperimentConfig] | type[SFTConfig]] = {

@@ -2,8 +2,9 @@
 
 Why it exists: PyYAML reads YAML 1.1, where ``1e-6`` is a string; a learning rate written that
 way must be a float. Files and overrides are read by :func:`load_yaml`, a resolved config is
-written back by :func:`dump_yaml` (it loads back to an equal config), and :func:`flatten` turns
-it into ``section.key -> string`` params for trackers. Imports PyYAML only.
+written back by :func:`dump_yaml` (it loads back to an equal config), and
+:func:`flatten_params` turns it into ``section.key -> string`` params for trackers. Imports
+PyYAML only.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-__all__ = ["dump_yaml", "flatten", "load_yaml"]
+__all__ = ["dump_yaml", "flatten_params", "load_yaml"]
 
 
 class _Loader(yaml.SafeLoader):
@@ -52,13 +53,13 @@ def dump_yaml(cfg: BaseModel) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
 
 
-def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
+def flatten_params(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """Dotted keys -> string values: scalars as JSON (strings as they are), lists as JSON."""
     out: dict[str, str] = {}
     for key, value in data.items():
         dotted = f"{prefix}{key}"
         if isinstance(value, dict) and value and all(isinstance(k, str) for k in value):
-            out.update(flatten(value, dotted + "."))
+            out.update(flatten_params(value, dotted + "."))
         elif isinstance(value, str):
             out[dotted] = value
         elif value is None or isinstance(value, bool | int | float):
