@@ -16,7 +16,8 @@ and they must have one answer, not six. Here:
 - Built-ins may be *lazy* (``module:attr`` strings imported on first use), so importing a package
   never imports every built-in's dependencies.
 
-This module imports the standard library only: ``tools`` (stdlib + pydantic) and
+This module imports the standard library and :mod:`agentrl.user_code` (stdlib only, which
+loads path specs and defines :class:`RegistryError`) only: ``tools`` (stdlib + pydantic) and
 ``agentrl.algos`` (torch only) use it without pulling in the runtime.
 
 Example::
@@ -37,6 +38,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from agentrl.user_code import RegistryError, import_path
+
 __all__ = [
     "DuplicateNameError",
     "Registry",
@@ -47,10 +50,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-class RegistryError(ValueError):
-    """A name in a config or a call does not resolve; the message says which key and the fix."""
 
 
 class UnknownNameError(RegistryError, KeyError):
@@ -113,8 +112,6 @@ def import_spec(spec: str, *, base_dir: str | Path | None = None, key: str = "")
             f"{where}{spec!r} is not of the form 'package.module:attr' or 'path/file.py:attr'"
         )
     if target.endswith(".py") or "/" in target or "\\" in target:
-        from agentrl.user_code import import_path
-
         module = import_path(target, base_dir=base_dir, key=key)
     else:
         try:

@@ -35,10 +35,25 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["import_path", "import_user_modules", "is_path_spec", "resolve_user_path"]
+__all__ = [
+    "RegistryError",
+    "import_path",
+    "import_user_modules",
+    "is_path_spec",
+    "resolve_user_path",
+]
 
 OUR_PACKAGES = ("agentrl", "agents", "tools", "correction")
 """Top-level package names of agentrl itself (a user module name starting with one is ours)."""
+
+
+class RegistryError(ValueError):
+    """A name or path in a config or a call does not resolve; the message says which key and the fix.
+
+    Defined here, the lowest module that raises it (a path that does not exist or does not
+    import); :mod:`agentrl.registry`, which builds on this module, re-exports it and raises it
+    for unknown and duplicate names.
+    """
 
 
 def _cache_dir() -> Path:
@@ -54,8 +69,6 @@ def is_path_spec(text: str) -> bool:
 def resolve_user_path(text: str, base_dir: str | Path | None, *, key: str = "") -> Path:
     """``text`` as an absolute path: relative to ``base_dir`` (the config's folder) first, then
     to the working directory. Raises ``RegistryError`` naming ``key`` and both candidates."""
-    from agentrl.registry import RegistryError
-
     p = Path(text).expanduser()
     if p.is_absolute():
         if p.exists():
@@ -116,8 +129,6 @@ def _top_package(path: Path) -> tuple[Path, list[str]]:
 
 def import_path(text: str, *, base_dir: str | Path | None = None, key: str = "") -> ModuleType:
     """Import a ``.py`` file or a package folder by path, inside its project namespace."""
-    from agentrl.registry import RegistryError
-
     path = resolve_user_path(text, base_dir, key=key)
     if path.is_dir() and not (path / "__init__.py").exists():
         raise RegistryError(
@@ -149,8 +160,6 @@ def import_user_modules(
     specs: Iterable[str], base_dir: str | Path | None, *, key: str = "imports"
 ) -> list[ModuleType]:
     """Import every entry of a config's ``imports:`` list (module names or paths), in order."""
-    from agentrl.registry import RegistryError
-
     modules: list[ModuleType] = []
     for i, spec in enumerate(specs):
         where = f"{key}[{i}]"

@@ -36,7 +36,7 @@ import torch
 from tensordict import TensorDict
 
 from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
-from agentrl.batch import merge_micro_batches, split_by_token_budget
+from agentrl.batch import check_batch, merge_micro_batches, split_by_token_budget
 from correction import CorrectionConfig, apply_correction
 
 if TYPE_CHECKING:
@@ -434,6 +434,8 @@ class Actor(FrozenPolicy):
         and ``rollout_log_probs`` (row-local: no RS, no batch normalization). That saves the
         separate π_old pass, which computed the same numbers.
         """
+        needs = ("advantages",) if anchor is not None else ("old_log_probs", "advantages")
+        check_batch(batch, "Actor.update", require=needs)
         c = self.config
         n = batch.batch_size[0]
         mini = c.mini_batch_size or n

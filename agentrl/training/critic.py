@@ -37,7 +37,7 @@ from tensordict import TensorDict
 from torch import nn
 
 from agentrl.algos import masked_mean, masked_var, value_loss
-from agentrl.batch import split_by_token_budget
+from agentrl.batch import check_batch, split_by_token_budget
 from agentrl.training.actor import (
     OptimizerSettings,
     lr_factor,
@@ -271,12 +271,7 @@ class Critic:
         ``critic/grad_norm`` (before clipping) and ``critic/lr`` (after the schedule step);
         under ``dist`` the same numbers as one process on the whole batch.
         """
-        for key in ("values", "returns", "response_mask"):
-            if key not in batch:
-                raise KeyError(
-                    f"Critic.update: the batch has no {key!r}; compute values with "
-                    "compute_values and returns with compute_advantage('gae', ...) first"
-                )
+        check_batch(batch, "Critic.update", require=("values", "returns"))
         c = self.config
         n = batch.batch_size[0]
         mini = c.mini_batch_size or n

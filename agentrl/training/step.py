@@ -12,7 +12,8 @@ chains them in a dozen lines. The models are anything with the :class:`Policies`
 unit tests drive every path (decoupled and bypass correction, KL loss and KL reward, critic,
 ReMax baselines) with a scripted fake policy in seconds (``tests/unit/training/test_step.py``).
 
-Batch keys (DESIGN section 3): ``old_log_probs`` is π_old (decoupled) or π_rollout (bypass);
+Batch keys (declared in :data:`agentrl.batch.BATCH_SCHEMA`; the models check what they
+receive): ``old_log_probs`` is π_old (decoupled) or π_rollout (bypass);
 ``rollout_is_weights`` and the RS-masked ``response_mask`` come from the correction;
 ``token_level_rewards`` = ``token_level_scores`` − β·KL when KL is in the reward.
 

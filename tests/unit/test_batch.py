@@ -11,9 +11,12 @@ from hypothesis import strategies as st
 from tensordict import TensorDict
 
 from agentrl.batch import (
+    BATCH_SCHEMA,
     BatchError,
+    BatchSchemaError,
     balance_across_ranks,
     batch_to_trajectories,
+    check_batch,
     merge_micro_batches,
     non_tensor_list,
     select_rows,
@@ -299,6 +302,83 @@ def test_split_works_on_a_plain_tensordict_with_extra_keys(two: list[Trajectory]
     mbs, idx = split_by_token_budget(b, 1000)
     assert idx == [[0, 1]] and isinstance(mbs[0], TensorDict)
     assert "old_log_probs" in mbs[0]
+
+
+# ---- the declared schema -------------------------------------------------------------------
+
+
+@settings(max_examples=40, deadline=None)
+@given(traj_lists(), st.integers(0, 5))
+def test_a_batch_from_trajectories_is_exactly_the_declared_layout(
+    trajs: list[Trajectory], pad: int
+) -> None:
+    b = trajectories_to_batch(trajs, pad)
+    assert check_batch(b, "test") is b
+    built = {str(key) for key, _ in b.items()}
+    assert built == {k.name for k in BATCH_SCHEMA.values() if k.required}
+    sizes = {"B": len(trajs), "P": b["prompts"].shape[1], "R": b["responses"].shape[1]}
+    sizes["P+R"] = sizes["P"] + sizes["R"]
+    for key in BATCH_SCHEMA.values():
+        if key.required and key.is_tensor:
+            assert b[key.name].dtype == key.dtype
+            assert list(b[key.name].shape) == [sizes[d] for d in key.shape]
+
+
+def test_a_trained_batch_with_every_step_key_passes(two: list[Trajectory]) -> None:
+    b = trajectories_to_batch(two, PAD)
+    for key in BATCH_SCHEMA.values():
+        if not key.required:
+            b[key.name] = torch.zeros_like(b["rollout_log_probs"])
+    check_batch(b, "Actor.update", require=("old_log_probs", "advantages", "values", "returns"))
+    check_batch(trim_padding(b[1:]), "a micro-batch")
+
+
+def test_wrong_dtype_names_the_key_and_both_dtypes(two: list[Trajectory]) -> None:
+    b = trajectories_to_batch(two, PAD)
+    b["advantages"] = torch.zeros(2, 4, dtype=torch.float64)
+    with pytest.raises(
+        BatchSchemaError,
+        match=r"Actor.update: batch key 'advantages' has dtype torch.float64; "
+        r"expected torch.float32 \[B, R\]",
+    ):
+        check_batch(b, "Actor.update", require=("advantages",))
+
+
+def test_wrong_shape_names_the_key_and_both_shapes(two: list[Trajectory]) -> None:
+    b = trajectories_to_batch(two, PAD)  # P = 3, R = 4
+    b["values"] = torch.zeros(2, 7)  # [B, P+R] where [B, R] belongs
+    with pytest.raises(
+        BatchSchemaError,
+        match=r"batch key 'values' has shape \[2, 7\]; expected \[B, R\] = \[2, 4\]",
+    ):
+        check_batch(b, "Critic.update")
+
+
+def test_missing_required_key_is_named_with_what_it_should_be(two: list[Trajectory]) -> None:
+    b = trajectories_to_batch(two, PAD)
+    with pytest.raises(
+        BatchSchemaError, match=r"the batch has no 'response_mask' \(torch.int64 \[B, R\]"
+    ):
+        check_batch(b.exclude("response_mask"), "Actor.update")
+    with pytest.raises(BatchSchemaError, match=r"Actor.update: the batch has no 'advantages'"):
+        check_batch(b, "Actor.update", require=("advantages",))
+
+
+def test_per_row_strings_and_tensors_are_not_interchangeable(two: list[Trajectory]) -> None:
+    b = trajectories_to_batch(two, PAD)
+    b["uid"] = torch.zeros(2)
+    with pytest.raises(BatchSchemaError, match=r"batch key 'uid' must be one str per row"):
+        check_batch(b, "test")
+
+
+def test_keys_outside_the_schema_pass_and_unknown_required_keys_are_a_caller_bug(
+    two: list[Trajectory],
+) -> None:
+    b = trajectories_to_batch(two, PAD)
+    b["my_bonus"] = torch.zeros(2, 9, dtype=torch.float64)
+    check_batch(b, "test")
+    with pytest.raises(ValueError, match=r"\['advantage'\] are not batch keys"):
+        check_batch(b, "test", require=("advantage",))
 
 
 # ---- data-parallel balancing --------------------------------------------------------------

@@ -28,6 +28,7 @@ from agentrl.config import (
     load_sft_config,
     parse_override,
 )
+from agentrl.config.annotation import strip_optional
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -42,7 +43,7 @@ def _all_models(root: type[BaseModel]) -> list[tuple[str, type[BaseModel]]]:
     """Every section model reachable from ``root`` with its dotted path (list items as ``[]``)."""
     out = [("", root)]
     for name, field in root.model_fields.items():
-        ann = config_mod._strip_optional(field.annotation)
+        ann = strip_optional(field.annotation)
         if typing.get_origin(ann) is list:
             name, ann = f"{name}[]", typing.get_args(ann)[0]
         if isinstance(ann, type) and issubclass(ann, BaseModel):
@@ -527,7 +528,7 @@ def test_docs_mention_every_key() -> None:
             leaves = [
                 name
                 for name, field in model.model_fields.items()
-                if not _is_section(config_mod._strip_optional(field.annotation))
+                if not _is_section(strip_optional(field.annotation))
             ]
             if path and leaves:
                 assert f"### `{path}`" in md, path

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.batch import trajectories_to_batch
+from agentrl.batch import BatchSchemaError, trajectories_to_batch
 from agentrl.training.actor import Actor, FrozenPolicy
 from agentrl.types import Trajectory
 from tests.fakes import MODEL_ARGS, actor_config, random_trajectories
@@ -115,6 +115,19 @@ def test_a_fully_masked_batch_leaves_the_weights_alone(tiny_model_dir: Path) -> 
     assert metrics["actor/skipped_empty_minibatch"] == 1.0
     after = actor.model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_update_checks_the_batch_it_receives(tiny_model_dir: Path) -> None:
+    actor = Actor(tiny_model_dir, actor_config(), **MODEL_ARGS)
+    batch = _prepared_batch(actor, _trajectories(2, seed=4))
+    before = {k: v.clone() for k, v in actor.model.state_dict().items()}
+    with pytest.raises(BatchSchemaError, match=r"Actor.update: the batch has no 'advantages'"):
+        actor.update(batch.exclude("advantages"))
+    batch["advantages"] = batch["advantages"].double()
+    with pytest.raises(BatchSchemaError, match=r"'advantages' has dtype torch.float64"):
+        actor.update(batch)
+    after = actor.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # refused before any step
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentrl.algos import compute_advantage, value_loss
-from agentrl.batch import trajectories_to_batch
+from agentrl.batch import BatchSchemaError, trajectories_to_batch
 from agentrl.training.critic import Critic, value_metrics
 from agentrl.types import Trajectory
 from tests.fakes import MODEL_ARGS, critic_config, random_trajectories
@@ -119,7 +119,7 @@ def test_update_loss_is_the_clipped_value_loss(tiny_model_dir: Path) -> None:
 def test_update_needs_values_and_returns(tiny_model_dir: Path) -> None:
     critic = _critic(tiny_model_dir)
     batch = trajectories_to_batch(_trajectories(2), pad_token_id=PAD)
-    with pytest.raises(KeyError, match="values"):
+    with pytest.raises(BatchSchemaError, match=r"Critic.update: the batch has no 'values'"):
         critic.update(batch)
 
 

@@ -1,0 +1,37 @@
+"""The ``distributed`` section: placement of servers, workers and the trainer (local or Ray),
+and the CPU plan."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from agentrl.config.section import Section
+
+__all__ = ["DistributedConfig"]
+
+
+class DistributedConfig(Section):
+    """Placement of servers, workers and the trainer."""
+
+    backend: Literal["local", "ray"] = "local"
+    """`local` (one process, asyncio + server subprocesses) or `ray` (actors)."""
+    ray_address: str | None = None
+    """Ray cluster address; None = start or join a local cluster."""
+    num_gpus_per_server: float = Field(default=0.0, ge=0.0)
+    """GPUs per inference server (Ray placement)."""
+    num_trainer_gpus: float = Field(default=0.0, ge=0.0)
+    """GPUs for the trainer (Ray placement)."""
+    max_actor_restarts: int = Field(default=3, ge=-1)
+    """Ray restarts of each server, worker and reward actor that dies (-1 = no limit, 0 = none); see docs/distributed.md."""
+    cpus: list[int] | int | None = None
+    """CPUs this run may use: a list of CPU ids, a count, or null for the process's affinity set."""
+    trainer_threads: int | None = Field(default=None, ge=1)
+    """Torch threads of the trainer process; null = its share of `cpus` (see docs/training.md)."""
+    server_threads: int | None = Field(default=None, ge=1)
+    """Torch threads of each embedded server; null = its share of `cpus`."""
+    pin_cpus: bool = False
+    """Pin the trainer and each embedded server to disjoint CPUs (when there are enough)."""
+    server_nice: int | None = Field(default=None, ge=0, le=19)
+    """Niceness added to each local embedded server (0-19); null = 10 when the plan has more threads than CPUs and nothing is pinned (the trainer, the critical path, wins contention), else 0."""
