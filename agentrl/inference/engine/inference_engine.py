@@ -437,8 +437,9 @@ class InferenceEngine:
         lora: LoraSpec | None = None,
     ) -> int:
         """Receive one version's buckets broadcast on the weight group ``group_id``, then load
-        them (checked before anything is swapped); returns the new version. See
-        :meth:`WeightLoader.receive_weights <agentrl.inference.engine.loaders.WeightLoader.receive_weights>`."""
+        them (checked before anything is swapped); returns the new version. A wrong
+        ``group_id`` is an :class:`EngineRequestError`; a failed broadcast leaves the group
+        (:class:`~agentrl.inference.collective.WeightGroupError`) and changes nothing."""
         return self._loader.receive_weights(group_id, layout, version, lora)
 
     def _apply_weights(self, update: WeightUpdate) -> int:

@@ -71,7 +71,7 @@ class WeightUpdate:
     casts: dict[str, int] = field(default_factory=dict)
     """Dtype widenings the load applies (``{"float16->float32": n}``), reported."""
     adapter: Mapping[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-    """A LoRA adapter's ``{weight name: (A, B)}`` (:func:`~agentrl.inference.lora.check_adapter`)."""
+    """A LoRA adapter's ``{weight name: (A, B)}`` (from ``check_adapter``)."""
     spec: LoraSpec | None = None
     """The adapter's spec; set exactly when ``adapter`` is."""
 

@@ -1,8 +1,9 @@
 """The proxy's HTTP app: OpenAI's chat-completions routes per session, over a recorder.
 
 Why it exists: an agent written against ``AsyncOpenAI(base_url=...)`` needs the proxy at a URL.
-This module maps ``/sessions/{sid}/v1/...`` onto a :class:`~agentrl.rollout.proxy.recorder.ProxyRecorder`
-and nothing else: every decision is the recorder's.
+This module maps ``/sessions/{sid}/v1/...`` onto a
+:class:`~agentrl.rollout.proxy.recorder.ProxyRecorder` and nothing else: every decision is the
+recorder's.
 
 Guarantees:
 

@@ -1,4 +1,4 @@
-"""The recorder: the proxy's logic without HTTP: sessions in, one generation per request, trajectories out.
+"""The recorder: the proxy's logic without HTTP (sessions in, trajectories out).
 
 Why it exists: the proxy's own app (:mod:`agentrl.rollout.proxy.app`), the rollout service's
 session routes and :class:`~agentrl.rollout.openai_agent.OpenAIAgent` all serve OpenAI

@@ -8,8 +8,9 @@ to recognise the next request as its continuation.
 How a request relates to a segment (:meth:`Segment.continue_with`):
 
 1. **Continuation**: the messages start with the segment's conversation (the previous request's
-   messages plus the reply returned, compared by :func:`~agentrl.rollout.proxy.messages.message_key`)
-   and the tools are unchanged: only the new messages are rendered, as a token delta (mask 0);
+   messages plus the reply returned, compared by
+   :func:`~agentrl.rollout.proxy.messages.message_key`) and the tools are unchanged: only the new
+   messages are rendered, as a token delta (mask 0);
 2. **Token prefix**: otherwise, if the recorded context (plus the end-of-turn token when the last
    turn was cut) is a token prefix of the whole conversation's render, the rest is appended;
 3. otherwise it is a **prefix break**: the caller opens a new segment (:meth:`Segment.open`)
