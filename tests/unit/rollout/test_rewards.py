@@ -10,7 +10,6 @@ import logging
 import os
 import pickle
 import threading
-import time
 from fractions import Fraction
 
 import pytest
@@ -71,26 +70,12 @@ def per_turn_reward(traj: Trajectory, task: Task) -> dict:
     return {"score": 1.0, "turn_rewards": [0.25] * traj.num_turns}
 
 
-def pid_reward(traj: Trajectory, task: Task) -> dict:
-    return {"score": 1.0, "pid": os.getpid()}
-
-
 async def async_pid_reward(traj: Trajectory, task: Task) -> dict:
     return {"score": 2.0, "pid": os.getpid()}
 
 
 def raising_reward(traj: Trajectory, task: Task) -> float:
     raise RuntimeError("grader crashed")
-
-
-def hanging_reward(traj: Trajectory, task: Task) -> float:
-    """A judge that never answers (in a worker process: until it is killed)."""
-    while True:
-        time.sleep(1)
-
-
-def exiting_reward(traj: Trajectory, task: Task) -> float:
-    os._exit(3)
 
 
 # ---- extraction ---------------------------------------------------------------------------
@@ -433,8 +418,8 @@ async def test_a_hung_sync_reward_is_abandoned_on_the_reward_pool_not_the_defaul
 async def test_process_executor_kills_a_hanging_worker_and_replaces_it():
     mgr = RewardManager(
         sources={
-            "hang": "tests.unit.rollout.test_rewards:hanging_reward",
-            "ok": "tests.unit.rollout.test_rewards:pid_reward",
+            "hang": "tests.unit.rollout.worker_rewards:hanging_reward",
+            "ok": "tests.unit.rollout.worker_rewards:pid_reward",
         },
         executor="process",
         max_workers=1,
@@ -470,8 +455,8 @@ def _alive(pid: int) -> bool:
 async def test_process_executor_survives_a_worker_that_exits():
     mgr = RewardManager(
         sources={
-            "exit": "tests.unit.rollout.test_rewards:exiting_reward",
-            "ok": "tests.unit.rollout.test_rewards:pid_reward",
+            "exit": "tests.unit.rollout.worker_rewards:exiting_reward",
+            "ok": "tests.unit.rollout.worker_rewards:pid_reward",
         },
         executor="process",
         max_workers=1,
@@ -522,7 +507,7 @@ async def test_thread_executor_runs_sync_functions_off_the_event_loop():
 async def test_process_executor_runs_sync_and_async_functions_in_workers():
     mgr = RewardManager(
         sources={
-            "sync": "tests.unit.rollout.test_rewards:pid_reward",
+            "sync": "tests.unit.rollout.worker_rewards:pid_reward",
             "async": async_pid_reward,
             "boom": raising_reward,
         },
