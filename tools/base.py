@@ -481,6 +481,7 @@ class ToolSet:
             as a release error).
         sync_workers: Most sync ``@tool`` functions running at once (threads of the ToolSet's
             own pool; more calls wait, within their timeout).
+        clock: Where call latencies are read from (seconds; tests inject a fake clock).
 
     A ToolSet is shared by all episodes of an agent worker: it holds no per-episode state,
     only the tools and the metric counters (updated from the event loop, guarded by a lock
@@ -496,6 +497,7 @@ class ToolSet:
         truncate_side: TruncateSide = "right",
         release_timeout_s: float = 10.0,
         sync_workers: int = 16,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if sync_workers < 1:
             raise ValueError(f"sync_workers must be >= 1, got {sync_workers}")
@@ -520,6 +522,7 @@ class ToolSet:
         self.truncate_side: TruncateSide = truncate_side
         self.release_timeout_s = release_timeout_s
         self.sync_workers = sync_workers
+        self.clock = clock
         self._lock = threading.Lock()
         self._stats: dict[str, _Stats] = {}
         self._unknown_calls = 0
@@ -751,13 +754,13 @@ class ToolEpisode:
             return ToolResult(
                 content=f"error: unknown tool {name!r}; available: {available}", error=True
             )
-        start = time.perf_counter()
+        start = ts.clock()
         try:
             result, timed_out = await self._run(t, arguments)
         except asyncio.CancelledError:
-            ts._record_cancelled(name, time.perf_counter() - start)
+            ts._record_cancelled(name, ts.clock() - start)
             raise
-        latency = time.perf_counter() - start
+        latency = ts.clock() - start
         limit = t.max_output_chars if t.max_output_chars is not None else ts.max_output_chars
         content, dropped = truncate(result.content, limit, ts.truncate_side)
         if dropped:

@@ -187,7 +187,10 @@ class ServerRegistry:
 
         ref = slot.actor.ensure_serving.remote()
         try:
-            info = await asyncio.wait_for(await_ref(ref), self.start_timeout_s)
+            # Not asyncio.wait_for: on Python 3.11 it drops a cancellation that lands as the
+            # answer arrives, and the watcher would outlive aclose() (which then never returns).
+            async with asyncio.timeout(self.start_timeout_s):
+                info = await await_ref(ref)
         except ActorDiedError as exc:
             async with self._lock:
                 await self._retire(slot, exc)

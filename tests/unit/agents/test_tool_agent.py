@@ -21,6 +21,7 @@ from agents import (
     register_agent,
 )
 from tests.fakes import ScriptedPolicy
+from tests.waiting import within
 from tools import ToolResult, ToolSet, get_tool, tool
 
 
@@ -107,7 +108,7 @@ async def test_tool_error_and_timeout_become_messages(tok):
         Args:
             x: Anything.
         """
-        await asyncio.sleep(5)
+        await asyncio.Event().wait()  # never set: only the call's deadline ends it
         return "never"
 
     @tool
@@ -116,7 +117,7 @@ async def test_tool_error_and_timeout_become_messages(tok):
         raise RuntimeError("kaboom")
 
     ctx = make_ctx(tok, [call("slow", x=1) + call("boom"), "ok"], tools=[slow, boom])
-    traj = await create_agent("tool_agent").run(TASK, ctx)
+    traj = await within(create_agent("tool_agent").run(TASK, ctx), "the tool deadline did not fire")
     contents = [m["content"] for m in traj.messages if m["role"] == "tool"]
     assert "timed out" in contents[0] and "kaboom" in contents[1]
     assert traj.metrics["tool_errors"] == 2 and traj.metrics["tool_timeouts"] == 1

@@ -31,6 +31,7 @@ from agentrl.training.checkpoint_engine import (
     WeightPushError,
 )
 from tests.fakes import FakeInferenceServer, experiment
+from tests.waiting import until, within
 
 
 class Remote:
@@ -199,12 +200,41 @@ async def test_the_watchers_poll_until_closed():
     s = Setup()
     s.registry.poll_interval_s = 0.01
     s.registry.start()
-    await asyncio.sleep(0.1)
+    await until(
+        lambda: all(a.ensure_serving.calls >= 2 for a in s.actors), "the watchers stopped polling"
+    )
     await s.registry.aclose()
     calls = [a.ensure_serving.calls for a in s.actors]
-    assert all(c >= 2 for c in calls)
+    # A live watcher's 0.01 s timer would end before this one, on this loop (timer order, not
+    # a race with the wall clock): it would have polled again.
     await asyncio.sleep(0.05)
     assert [a.ensure_serving.calls for a in s.actors] == calls
+
+
+async def test_closing_as_an_answer_arrives_still_stops_the_watcher():
+    # Python 3.11's asyncio.wait_for drops a cancellation that lands as its awaitable
+    # completes: a watcher polling through it outlived aclose(), which then never returned.
+    s = Setup()
+    s.registry.poll_interval_s = 0.01
+    closing: list[asyncio.Future[None]] = []
+    actor = s.actors[0]
+    answer = actor.ensure_serving.fn
+
+    async def answer_then_close() -> dict[str, Any]:
+        out = await answer()
+        if not closing:  # aclose() starts on the loop's next turn, as the answer is taken in
+            asyncio.get_running_loop().call_soon(
+                lambda: closing.append(asyncio.ensure_future(s.registry.aclose()))
+            )
+        return out
+
+    actor.ensure_serving.fn = answer_then_close
+    s.registry.start()
+    await until(lambda: bool(closing), "the watcher never polled")
+    await within(closing[0], "aclose() never returned: a watcher outlived its cancellation")
+    calls = actor.ensure_serving.calls
+    await asyncio.sleep(0.05)  # a live watcher's 0.01 s timer ends first (timer order)
+    assert actor.ensure_serving.calls == calls
 
 
 def test_the_registry_needs_one_url_per_actor():

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import math
 import threading
 import time
@@ -208,9 +207,11 @@ def test_pause_parks_requests_and_resume_finishes_them(engine) -> None:
     try:
         assert engine.is_paused
         fut = engine.submit([1, 2, 3], SamplingParams(max_tokens=3, temperature=0.0))
-        with pytest.raises(concurrent.futures.TimeoutError):
-            fut.result(timeout=0.3)
-        assert engine.num_waiting == 1
+        # Two control round trips through the engine loop: a whole iteration (controls, then
+        # a step unless paused) ran with the request queued. It was not admitted (no timing).
+        engine.weight_info()
+        engine.weight_info()
+        assert engine.num_waiting == 1 and engine.num_running == 0 and not fut.done()
     finally:
         engine.resume()
     assert len(fut.result(timeout=60).token_ids) <= 3

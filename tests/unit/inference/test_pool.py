@@ -32,7 +32,7 @@ def make_pool(n: int = 2, **kwargs) -> tuple[ServerPool, list[FakeInferenceServe
     return pool, fakes
 
 
-async def wait_until(predicate, timeout_s: float = 5.0) -> None:
+async def wait_until(predicate, timeout_s: float = 60.0) -> None:  # a hang guard, not a bound
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"

@@ -21,6 +21,7 @@ from agentrl.rollout.manager import (
 from agentrl.types import SamplingParams, StopReason, Task, Trajectory
 from agents import AgentLimits, AgentLoop, register_agent
 from tests.fakes import ScriptedPolicy
+from tests.waiting import until, within
 from tools import Tool, ToolSet, get_tool
 
 
@@ -81,19 +82,30 @@ class TrackedTool(Tool):
 
 
 async def test_groups_share_uid_and_stream_in_completion_order(tok):
-    # task t0's episodes are slow, t1's fast: t1 must come out first
+    # Task t0's episodes cannot finish until t1's group has come out of the stream: a stream
+    # that yielded in task order would wait for t0 forever (a hang here, not a pass).
     def script(prompt_ids: list[int], k: int) -> str:
         return CALC_SCRIPT[min(k, 1)]
+
+    t1_out = asyncio.Event()
 
     class SlowFirst(ScriptedPolicy):
         async def generate(self, prompt_ids, sampling, session_id=None):
             if session_id and session_id.startswith("t0"):
-                await asyncio.sleep(0.05)
+                await t1_out.wait()
             return await super().generate(prompt_ids, sampling, session_id)
 
     adm = RecordingAdmission()
     mgr = manager(tok, SlowFirst(tok, script), admission=adm, num_workers=3)
-    got = [t async for t in mgr.stream(tasks(2), n_samples=3)]
+    got: list[Trajectory] = []
+
+    async def consume() -> None:
+        async for t in mgr.stream(tasks(2), n_samples=3):
+            got.append(t)
+            if [g.task_id for g in got].count("t1") == 3:
+                t1_out.set()
+
+    await within(consume(), "the stream held back t1's finished group behind t0's")
     assert len(got) == 6
     assert [t.task_id for t in got[:3]] == ["t1"] * 3 and [t.task_id for t in got[3:]] == ["t0"] * 3
     for tid in ("t0", "t1"):
@@ -206,25 +218,16 @@ async def test_staleness_admission_bounds_episodes_per_version(tok):
             got.append(t)
 
     consumer = asyncio.create_task(consume())
-    for _ in range(200):
-        await asyncio.sleep(0.005)
-        if len(got) == 2:
-            break
-    await asyncio.sleep(0.05)
+    await until(lambda: len(got) >= 2, "the admitted episodes never came out")
+    await asyncio.sleep(0.05)  # room for an episode the rule should not have admitted
     assert len(got) == 2 and mgr.stats()["rollout/admitted"] == 2  # version 0: one batch only
     adm.set_version(1)
-    for _ in range(200):
-        await asyncio.sleep(0.005)
-        if len(got) == 4:
-            break
-    await asyncio.sleep(0.05)
+    await until(lambda: len(got) >= 4, "the admitted episodes never came out")
+    await asyncio.sleep(0.05)  # room for an episode the rule should not have admitted
     assert len(got) == 4 and adm.capacity == 0
     adm.reject(1)  # the trainer threw one away: one replacement may start
-    for _ in range(200):
-        await asyncio.sleep(0.005)
-        if len(got) == 5:
-            break
-    await asyncio.sleep(0.05)
+    await until(lambda: len(got) >= 5, "the admitted episodes never came out")
+    await asyncio.sleep(0.05)  # room for an episode the rule should not have admitted
     assert len(got) == 5
     adm.set_version(2)
     await asyncio.wait_for(consumer, 5)
@@ -258,10 +261,7 @@ async def test_cancel_drops_running_episodes_and_releases_tools(tok):
             got.append(t)
 
     consumer = asyncio.create_task(consume())
-    for _ in range(400):
-        await asyncio.sleep(0.005)
-        if tracked.created == 4:
-            break
+    await until(lambda: tracked.created == 4, "four episodes never reached their tool call")
     mgr.cancel()
     await asyncio.wait_for(consumer, 5)  # the stream ends, it does not hang
     assert got == [] and tracked.created == tracked.released == 4

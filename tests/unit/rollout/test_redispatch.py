@@ -13,6 +13,7 @@ from agentrl.inference.tiny_model import build_tiny_tokenizer
 from agentrl.rollout.manager import AgentLoopManager, AgentLoopWorker, AlwaysAdmit, EpisodeKey
 from agentrl.types import EpisodeDropped, Task, Trajectory
 from tests.fakes import ScriptedPolicy
+from tests.waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -172,8 +173,7 @@ async def test_no_redispatch_once_the_stream_is_stopping(tok):
     mgr = AgentLoopManager(workers=[a, b], admission=adm, max_concurrency=2)
     stream = mgr.stream(tasks(1), n_samples=2)
     consumer = asyncio.create_task(anext(stream, None))
-    while len(a.calls) + len(b.calls) < 2:
-        await asyncio.sleep(0.01)
+    await until(lambda: len(a.calls) + len(b.calls) == 2, "the two episodes never started")
     mgr.cancel()
     assert await asyncio.wait_for(consumer, 5) is None
     s = assert_each_admitted_ends_once(mgr, adm)

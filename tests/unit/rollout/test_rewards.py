@@ -10,7 +10,6 @@ import logging
 import os
 import pickle
 import threading
-import time
 from fractions import Fraction
 
 import pytest
@@ -31,6 +30,7 @@ from agentrl.rollout.rewards import (
     tool_format,
 )
 from agentrl.types import Task, Trajectory
+from tests.waiting import until, within
 
 
 def make_traj(answer: str | None = "", *, num_turns: int = 1, tool_calls=None, messages=None):
@@ -70,26 +70,12 @@ def per_turn_reward(traj: Trajectory, task: Task) -> dict:
     return {"score": 1.0, "turn_rewards": [0.25] * traj.num_turns}
 
 
-def pid_reward(traj: Trajectory, task: Task) -> dict:
-    return {"score": 1.0, "pid": os.getpid()}
-
-
 async def async_pid_reward(traj: Trajectory, task: Task) -> dict:
     return {"score": 2.0, "pid": os.getpid()}
 
 
 def raising_reward(traj: Trajectory, task: Task) -> float:
     raise RuntimeError("grader crashed")
-
-
-def hanging_reward(traj: Trajectory, task: Task) -> float:
-    """A judge that never answers (in a worker process: until it is killed)."""
-    while True:
-        time.sleep(1)
-
-
-def exiting_reward(traj: Trajectory, task: Task) -> float:
-    os._exit(3)
 
 
 # ---- extraction ---------------------------------------------------------------------------
@@ -344,38 +330,52 @@ def test_timeout_must_be_a_positive_number():
             RewardManager(timeout_s=bad)  # type: ignore[arg-type]  # testing bad values
 
 
-async def _swallowing_judge(traj: Trajectory, task: Task) -> float:
-    """An async judge that ignores cancellation for 3 s (a badly written retry loop)."""
-    deadline = time.monotonic() + 3.0
-    while time.monotonic() < deadline:
-        try:
-            await asyncio.sleep(0.05)
-        except asyncio.CancelledError:
-            continue
-    return 1.0
-
-
 async def test_async_timeout_holds_even_when_the_judge_swallows_cancellation():
-    mgr = RewardManager(sources={"judge": _swallowing_judge}, timeout_s=0.3)
-    t0 = time.monotonic()
-    with pytest.raises(RewardTimeoutError, match=r"'judge' timed out after 0.3 s"):
-        await mgr.score(make_traj("x"), make_task(data_source="judge"))
-    assert time.monotonic() - t0 < 1.5  # not the judge's 3 s
-    await asyncio.sleep(1.2)  # past the abandon grace period
-    m = mgr.metrics()
-    assert m["reward/judge/timeouts"] == 1 and m["reward/judge/abandoned"] == 1
-    assert m["reward/timeouts"] == 1 and m["reward/errors"] == 1
+    # The judge ignores cancellation until the test ends (a badly written retry loop): only the
+    # manager's deadline can end the call; a missed deadline hangs here, it cannot pass.
+    stop = asyncio.Event()
+    calls = {"cancelled": 0, "returned": 0}
+
+    async def judge(traj: Trajectory, task: Task) -> float:
+        while not stop.is_set():
+            try:
+                await stop.wait()
+            except asyncio.CancelledError:
+                calls["cancelled"] += 1
+        calls["returned"] += 1
+        return 1.0
+
+    mgr = RewardManager(sources={"judge": judge}, timeout_s=0.3)
+    try:
+        with pytest.raises(RewardTimeoutError, match=r"'judge' timed out after 0.3 s"):
+            await within(
+                mgr.score(make_traj("x"), make_task(data_source="judge")),
+                "the reward deadline did not fire",
+            )
+        # The abandon check was scheduled on this loop 1 s after the deadline, before this
+        # sleep began: the loop runs it first (timer order, not a race with the wall clock).
+        await asyncio.sleep(1.2)  # past the abandon grace period
+        assert calls == {"cancelled": 1, "returned": 0}  # told to stop; it did not
+        m = mgr.metrics()
+        assert m["reward/judge/timeouts"] == 1 and m["reward/judge/abandoned"] == 1
+        assert m["reward/timeouts"] == 1 and m["reward/errors"] == 1
+    finally:
+        stop.set()
+    await until(lambda: calls["returned"] == 1, "the abandoned judge did not return once released")
 
 
 async def test_a_well_behaved_timeout_is_not_counted_as_abandoned():
     async def slow(traj, task):
-        await asyncio.sleep(5)
+        await asyncio.Event().wait()  # never set: only the deadline ends the call
         return 1.0
 
     mgr = RewardManager(sources={"slow": slow}, timeout_s=0.05)
     with pytest.raises(RewardTimeoutError):
-        await mgr.score(make_traj("x"), make_task(data_source="slow"))
-    await asyncio.sleep(1.2)
+        await within(
+            mgr.score(make_traj("x"), make_task(data_source="slow")),
+            "the reward deadline did not fire",
+        )
+    await asyncio.sleep(1.2)  # past the grace period (the abandon check runs first: timer order)
     m = mgr.metrics()
     assert m["reward/slow/timeouts"] == 1 and m["reward/slow/abandoned"] == 0
 
@@ -390,19 +390,23 @@ async def test_a_hung_sync_reward_is_abandoned_on_the_reward_pool_not_the_defaul
 
     def hung(traj, task):
         threads_used.append(threading.current_thread().name)
-        release.wait(10)
+        release.wait()  # until the test ends: only the deadline ends the call
         return 1.0
 
     mgr = RewardManager(sources={"hung": hung}, executor=executor, timeout_s=0.2, max_workers=2)
     try:
-        t0 = time.monotonic()
         for _ in range(2):
             with pytest.raises(RewardTimeoutError):
-                await mgr.score(make_traj("x"), make_task(data_source="hung"))
-        assert time.monotonic() - t0 < 2.0
+                await within(
+                    mgr.score(make_traj("x"), make_task(data_source="hung")),
+                    "the reward deadline did not fire",
+                )
+        assert len(threads_used) == 2
         assert all(name.startswith("agentrl-reward") for name in threads_used)
-        # the loop's default executor is untouched by the hung calls
-        assert await asyncio.wait_for(loop.run_in_executor(None, lambda: 7), 2) == 7
+        # the loop's default executor is untouched by the hung calls (had they landed there,
+        # this call would wait for them, i.e. until the test ends)
+        seven = loop.run_in_executor(None, lambda: 7)
+        assert await within(seven, "the hung reward calls starve the default executor") == 7
         await asyncio.sleep(1.2)
         m = mgr.metrics()
         assert m["reward/hung/abandoned"] == 2 and m["reward/threads_busy"] == 2
@@ -414,8 +418,8 @@ async def test_a_hung_sync_reward_is_abandoned_on_the_reward_pool_not_the_defaul
 async def test_process_executor_kills_a_hanging_worker_and_replaces_it():
     mgr = RewardManager(
         sources={
-            "hang": "tests.unit.rollout.test_rewards:hanging_reward",
-            "ok": "tests.unit.rollout.test_rewards:pid_reward",
+            "hang": "tests.unit.rollout.worker_rewards:hanging_reward",
+            "ok": "tests.unit.rollout.worker_rewards:pid_reward",
         },
         executor="process",
         max_workers=1,
@@ -423,16 +427,14 @@ async def test_process_executor_kills_a_hanging_worker_and_replaces_it():
     )
     try:
         first = await mgr.score(make_traj("x"), make_task(data_source="ok"))
-        t0 = time.monotonic()
         with pytest.raises(RewardTimeoutError, match="timed out after 2 s"):
-            await mgr.score(make_traj("x"), make_task(data_source="hang"))
-        assert time.monotonic() - t0 < 6.0
-        hung_pid = first.reward_info["pid"]
-        for _ in range(100):  # the killed worker is reaped by the event loop
-            if not _alive(hung_pid):
-                break
-            await asyncio.sleep(0.05)
-        assert not _alive(hung_pid)
+            await within(
+                mgr.score(make_traj("x"), make_task(data_source="hang")),
+                "the reward deadline did not kill the hanging worker",
+            )
+        hung_pid = first.reward_info["pid"]  # the one worker ran "ok", then "hang"
+        # the killed worker is reaped by the event loop
+        await until(lambda: not _alive(hung_pid), "the killed worker was never reaped")
         after = await mgr.score(make_traj("x"), make_task(data_source="ok"))
         assert after.reward == 1.0 and after.reward_info["pid"] != hung_pid
         m = mgr.metrics()
@@ -453,8 +455,8 @@ def _alive(pid: int) -> bool:
 async def test_process_executor_survives_a_worker_that_exits():
     mgr = RewardManager(
         sources={
-            "exit": "tests.unit.rollout.test_rewards:exiting_reward",
-            "ok": "tests.unit.rollout.test_rewards:pid_reward",
+            "exit": "tests.unit.rollout.worker_rewards:exiting_reward",
+            "ok": "tests.unit.rollout.worker_rewards:pid_reward",
         },
         executor="process",
         max_workers=1,
@@ -505,7 +507,7 @@ async def test_thread_executor_runs_sync_functions_off_the_event_loop():
 async def test_process_executor_runs_sync_and_async_functions_in_workers():
     mgr = RewardManager(
         sources={
-            "sync": "tests.unit.rollout.test_rewards:pid_reward",
+            "sync": "tests.unit.rollout.worker_rewards:pid_reward",
             "async": async_pid_reward,
             "boom": raising_reward,
         },
@@ -608,9 +610,7 @@ async def test_chaos_a_hanging_judge_does_not_stall_the_rollout_stream():
     rewards = RewardManager(sources={"judge": hanging_judge}, timeout_s=0.5, max_workers=4)
     mgr = AgentLoopManager(ScriptedPolicy(tok, ["\\boxed{1}"]), tok, reward=rewards)
     tasks = [Task(id=f"t{i}", prompt="q", data_source="judge") for i in range(4)]
-    t0 = time.monotonic()
-    out = await asyncio.wait_for(mgr.generate(tasks), 30)
-    assert time.monotonic() - t0 < 3.0  # one deadline (4 calls at once), not forever
+    out = await within(mgr.generate(tasks), "the stream waited for the hanging judge")
     assert len(out) <= 4
     m = rewards.metrics()
     assert m["reward/judge/timeouts"] == 4 and m["reward/judge/scored"] == 0

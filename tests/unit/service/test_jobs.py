@@ -9,9 +9,27 @@ import pytest
 
 from agentrl.client import AsyncRolloutClient
 from agentrl.types import Generation
-from tests.unit.service.conftest import calc_tasks, http, make_serving
+from tests.unit.service.conftest import ANSWER, FakePool, calc_tasks, http, make_serving
+from tests.waiting import within
 
 pytestmark = pytest.mark.timeout(60)
+
+
+class FirstWaveOnly(FakePool):
+    """Answers the episodes of the first ``n`` sessions at once; the later ones wait until the
+    service is closed (so a restart finds exactly ``n`` stored and the rest unfinished)."""
+
+    def __init__(self, tokenizer, script, *, n: int) -> None:
+        super().__init__(tokenizer, script)
+        self.n = n
+        self.sessions: list[str | None] = []
+
+    async def generate(self, prompt_ids, sampling, session_id=None):
+        if session_id not in self.sessions:
+            self.sessions.append(session_id)
+        if self.sessions.index(session_id) >= self.n:
+            await asyncio.Event().wait()  # never set: the close cancels it
+        return await super().generate(prompt_ids, sampling, session_id)
 
 
 def client_for(app) -> AsyncRolloutClient:
@@ -109,11 +127,11 @@ async def test_idempotency_key_returns_the_same_job_and_refuses_a_different_requ
 
 
 async def test_cancel_ends_running_episodes_as_counted_drops(service_factory, tiny_model_dir):
-    serving = make_serving(tiny_model_dir, delay_s=5.0)
+    serving = make_serving(tiny_model_dir, delay_s=3600.0)  # only the cancel ends them
     _, app, _ = await service_factory(serving)
     async with client_for(app) as client:
         job = await client.submit(calc_tasks(20), n=1)
-        await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)  # some start, some wait (the counts below hold either way)
         status = await client.cancel(job.id)
         trajs = await client.collect(job.id)
     assert status.status == "cancelled" and trajs == []
@@ -140,16 +158,19 @@ async def test_stale_trajectories_are_dropped_and_counted(service_factory, tiny_
 async def test_a_restart_resumes_unfinished_episodes_and_keeps_unacked_trajectories(
     service_factory, tiny_model_dir
 ):
-    slow = make_serving(tiny_model_dir, delay_s=0.4)
-    service, app, _ = await service_factory(slow)
+    first_wave = make_serving(tiny_model_dir)
+    first_wave.pool = FirstWaveOnly(first_wave.tokenizer, [ANSWER], n=8)
+    service, app, _ = await service_factory(first_wave)
     async with client_for(app) as client:
         job = await client.submit(calc_tasks(12), n=1)
-        for _ in range(200):  # until the first wave (8 at once) is stored, the rest running
-            status = await client.job(job.id)
-            if status.counts["finished"] >= 3:
-                break
-            await asyncio.sleep(0.05)
-    assert 3 <= status.counts["finished"] < 12 and status.status == "running"
+
+        async def first_wave_stored() -> None:
+            while (await client.job(job.id)).counts["finished"] < 8:
+                await asyncio.sleep(0.05)
+
+        await within(first_wave_stored(), "the first wave was never stored", guard_s=30)
+        status = await client.job(job.id)
+    assert status.counts["finished"] == 8 and status.status == "running"  # 4 still running
     await service.close()  # mid-job: running episodes are not recorded (they run again)
 
     _, app2, _ = await service_factory(make_serving(tiny_model_dir))

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from tests.waiting import HANG_GUARD_S
 from tools.executor import DaemonThreadPool
 
 
@@ -28,16 +29,21 @@ def test_at_most_max_workers_run_at_once_and_busy_counts_them():
 
     def hang() -> str:
         started.release()
-        release.wait(10)
+        release.wait()  # until the test releases it
         return threading.current_thread().name
 
     pool = DaemonThreadPool(2, name="t-pool")
-    futures = [pool.submit(hang) for _ in range(3)]
-    assert started.acquire(timeout=5) and started.acquire(timeout=5)
-    assert not started.acquire(timeout=0.3)  # the third waits for a thread
-    assert pool.busy == 2
-    release.set()
-    names = {f.result(5) for f in futures}
+    try:
+        futures = [pool.submit(hang) for _ in range(3)]
+        # Threads are started by submit itself: two exist, not three.
+        assert sum(t.name.startswith("t-pool") for t in threading.enumerate()) == 2
+        for _ in range(2):
+            assert started.acquire(timeout=HANG_GUARD_S), "hung: a call never started"
+        # Both threads are held: the third waits for one (no timing: none is free to take it).
+        assert pool.busy == 2 and not futures[2].running() and not futures[2].done()
+    finally:
+        release.set()
+    names = {f.result(HANG_GUARD_S) for f in futures}
     assert names <= {"t-pool-1", "t-pool-2"}
     assert all(t.daemon for t in threading.enumerate() if t.name.startswith("t-pool"))
     pool.shutdown()

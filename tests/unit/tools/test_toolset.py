@@ -6,13 +6,13 @@ import asyncio
 import json
 import pickle
 import threading
-import time
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.waiting import HANG_GUARD_S, until, within
 from tools import (
     Tool,
     ToolResult,
@@ -129,14 +129,11 @@ async def test_errors_become_messages_never_exceptions(name, arguments, expected
 
 async def test_timeout_is_reported_and_counted():
     ts = ToolSet([slow], timeout_s=0.05)
-    async with ts.episode() as ep:
-        t0 = time.perf_counter()
-        r = await ep.call("slow", {"seconds": 5})
-        elapsed = time.perf_counter() - t0
+    async with ts.episode() as ep:  # an hour: only the deadline ends the first call
+        r = await within(ep.call("slow", {"seconds": 3600}), "the call's deadline did not fire")
         ok = await ep.call("slow", {"seconds": 0})
-    assert r.error and r.content == "error: tool 'slow' timed out after 0.05 s"
-    assert elapsed < 2.0
-    assert ok.content == "done"
+    assert r.error and r.timed_out and r.content == "error: tool 'slow' timed out after 0.05 s"
+    assert ok.content == "done" and not ok.timed_out
     m = ts.metrics()
     assert (
         m["tools/slow/calls"] == 2 and m["tools/slow/timeouts"] == 1 and m["tools/slow/errors"] == 1
@@ -280,31 +277,25 @@ async def test_call_after_close_is_an_error_message():
 async def test_sync_tools_run_in_a_thread_and_do_not_block_the_loop():
     loop_thread = threading.get_ident()
     seen: list[int] = []
+    entered, unblock = threading.Event(), threading.Event()
 
     @tool
-    def blocking(seconds: float) -> str:
-        """Blocks its thread."""
+    def blocking() -> str:
+        """Blocks its thread until the event loop (which it must not block) unblocks it."""
         seen.append(threading.get_ident())
-        time.sleep(seconds)
-        return "ok"
+        entered.set()
+        return "ok" if unblock.wait(HANG_GUARD_S) else "the loop never ran while I blocked"
 
-    ts = ToolSet([blocking])
+    async def unblocker() -> None:
+        # Runs on the loop: it can only unblock the tool if the loop runs while the tool blocks.
+        await until(entered.is_set, "the tool never started")
+        unblock.set()
 
-    async def ticker() -> float:
-        for _ in range(5):
-            await asyncio.sleep(0.01)
-        return time.perf_counter()
-
-    async def call() -> tuple[str, float]:
-        r = await ep.call("blocking", {"seconds": 0.8})
-        return r.content, time.perf_counter()
-
+    ts = ToolSet([blocking], timeout_s=None)
     async with ts.episode() as ep:
-        (content, call_done), ticker_done = await asyncio.gather(call(), ticker())
-    assert content == "ok"
+        r, _ = await asyncio.gather(ep.call("blocking", {}), unblocker())
+    assert r.content == "ok"
     assert seen and seen[0] != loop_thread
-    # the loop kept running while the tool slept: the ticker finished first
-    assert ticker_done < call_done
 
 
 async def test_return_values_are_rendered_for_the_model():
@@ -332,15 +323,22 @@ async def test_return_values_are_rendered_for_the_model():
 
 
 async def test_metrics_latency_and_reset():
-    ts = ToolSet([add, slow])
+    now = [100.0]  # a fake clock: only the tool's own "work" moves it
+
+    @tool
+    async def work(seconds: float) -> str:
+        """Takes ``seconds`` on the fake clock."""
+        now[0] += seconds
+        return "done"
+
+    ts = ToolSet([add, work], clock=lambda: now[0])
     async with ts.episode() as ep:
-        await ep.call("slow", {"seconds": 0.05})
-        await ep.call("slow", {"seconds": 0.0})
+        await ep.call("work", {"seconds": 5.0})
+        await ep.call("work", {"seconds": 0.0})
         await ep.call("missing", {})
     m = ts.metrics(reset=True)
-    assert m["tools/slow/calls"] == 2
-    assert m["tools/slow/latency_max_s"] >= 0.05
-    assert 0.02 <= m["tools/slow/latency_mean_s"] <= m["tools/slow/latency_max_s"]
+    assert m["tools/work/calls"] == 2
+    assert m["tools/work/latency_max_s"] == 5.0 and m["tools/work/latency_mean_s"] == 2.5
     assert m["tools/unknown_calls"] == 1
     assert "tools/add/calls" not in m  # tools never called report nothing
     assert ts.metrics() == {

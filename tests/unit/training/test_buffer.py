@@ -9,6 +9,7 @@ import pytest
 
 from agentrl.training.buffer import BufferClosed, TrajectoryBuffer
 from agentrl.types import StopReason, Trajectory
+from tests.waiting import within
 
 
 def _traj(uid: str, version: int, reward: float = 0.0, index: int = 0) -> Trajectory:
@@ -52,10 +53,10 @@ async def test_buffer_dynamic_sampling_drops_uniform_groups() -> None:
 async def test_buffer_close_wakes_waiter() -> None:
     buf = TrajectoryBuffer(group_size=1, max_staleness=0)
     getter = asyncio.create_task(buf.get_groups(1, 0))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # its first step (up to the wait) runs before this timer ends
     await buf.close()
     with pytest.raises(BufferClosed):
-        await asyncio.wait_for(getter, 1.0)
+        await within(getter, "close() did not wake the waiting reader")
 
 
 async def test_every_trajectory_is_consumed_or_dropped_once() -> None:

@@ -346,8 +346,13 @@ async def test_verify_compares_probe_logprobs_with_the_trainers_score() -> None:
         seen.append((prompt_ids, token_ids))
         return [-0.5 + 1e-6] * len(token_ids)
 
+    ticks = itertools.count()  # a counting clock: every timed phase spans at least one tick
     engine = CheckpointEngine(
-        _clients(a), HttpStreamTransport(), probe_prompt_ids=[5, 6], probe_tokens=3
+        _clients(a),
+        HttpStreamTransport(),
+        probe_prompt_ids=[5, 6],
+        probe_tokens=3,
+        clock=lambda: next(ticks),
     )
     report = await engine.push(_state(), 1, score=score)
     assert report.ok
@@ -355,7 +360,7 @@ async def test_verify_compares_probe_logprobs_with_the_trainers_score() -> None:
     assert seen == [([5, 6], [9, 10, 11])]
     assert report.max_abs_diff == pytest.approx(1e-6, abs=1e-9)
     assert report.metrics()["weight_sync/verify_max_abs_diff"] == pytest.approx(1e-6, abs=1e-9)
-    assert 0 < report.verify_seconds < report.total_seconds
+    assert 0 < report.verify_seconds < report.total_seconds  # timed inside the push
     # Verified while still paused, through the probe route, before the resume.
     (probe,) = a.probe_requests
     assert probe["paused"] and probe["body"]["temperature"] == 1.0
