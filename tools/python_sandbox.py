@@ -62,7 +62,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from tools.base import Tool, ToolResult, truncate
+from tools.base import Tool, ToolResult
+from tools.limits import truncate
 
 __all__ = [
     "SUPERVISOR_MARKER",
