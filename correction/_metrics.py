@@ -46,7 +46,10 @@ def is_metrics(
     n_seq: torch.Tensor,
     valid: torch.Tensor,
 ) -> Metrics:
-    """``totals``: ``[len(BLOCK_SUMS)]`` float64 batch sums; ``extremes``: token-level (max, min)."""
+    """IS weight mean, max, min, std, truncated fraction and ESS, over tokens or sequences.
+
+    ``totals``: ``[len(BLOCK_SUMS)]`` float64 batch sums; ``extremes``: token-level (max, min).
+    """
     device = valid.device
     zero = torch.zeros((), dtype=F64, device=device)
     if level is ISLevel.TOKEN:
@@ -84,6 +87,8 @@ def rs_metrics(
     n_seq: torch.Tensor,
     valid: torch.Tensor,
 ) -> Metrics:
+    """Masked fractions per rule (``rs_masked_frac_{token,seq}/<option>``) and of all rules
+    together (``kept``: ``[B]`` tokens kept per sequence after every rule)."""
     if not rules:
         return {"rs_masked_frac_token": 0.0, "rs_masked_frac_seq": 0.0}
     seq_len = cat["seq_len"]
@@ -114,6 +119,7 @@ def diagnostics(
     n_seq: torch.Tensor,
     valid: torch.Tensor,
 ) -> Metrics:
+    """The off-policy diagnostics (``DIAGNOSTIC_NAMES``; formulas in ``correction.diagnostics``)."""
     if float(n_tok) == 0:
         return dict.fromkeys(DIAGNOSTIC_NAMES, 0.0)
     length = cat["seq_len"].clamp(min=1.0)
