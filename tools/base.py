@@ -72,21 +72,25 @@ __all__ = [
 
 
 class ToolResult(BaseModel):
-    """What one tool call returns to the agent.
+    """What one tool call returns to the agent (a tool may also return a plain ``str``).
 
-    ``content`` is what the model reads (the tool message). ``reward`` is an optional step
-    reward; ``stop`` asks the agent to end the episode (``StopReason.TOOL_STOP``); ``error``
-    marks a failed call (the content then starts with ``error:``); ``timed_out`` marks a call
-    the ToolSet cut off at its timeout (``error`` is then set too); ``metrics`` are numbers the
-    tool wants averaged into ``tools/<name>/<key>``.
+    Example::
+
+        ToolResult(content="you won", reward=1.0, stop=True)
     """
 
     content: str
+    """What the model reads (the tool message)."""
     reward: float | None = None
+    """An optional step reward."""
     stop: bool = False
+    """Ask the agent to end the episode (``StopReason.TOOL_STOP``)."""
     error: bool = False
+    """The call failed; the content then starts with ``error:``."""
     timed_out: bool = False
+    """The ToolSet cut the call off at its timeout (``error`` is then set too)."""
     metrics: dict[str, float] = Field(default_factory=dict)
+    """Numbers the tool wants averaged into ``tools/<name>/<key>``."""
 
 
 class ToolArgumentError(ValueError):
@@ -102,16 +106,32 @@ class Tool(ABC):
     ``create`` (returns the per-episode state) and ``release`` (frees it); ``execute`` receives
     that state and the validated arguments.
 
-    Per-tool overrides of the :class:`ToolSet` limits: ``timeout_s`` and ``max_output_chars``
-    (``None`` = use the ToolSet's).
+    Example (a stateful tool)::
+
+        class Counter(Tool):
+            name = "count"
+            description = "Count this episode's calls of this tool."
+
+            async def create(self):              # once per episode, on the first call
+                return {"n": 0}
+
+            async def execute(self, state, arguments):
+                state["n"] += 1
+                return str(state["n"])
     """
 
     name: str = ""
+    """The name the model calls the tool by (unique in a ToolSet)."""
     description: str = ""
+    """What the tool does, for the model."""
     parameters: dict[str, Any] = {}  # noqa: RUF012 (class-level default, replaced per tool)
+    """JSON schema of the arguments object (or leave empty and set ``arguments_model``)."""
     arguments_model: ClassVar[type[BaseModel] | None] = None
+    """A pydantic model of the arguments: the schema and the validation come from it."""
     timeout_s: float | None = None
+    """This tool's own call timeout (``None`` = the ToolSet's ``timeout_s``)."""
     max_output_chars: int | None = None
+    """This tool's own output limit (``None`` = the ToolSet's ``max_output_chars``)."""
 
     def schema(self) -> dict[str, Any]:
         """The OpenAI function-calling schema of this tool."""
