@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from correction import _native
+import correction._native as _native
 from correction._common import LOG_RATIO_BOUND, check_pair, compute_dtype
 from correction._metrics import Metrics, diagnostics, is_metrics, rs_metrics
 from correction._native_pass import native_blocks

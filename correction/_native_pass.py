@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from correction import _native
+import correction._native as _native
 from correction._plan import F64, Found, Plan
 from correction._sequences import seq_weights
 from correction.types import ISLevel, RSOption
