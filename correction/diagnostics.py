@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from correction._common import metrics_to_floats
-from correction._engine import DIAGNOSTIC_NAMES, correction_pass
+from correction._engine import correction_pass
+from correction._metrics import DIAGNOSTIC_NAMES
 
 __all__ = ["DIAGNOSTIC_NAMES", "offpolicy_metrics"]
 

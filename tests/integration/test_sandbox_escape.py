@@ -464,16 +464,16 @@ def test_the_sandbox_refuses_to_start_without_isolation():
 @pytest.mark.skipif(os.geteuid() != 0, reason="emulates an unprivileged user; needs root")
 def test_unprivileged_users_get_a_user_namespace_sandbox(tmp_path: Path):
     """As a normal user (no root), bwrap builds the same boundary in a user namespace."""
-    import json
-
-    from tools import python_sandbox as ps
+    from tools.sandbox import config as sc
+    from tools.sandbox.command import bwrap_command, supervisor_argv
+    from tools.sandbox.probe import python_paths
 
     exe = "/usr/bin/python3"
     if not os.path.exists(exe):
         pytest.fail("this check needs the distribution's /usr/bin/python3 (readable by anyone)")
     bwrap = shutil.which("bwrap")
     assert bwrap, "bubblewrap is not installed (make setup installs it)"
-    iso = ps.Isolation(bwrap=bwrap, mode="userns", bind_paths=ps._python_paths(exe))
+    iso = sc.Isolation(bwrap=bwrap, mode="userns", bind_paths=python_paths(exe))
     state = tmp_path / "episode"
     state.mkdir()
     os.chmod(tmp_path, 0o755)
@@ -481,9 +481,9 @@ def test_unprivileged_users_get_a_user_namespace_sandbox(tmp_path: Path):
     read_fd, write_fd = os.pipe()
     cfg = {
         "rlimits": {"RLIMIT_NPROC": MAX_PROCESSES + 2},
-        "cwd": ps._WORKDIR,
-        "write_root": ps._SCRATCH,
-        "restore": ps._STATE_IN,
+        "cwd": sc.WORKDIR,
+        "write_root": sc.SCRATCH,
+        "restore": sc.STATE_IN,
         "archive": False,
         "sandboxed": True,
         "status_fd": write_fd,
@@ -493,8 +493,8 @@ def test_unprivileged_users_get_a_user_namespace_sandbox(tmp_path: Path):
         "site_dirs": [],
         "read_roots": [],
     }
-    argv = [exe, "-I", "-S", "-c", ps._SUPERVISOR, json.dumps(cfg)]
-    cmd = ps._bwrap_command(iso, state, argv, disk_mb=8)
+    argv = supervisor_argv(exe, cfg, sandboxed=True)
+    cmd = bwrap_command(iso, state, argv, disk_mb=8)
     secret = tmp_path / "secret.txt"
     secret.write_text("USER-SECRET")
     os.chmod(secret, 0o644)

@@ -85,6 +85,21 @@ async def test_exceptions_show_the_users_traceback_only():
     assert "<string>" not in r.content  # the supervisor's own frames are hidden
 
 
+@pytest.mark.parametrize("sandboxed", [True, False], ids=["sandboxed", "unsandboxed"])
+async def test_the_supervisors_frames_and_source_lines_are_cut(sandboxed):
+    """Without the audit hook the interpreter can read the supervisor's file and shows its
+    source lines; the model still sees its own frames only."""
+    kw = {"audit_hook": False}
+    tool = PythonTool(**kw) if sandboxed else unsandboxed(**kw)
+    r = await tool.run("def f():\n    return 1 / 0\nf()")
+    assert r.content == (
+        "Traceback (most recent call last):\n"
+        '  File "<code>", line 3, in <module>\n'
+        '  File "<code>", line 2, in f\n'
+        "ZeroDivisionError: division by zero\n"
+    ), r.content
+
+
 async def test_exit_code_is_reported():
     r = await PythonTool().run("import sys; sys.exit(3)")
     assert r.error and r.content == "error: exit code 3" and r.metrics["exit_code"] == 3

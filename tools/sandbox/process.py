@@ -1,0 +1,255 @@
+"""One supervised run: the process started, fed its code, read to the end, and never left behind.
+
+Why it exists: the parent side of a call has to hold whatever the code does: flood its output,
+never exit, write a huge archive, or be cancelled mid-run by the episode. This module is that
+side: it starts the command (:mod:`tools.sandbox.command`), writes the code to stdin, reads
+stdout, stderr and the supervisor's status pipe concurrently, and enforces the hard deadline.
+
+What it guarantees:
+
+- when :func:`run_supervised` returns or raises (the hard deadline, a cancellation), the
+  process group has been SIGKILLed (bwrap's ``--die-with-parent`` and PID namespace take every
+  process of the code with it);
+- stdout and stderr cost bounded memory: the first and the last ``stream_cap_bytes // 2``
+  bytes are kept, the middle is replaced by a ``...[truncated N bytes]...`` marker;
+- the archive of the working directory (sandboxed runs) is streamed into
+  ``<episode>/state.tar.partial`` unread and unparsed (only the next sandbox unpacks it); it
+  replaces ``state.tar`` only when complete (status read, process exited 0, under
+  ``archive_cap_bytes``). A cancelled run leaves no partial file behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tools.sandbox.config import STATE_FILE, SandboxLimits
+
+__all__ = ["SandboxRun", "run_supervised"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SandboxRun:
+    """The raw outcome of one run (``PythonTool.run_raw``)."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """Exit status of the code; negative = killed by that signal; None = unknown (the
+    supervisor itself was killed)."""
+    timed_out: bool
+    wall_s: float
+    stdout_dropped: int = 0
+    stderr_dropped: int = 0
+    files_saved: bool = True
+    """Sandboxed runs: whether this call's files were kept for the next call."""
+    note: str = ""
+    """A sandbox-side problem worth telling the model (files not restored or not saved)."""
+
+
+async def run_supervised(
+    command: Callable[[int], list[str]],
+    *,
+    env: dict[str, str],
+    episode_dir: Path,
+    code: str,
+    limits: SandboxLimits,
+    sandboxed: bool,
+) -> SandboxRun:
+    """Run ``command(status_fd)`` (the supervisor, in bwrap when ``sandboxed``) on ``code``.
+
+    ``status_fd`` is the write end of the status pipe, passed to the process and closed here.
+    """
+    read_fd, write_fd = os.pipe()
+    try:
+        argv = command(write_fd)
+        start = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            cwd=str(episode_dir),
+            env=env,
+            start_new_session=True,
+            pass_fds=(write_fd,),
+        )
+    except BaseException:
+        os.close(read_fd)
+        raise
+    finally:
+        os.close(write_fd)
+    return await _collect(proc, code, read_fd, episode_dir, sandboxed, start, limits)
+
+
+async def _collect(
+    proc: asyncio.subprocess.Process,
+    code: str,
+    status_fd: int,
+    episode_dir: Path,
+    sandboxed: bool,
+    start: float,
+    limits: SandboxLimits,
+) -> SandboxRun:
+    """Feed the code, read the outputs and the status pipe, enforce the hard deadline."""
+    cap = limits.stream_cap_bytes
+    assert proc.stdout is not None and proc.stderr is not None
+    out_task = asyncio.ensure_future(_read_capped(proc.stdout, cap))
+    err_task = asyncio.ensure_future(_read_capped(proc.stderr, cap))
+    partial = episode_dir / (STATE_FILE + ".partial")
+    status_task = asyncio.ensure_future(
+        _read_status(status_fd, partial if sandboxed else None, limits.archive_cap_bytes)
+    )
+    killed = False
+    finished = False  # False while a cancellation propagates: no archive is kept then
+    try:
+        try:
+            await asyncio.wait_for(_feed_and_wait(proc, code), timeout=limits.hard_deadline_s)
+        except TimeoutError:
+            killed = True
+        finished = True
+    finally:
+        # Always: kill what is left, on the deadline, on cancellation and after a normal exit.
+        done = await _reap(proc, (out_task, err_task, status_task))
+        if status_task not in done or not finished:
+            with contextlib.suppress(OSError):
+                partial.unlink()
+    stdout, out_dropped = out_task.result() if out_task in done else ("", 0)
+    stderr, err_dropped = err_task.result() if err_task in done else ("", 0)
+    head, archive_ok, note = status_task.result() if status_task in done else ({}, False, "")
+    run = SandboxRun(
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=head.get("exit_code"),
+        timed_out=killed or bool(head.get("timed_out")),
+        wall_s=time.monotonic() - start,
+        stdout_dropped=out_dropped,
+        stderr_dropped=err_dropped,
+        files_saved=not sandboxed,
+        note=note,
+    )
+    if head.get("restore_error"):
+        run.note = (
+            f"note: the files of earlier calls could not be restored ({head['restore_error']})"
+        )
+    if sandboxed:
+        run.files_saved = _keep_archive(partial, archive_ok and proc.returncode == 0)
+    return run
+
+
+async def _feed_and_wait(proc: asyncio.subprocess.Process, code: str) -> None:
+    """Send the code on stdin, close it and wait for the process to end."""
+    stdin = proc.stdin
+    assert stdin is not None
+    try:
+        stdin.write(code.encode("utf-8", errors="replace"))
+        await stdin.drain()
+        stdin.close()
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the supervisor died before reading the code; its status says why
+    await proc.wait()
+
+
+async def _reap(
+    proc: asyncio.subprocess.Process, readers: tuple[asyncio.Future[Any], ...]
+) -> set[asyncio.Future[Any]]:
+    """SIGKILL the process group (bwrap: the sandbox goes with it); the readers that finished."""
+    _killpg(proc.pid)
+    if proc.returncode is None:
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=5.0)
+        except TimeoutError:
+            logger.error("python sandbox: process %d did not die after SIGKILL", proc.pid)
+    done, pending = await asyncio.wait(set(readers), timeout=2.0)
+    for task in pending:
+        task.cancel()
+    return done
+
+
+def _keep_archive(partial: Path, ok: bool) -> bool:
+    """Make this call's archive the episode's files (only a complete one)."""
+    if not ok:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        return False
+    partial.chmod(0o644)  # read by the sandbox's user (another uid when run as root)
+    partial.replace(partial.with_name(STATE_FILE))
+    return True
+
+
+def _killpg(pgid: int) -> None:
+    """SIGKILL process group ``pgid``, if it still exists."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+async def _read_status(fd: int, archive: Path | None, cap: int) -> tuple[dict[str, Any], bool, str]:
+    """Read the supervisor's status pipe: (status line, archive complete, note).
+
+    The archive (sandboxed runs) is streamed into ``archive`` unread and unparsed: only the
+    next sandbox unpacks it. Past ``cap`` bytes it is dropped (the note says so).
+    """
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader(limit=1 << 16)
+    pipe = os.fdopen(fd, "rb", buffering=0)
+    transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), pipe)
+    try:
+        try:
+            line = await reader.readline()
+            head = json.loads(line) if line.endswith(b"\n") else {}
+        except (ValueError, asyncio.LimitOverrunError):
+            return {}, False, ""
+        if not isinstance(head, dict) or archive is None:
+            return (head if isinstance(head, dict) else {}), False, ""
+        size = 0
+        with open(archive, "wb") as f:
+            while chunk := await reader.read(1 << 16):
+                size += len(chunk)
+                if size > cap:
+                    note = f"note: files not saved for the next call (more than {cap >> 20} MiB)"
+                    return head, False, note
+                f.write(chunk)
+        return head, size > 0, ""
+    finally:
+        transport.close()
+
+
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[str, int]:
+    """Read to EOF keeping the first and the last ``cap // 2`` bytes; return (text, dropped).
+
+    The dropped middle is replaced by a ``...[truncated N bytes]...`` marker, so a flood of
+    output costs bounded memory and the end of the output (often the traceback) survives.
+    """
+    half = max(1, cap // 2)
+    head = bytearray()
+    tail = bytearray()
+    total = 0
+    while True:
+        chunk = await stream.read(65536)
+        if not chunk:
+            break
+        total += len(chunk)
+        room = half - len(head)
+        if room > 0:
+            head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            tail += chunk
+            if len(tail) > half:
+                del tail[: len(tail) - half]
+    dropped = total - len(head) - len(tail)
+    text = head.decode("utf-8", errors="replace")
+    if dropped:
+        text += f"...[truncated {dropped} bytes]..."
+    return text + tail.decode("utf-8", errors="replace"), dropped
