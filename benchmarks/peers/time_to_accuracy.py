@@ -160,7 +160,7 @@ def run_system(args: argparse.Namespace, system: str, seed: int) -> dict[str, An
     return {"system": system, "seed": seed, "process_wall_s": wall, "snapshots": snaps}
 
 
-# ---- evaluation (one child per run: every snapshot with the same evaluator) -------------------
+# ---- evaluation (one child process: every snapshot with the same evaluator) ---------------------
 def eval_overrides(args: argparse.Namespace, model: str) -> list[str]:
     """The held-out evaluation every system's snapshots get (same tasks, samples and seed)."""
     return [
@@ -253,6 +253,11 @@ def _ratios(curves: dict[Any, Any], system: str, seeds: list[int]) -> dict[str, 
         t_trl = first_crossing(curves[("trl", seed)], target)
         t_ours = first_crossing(curves[(system, seed)], target)
         ratio = t_ours / t_trl if t_ours is not None and t_trl else None
+        note = None
+        if not t_trl:
+            note = "TRL did not improve on the warm start: no time to compare"
+        elif t_ours is None:
+            note = "agentrl never reached TRL's final accuracy"
         per_seed.append(
             {
                 "seed": seed,
@@ -260,6 +265,7 @@ def _ratios(curves: dict[Any, Any], system: str, seeds: list[int]) -> dict[str, 
                 "trl_s": t_trl,
                 "agentrl_s": t_ours,
                 "ratio": ratio,
+                "note": note,
             }
         )
     ratios = [p["ratio"] for p in per_seed if p["ratio"] is not None]
@@ -397,13 +403,12 @@ _FILES["heldout"] = "heldout.jsonl"
 def finish(args: argparse.Namespace, runs: list[dict[str, Any]], train_s: float) -> dict[str, Any]:
     """Evaluate every snapshot, summarize, write the JSON and the plot."""
     t0 = time.perf_counter()
-    warm = evaluate_models(args, [str(args.model_dir)], "warm_start")[str(args.model_dir)]
+    models = [str(args.model_dir)] + [s["path"] for run in runs for s in run["snapshots"]]
+    scores = evaluate_models(args, models, "all")  # one process, one model at a time
     for run in runs:
-        models = [s["path"] for s in run["snapshots"]]
-        scores = evaluate_models(args, models, f"{run['system']}-seed{run['seed']}")
         for s in run["snapshots"]:
             s.update(scores[s["path"]])
-    summary = summarize(runs, warm["acc"], args.systems)
+    summary = summarize(runs, scores[str(args.model_dir)]["acc"], args.systems)
     summary.update(
         benchmark="time_to_accuracy",
         val_n=args.val_n,

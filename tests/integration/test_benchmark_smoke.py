@@ -85,6 +85,11 @@ def test_time_to_accuracy_smoke(tmp_path: Path) -> None:
     for name in ("agentrl_sync", "agentrl_async"):
         (seed,) = systems[name]["vs_trl"]["per_seed"]
         assert seed["target_acc"] == systems["trl"]["final_acc_per_seed"][0]
-        assert seed["trl_s"] is not None and seed["trl_s"] > 0
-        if seed["agentrl_s"] is not None:
+        # 2 steps on 4 held-out tasks: any outcome is possible; the record must say which
+        if seed["ratio"] is not None:
             assert seed["ratio"] == pytest.approx(seed["agentrl_s"] / seed["trl_s"])
+        else:
+            assert seed["note"] in (
+                "TRL did not improve on the warm start: no time to compare",
+                "agentrl never reached TRL's final accuracy",
+            )

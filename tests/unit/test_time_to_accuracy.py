@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peers"))
 
-from time_to_accuracy import first_crossing, summarize  # noqa: E402
+from time_to_accuracy import first_crossing, summarize
 
 
 def test_first_crossing_interpolates_and_says_never() -> None:
@@ -38,5 +38,9 @@ def test_the_ratio_is_agentrls_time_to_trls_final_accuracy_over_trls() -> None:
     assert seed0["agentrl_s"] == pytest.approx(5.0 + 5.0 * (0.2 / 0.4))  # 7.5 s
     assert seed0["ratio"] == pytest.approx(7.5 / 20.0)
     assert seed1["agentrl_s"] is None and seed1["ratio"] is None  # never reached 0.5
+    assert seed1["note"] == "agentrl never reached TRL's final accuracy"
     assert vs["reached"] == "1/2" and not vs["target_le_0_7x_trl"]
-    assert out["systems"]["trl"]["curves"]["0"][0] == (0.0, 0.1)  # every curve starts at the warm start
+    assert out["systems"]["trl"]["curves"]["0"][0] == (
+        0.0,
+        0.1,
+    )  # every curve starts at the warm start
