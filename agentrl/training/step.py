@@ -1,5 +1,6 @@
 """One training step as plain functions: π_old -> correction -> reference -> rewards -> values ->
-advantages -> update.
+advantages -> (OPSM) -> update. The staleness-aware corrections (:mod:`agentrl.training.offpolicy`)
+read the trainer's ``version``.
 
 When the update is one optimizer step on the batch and nothing needs π_old before it
 (:func:`fuses_old_log_probs`), π_old is the update's own first forward (detached) and the

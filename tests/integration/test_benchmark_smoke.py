@@ -48,8 +48,13 @@ def _run(script: str, work: Path, *extra: str) -> None:
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
+# Servers un-niced: on a loaded CI machine a niced server can miss its 120 s start-up deadline,
+# and the smoke checks plumbing, not speed.
+UNNICED = "distributed.server_nice=0"
+
+
 def test_staleness_ablation_smoke(tmp_path: Path) -> None:
-    _run("benchmarks/staleness_ablation.py", tmp_path)
+    _run("benchmarks/staleness_ablation.py", tmp_path, "--overrides", UNNICED)
     summary = json.loads((tmp_path / "staleness_ablation_smoke.json").read_text())
     assert (tmp_path / "staleness_ablation_smoke.png").stat().st_size > 0
     conds = summary["conditions"]
@@ -72,7 +77,13 @@ def test_staleness_ablation_smoke(tmp_path: Path) -> None:
 
 def test_time_to_accuracy_smoke(tmp_path: Path) -> None:
     trl = trl_python_or_fail()
-    _run("benchmarks/peers/time_to_accuracy.py", tmp_path, f"--trl-python={trl}")
+    _run(
+        "benchmarks/peers/time_to_accuracy.py",
+        tmp_path,
+        f"--trl-python={trl}",
+        "--agentrl-overrides",
+        UNNICED,
+    )
     summary = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
     systems = summary["systems"]
