@@ -27,10 +27,13 @@ def _batch(actor: Actor, seed: int) -> Any:
     return batch
 
 
-def _snapshot(actor: Actor) -> dict[str, Any]:
+def _snapshot(actor: Any) -> dict[str, Any]:
+    """Weights, AdamW moments and step counts, learning rates, schedule (an Actor or a Critic)."""
     opt = actor.optimizer.state_dict()
+    state = actor.state_dict()
+    weights = {**state["model"], **{f"head.{k}": v for k, v in state.get("value_head", {}).items()}}
     return {
-        "model": {k: v.clone() for k, v in actor.model.state_dict().items()},
+        "model": {k: v.clone() for k, v in weights.items()},
         "moments": {(i, k): v.clone() for i, st in opt["state"].items() for k, v in st.items()},
         "groups": [dict(g) for g in opt["param_groups"]],
         "scheduler": dict(actor.scheduler.state_dict()),
@@ -146,3 +149,19 @@ def test_the_warning_names_the_mechanism_that_masked_most(caplog: pytest.LogCapt
     (message,) = [r.getMessage() for r in caplog.records]
     assert "raise algorithm.correction.opsm_threshold (now 0.05)" in message
     assert "this step's update was skipped" in message
+
+
+def test_the_critic_skips_an_all_masked_step_too(tiny_model_dir: Path) -> None:
+    from agentrl.training.critic import Critic
+    from tests.fakes import critic_config
+    from tests.unit.training.test_critic import _gae_batch
+
+    critic = Critic(tiny_model_dir, critic_config(lr=1e-2, warmup_steps=5), **MODEL_ARGS)
+    with torch.no_grad():
+        critic.value_head.bias.fill_(0.5)  # values off the returns: a real first step
+    critic.update(_gae_batch(critic, random_trajectories(4, seed=8)))
+    before = _snapshot(critic)
+    masked = _gae_batch(critic, random_trajectories(4, seed=9))
+    masked["response_mask"] = torch.zeros_like(masked["response_mask"])
+    assert critic.update(masked)["critic/skipped_all_masked"] == 1.0
+    assert _identical(before, _snapshot(critic))
