@@ -19,6 +19,9 @@ from pathlib import Path
 
 import pytest
 
+# Each smoke starts several processes with embedded servers: minutes on 2 cores, more under load.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+
 ROOT = Path(__file__).resolve().parents[2]
 TRL_PYTHON = ROOT / ".venv-trl" / "bin" / "python"
 

@@ -12,10 +12,13 @@ import subprocess
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 
 import correction
 from tests.integration.test_benchmark_smoke import trl_python_or_fail
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 
 _TRL_SIDE = textwrap.dedent(
     """
