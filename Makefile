@@ -57,7 +57,9 @@ $(TRL_VENV)/.installed:
 	$(TRL_VENV)/bin/python -m pip install -q $(TRL_SPEC) $(TORCH_SPEC)
 	touch $@
 
-test: setup setup-vllm
+# setup-peers (TRL, about a minute) is part of the suite: the time-to-accuracy smoke test and the
+# peer-reference test run TRL's own code, and fail (never skip) without it.
+test: setup setup-vllm setup-peers
 	AGENTRL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest $(PYTEST_ARGS)
 
 test-unit: setup

@@ -12,7 +12,11 @@ driven through the public API (``load_config`` + ``Trainer(cfg).run_sync()``), u
   really lag the trainer by up to ETA - 1 .. ETA versions (checked: ``async/staleness_mean/max``
   are in the output), under each correction preset: ``disabled`` (decoupled π_old, no IS, no
   RS), ``decoupled_token_is``, ``decoupled_seq_is_rs``, ``decoupled_geo_rs``, ``bypass_ppo_clip``,
-  ``icepop`` (docs/correction.md).
+  ``icepop``, and the newer variants: ``decoupled_m2po`` (AReaL's M2PO), ``decoupled_loglinear``
+  (AReaL's proximal approximation), ``decoupled_token_is_opsm`` and ``bypass_ppo_clip_opsm``
+  (OPSM, slime/TRL), ``decoupled_token_is_stale_rs`` (the staleness-adaptive bound)
+  (docs/correction.md). A step whose every sequence is masked is skipped without moving the
+  weights (``actor/skipped_all_masked``); the records count those steps.
 
 Every condition runs with each seed (``trainer.seed`` = ``data.seed`` = seed), seed-major and
 interleaved (seed 0 of every condition, then seed 1, ...) so that load drift on a shared machine
@@ -31,10 +35,15 @@ Printed JSON (also written to ``--out``.json, with a plot ``--out``.png) per con
 - ``diagnostics``: means over steps and seeds of ``rollout_corr/*`` (kl, k3_kl, chi2, IS
   weight statistics, RS masked fractions) and of ``actor/pg_clipfrac``;
 - ``staleness``: mean of ``async/staleness_mean`` and max of ``async/staleness_max``; pushes;
+- ``skipped_all_masked_steps``: per seed, the steps whose update was skipped (all masked);
 - wall time per run.
+
+``--smoke`` runs the plumbing in a few minutes (2 steps, η = 2, one seed, 4 held-out tasks, three
+conditions; numbers meaningless) and writes into the work directory, not ``benchmarks/results``.
 
     OMP_NUM_THREADS=1 python benchmarks/staleness_ablation.py            # the full ablation
     python benchmarks/staleness_ablation.py --steps 8 --seeds 0 --conditions sync stale/disabled
+    python benchmarks/staleness_ablation.py --smoke                      # the CI check
 """
 
 from __future__ import annotations
@@ -64,7 +73,15 @@ STALE_PRESETS = (
     "decoupled_geo_rs",
     "bypass_ppo_clip",
     "icepop",
+    "decoupled_m2po",
+    "decoupled_loglinear",
+    "decoupled_token_is_opsm",
+    "bypass_ppo_clip_opsm",
+    "decoupled_token_is_stale_rs",
 )
+SMOKE = {"steps": 2, "eta": 2, "seeds": [0], "val_tasks": 4, "val_n": 1, "bootstrap": 50}
+"""``--smoke``: the settings of the plumbing check (see the module docstring)."""
+SMOKE_CONDITIONS = ["sync", "stale/decoupled_loglinear", "stale/decoupled_token_is_stale_rs"]
 DIAGNOSTICS = (
     "rollout_corr/kl",
     "rollout_corr/k3_kl",
@@ -79,7 +96,14 @@ DIAGNOSTICS = (
     "rollout_corr/is_ess",
     "rollout_corr/rs_masked_frac_token",
     "rollout_corr/rs_masked_frac_seq",
+    "rollout_corr/masked_frac_token",
+    "rollout_corr/masked_frac_seq",
+    "rollout_corr/m2po_masked_frac_token",
+    "rollout_corr/opsm_masked_frac_seq",
+    "rollout_corr/stale_rs_masked_frac_seq",
+    "rollout_corr/prox_alpha_mean",
     "actor/pg_clipfrac",
+    "actor/skipped_all_masked",
 )
 """Per-step metrics averaged over steps and seeds (those a condition logs)."""
 KEPT_SERIES = (
@@ -91,7 +115,9 @@ KEPT_SERIES = (
     "rollout_corr/k3_kl",
     "rollout_corr/rs_masked_frac_token",
     "rollout_corr/rs_masked_frac_seq",
+    "rollout_corr/masked_frac_seq",
     "actor/pg_clipfrac",
+    "actor/skipped_all_masked",
 )
 """Per-step series kept per run (curves in the output: mean and std over seeds)."""
 
@@ -137,6 +163,7 @@ def _base_overrides(args: argparse.Namespace, out: Path, seed: int) -> list[str]
         "trainer.val_at_end=false",  # evaluated below, keeping per-task samples
         "tracking.enabled=false",
         f"checkpoint.shared_dir={out / 'weights'}",
+        *args.overrides,
     ]
 
 
@@ -187,6 +214,7 @@ def run_one(args: argparse.Namespace) -> dict[str, Any]:
         "verify_max_abs_diff": max(
             (v for _, v in h.get("weight_sync/verify_max_abs_diff", [])), default=None
         ),
+        "skipped_all_masked_steps": sum(v for _, v in h.get("actor/skipped_all_masked", [])),
         "dropped_stale_total": max(
             (v for _, v in h.get("async/dropped_stale_total", [])), default=0.0
         ),
@@ -298,6 +326,7 @@ def aggregate(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
                     ),
                 },
                 pushes=[r["pushes"] for r in runs],
+                skipped_all_masked_steps=[r.get("skipped_all_masked_steps", 0.0) for r in runs],
                 verify_max_abs_diff=max((r["verify_max_abs_diff"] or 0.0) for r in runs),
                 wall_s_per_run=[round(r["process_wall_s"], 1) for r in runs],
             )
@@ -375,7 +404,7 @@ def _child(args: argparse.Namespace, cond: str, seed: int, record: Path) -> None
         sys.executable, __file__, "--run-one", cond, "--seed", str(seed),
         "--record", str(record), "--work-dir", args.work_dir, "--steps", str(args.steps),
         "--eta", str(args.eta), "--val-tasks", str(args.val_tasks), "--val-n", str(args.val_n),
-        "--val-temperature", str(args.val_temperature),
+        "--val-temperature", str(args.val_temperature), "--overrides", *args.overrides,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     log = record.with_suffix(".log")
@@ -388,7 +417,7 @@ def _child(args: argparse.Namespace, cond: str, seed: int, record: Path) -> None
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """What a run's record depends on besides its condition and seed."""
-    keys = ("steps", "eta", "val_tasks", "val_n", "val_temperature")
+    keys = ("steps", "eta", "val_tasks", "val_n", "val_temperature", "overrides")
     return {k: getattr(args, k) for k in keys}
 
 
@@ -414,10 +443,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--bootstrap", type=int, default=1000, help="task resamples of pooled CIs")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="writes OUT.json and OUT.png")
     p.add_argument("--work-dir", default=None, help="run directories (default: a temp dir)")
+    p.add_argument("--smoke", action="store_true", help="tiny budget: checks the plumbing")
+    p.add_argument("--overrides", nargs="*", default=[], help="extra config overrides (all runs)")
     p.add_argument("--run-one", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--record", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        args.conditions = args.conditions or SMOKE_CONDITIONS
     if args.run_one is not None:
         record = {**run_one(args), "settings": _settings(args)}
         Path(args.record).write_text(json.dumps(record))
@@ -463,6 +498,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         "conditions": aggregate(records, args),
     }
     out = Path(args.out)
+    if args.smoke and out == DEFAULT_OUT:  # never overwrite the committed results
+        out = work / "staleness_ablation_smoke"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
     plot(summary, out.with_suffix(".png"),

@@ -21,9 +21,13 @@ from correction._agg import LOSS_AGG_MODES, LossAggMode, agg_loss
 from correction._common import LOG_RATIO_BOUND, check_finite
 from correction.apply import CorrectionOutput, apply_correction
 from correction.bypass import bypass_ppo_clip_loss, bypass_reinforce_loss
-from correction.config import PRESETS, CorrectionConfig, LossType, preset
+from correction.config import PRESETS, CorrectionConfig, LossType, ProximalMethod, preset
 from correction.diagnostics import DIAGNOSTIC_NAMES, offpolicy_metrics
+from correction.m2po import m2po_mask
+from correction.opsm import opsm_mask
+from correction.proximal import loglinear_alpha, loglinear_proximal
 from correction.rejection import rejection_mask
+from correction.staleness_bound import staleness_bound_mask
 from correction.types import ISLevel, RejectionRule, RSOption
 from correction.weights import is_weights
 
@@ -37,6 +41,7 @@ __all__ = [
     "ISLevel",
     "LossAggMode",
     "LossType",
+    "ProximalMethod",
     "RSOption",
     "RejectionRule",
     "agg_loss",
@@ -45,7 +50,12 @@ __all__ = [
     "bypass_reinforce_loss",
     "check_finite",
     "is_weights",
+    "loglinear_alpha",
+    "loglinear_proximal",
+    "m2po_mask",
     "offpolicy_metrics",
+    "opsm_mask",
     "preset",
     "rejection_mask",
+    "staleness_bound_mask",
 ]

@@ -13,6 +13,7 @@ import torch
 from correction._common import metrics_to_floats
 from correction._engine import correction_pass
 from correction.config import CorrectionConfig
+from correction.masks import batch_masks
 
 __all__ = ["CorrectionOutput", "apply_correction"]
 
@@ -40,6 +41,7 @@ def apply_correction(
     rollout_log_probs: torch.Tensor | None = None,
     *,
     train_log_probs: torch.Tensor | None = None,
+    staleness: torch.Tensor | None = None,
 ) -> CorrectionOutput:
     """Compute IS weights, the RS mask and their metrics for one batch.
 
@@ -54,10 +56,12 @@ def apply_correction(
         train_log_probs: ``[B, T]`` log π_train. With ``log_ratio=None`` and both log-prob tensors
             given, ℓ = train − rollout is formed block by block inside the pass (never as a
             ``[B, T]`` tensor): the fastest way to run the full correction.
+        staleness: ``[B]`` staleness of each sequence; required by ``stale_rs_multiplier``.
 
     Returns:
         :class:`CorrectionOutput`. IS is computed on the original response mask (its statistics
-        and batch normalization cover every response token), then zeroed where RS rejected.
+        and batch normalization cover every response token), then zeroed where RS (or M2PO, or
+        the staleness bound: ``correction.masks``) rejected.
     """
     result = correction_pass(
         log_ratio,
@@ -70,4 +74,16 @@ def apply_correction(
         train_log_probs=train_log_probs,
     )
     new_mask = response_mask if result.keep is None else result.keep.to(response_mask.dtype)
-    return CorrectionOutput(result.weights, new_mask, metrics_to_floats(result.metrics))
+    metrics = metrics_to_floats(result.metrics)
+    weights = result.weights
+    if config.m2po_threshold is not None or config.stale_rs_multiplier is not None:
+        ratio = log_ratio
+        if ratio is None:
+            assert train_log_probs is not None and rollout_log_probs is not None
+            ratio = train_log_probs - rollout_log_probs
+        keep, extra = batch_masks(config, ratio, response_mask, staleness)
+        assert keep is not None
+        new_mask = new_mask * keep
+        weights = None if weights is None else weights * keep.to(weights.dtype)
+        metrics.update(extra)
+    return CorrectionOutput(weights, new_mask, metrics)

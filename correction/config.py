@@ -18,7 +18,7 @@ from typing import Any
 
 from correction.types import ISLevel, RejectionRule, RSOption, as_is_level, as_rules
 
-__all__ = ["PRESETS", "CorrectionConfig", "LossType", "preset"]
+__all__ = ["PRESETS", "CorrectionConfig", "LossType", "ProximalMethod", "preset"]
 
 
 class LossType(StrEnum):
@@ -30,7 +30,41 @@ class LossType(StrEnum):
     """−A · log π_θ · stopgrad(w), with w the IS weight (1 when IS is off)."""
 
 
-_FIELDS = ("bypass", "loss_type", "is_level", "is_threshold", "is_batch_normalize", "rs_rules")
+class ProximalMethod(StrEnum):
+    """How decoupled mode gets π_old (the proximal policy its PPO clip and IS weights use)."""
+
+    RECOMPUTE = "recompute"
+    """A forward pass with the weights before the update (exact)."""
+    LOGLINEAR = "loglinear"
+    """AReaL's log-linear interpolation between π_rollout and π_θ by version, inside the update
+    (no forward pass; ``correction.proximal``)."""
+
+
+_FIELDS = (
+    "bypass",
+    "loss_type",
+    "is_level",
+    "is_threshold",
+    "is_batch_normalize",
+    "rs_rules",
+    "proximal",
+    "m2po_threshold",
+    "opsm_threshold",
+    "stale_rs_multiplier",
+    "stale_rs_floor",
+)
+
+
+def _optional_number(name: str, value: Any, *, allow_zero: bool) -> float | None:
+    if value is None:
+        return None
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (value == 0 and not allow_zero):
+        need = ">= 0" if allow_zero else "> 0"
+        raise ValueError(
+            f"CorrectionConfig.{name} must be null or a finite number {need}, got {value!r}"
+        )
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -46,6 +80,14 @@ class CorrectionConfig:
         is_threshold: the truncation C of the IS weights (> 0).
         is_batch_normalize: rescale IS weights so their batch mean is 1.
         rs_rules: rejection rules, AND-combined (empty: no RS).
+        proximal: how decoupled mode gets π_old: ``recompute`` (a forward pass) or
+            ``loglinear`` (AReaL's interpolation by version inside the update, no forward pass).
+        m2po_threshold: M2PO's bound τ on the batch's mean squared log-ratio (None: off).
+        opsm_threshold: OPSM's δ: drop negative-advantage samples whose mean k1 divergence
+            exceeds it (None: off).
+        stale_rs_multiplier: staleness-adaptive RS: drop sequences that drifted more than this
+            many times the batch's measured drift per version of their staleness (None: off).
+        stale_rs_floor: the staleness-adaptive bound at staleness 0 (log-ratio, ≥ 0).
 
     Example::
 
@@ -58,6 +100,11 @@ class CorrectionConfig:
     is_threshold: float = 2.0
     is_batch_normalize: bool = False
     rs_rules: tuple[RejectionRule, ...] = ()
+    proximal: ProximalMethod = ProximalMethod.RECOMPUTE
+    m2po_threshold: float | None = None
+    opsm_threshold: float | None = None
+    stale_rs_multiplier: float | None = None
+    stale_rs_floor: float = 0.001
 
     def __post_init__(self) -> None:
         for name in ("bypass", "is_batch_normalize"):
@@ -105,16 +152,89 @@ class CorrectionConfig:
                 "PPO ratio π_θ/π_rollout already is the IS correction (a weight would count it twice); "
                 "use loss_type='reinforce' for explicit IS weights"
             )
+        self._check_stale_sample_options()
+
+    def _check_stale_sample_options(self) -> None:
+        """The fields of the newer off-policy variants (M2PO, OPSM, staleness RS, proximal)."""
+        try:
+            proximal = ProximalMethod(self.proximal)
+        except ValueError:
+            raise ValueError(
+                f"CorrectionConfig.proximal={self.proximal!r} is not a proximal method; "
+                f"use one of {[p.value for p in ProximalMethod]}"
+            ) from None
+        object.__setattr__(self, "proximal", proximal)
+        for name, allow_zero in (
+            ("m2po_threshold", False),
+            ("opsm_threshold", True),
+            ("stale_rs_multiplier", False),
+        ):
+            object.__setattr__(
+                self, name, _optional_number(name, getattr(self, name), allow_zero=allow_zero)
+            )
+        floor = _optional_number("stale_rs_floor", self.stale_rs_floor, allow_zero=True)
+        if floor is None:
+            raise ValueError("CorrectionConfig.stale_rs_floor must be a finite number >= 0")
+        object.__setattr__(self, "stale_rs_floor", floor)
+        if proximal is ProximalMethod.LOGLINEAR:
+            self._check_loglinear()
+
+    def _check_loglinear(self) -> None:
+        """loglinear forms π_old inside the update: nothing may need it before."""
+        if self.bypass:
+            raise ValueError(
+                "CorrectionConfig.proximal='loglinear' is a decoupled-mode option (bypass anchors "
+                "on π_rollout); set bypass=false or proximal='recompute'"
+            )
+        before = [
+            name
+            for name, on in (
+                ("rs_rules", bool(self.rs_rules)),
+                ("is_batch_normalize", self.is_batch_normalize),
+                ("m2po_threshold", self.m2po_threshold is not None),
+                ("opsm_threshold", self.opsm_threshold is not None),
+                ("stale_rs_multiplier", self.stale_rs_multiplier is not None),
+            )
+            if on
+        ]
+        if before:
+            raise ValueError(
+                f"CorrectionConfig.proximal='loglinear' forms π_old inside the update, per "
+                f"micro-batch, but {before} need(s) it before the update; drop them or use "
+                "proximal='recompute'"
+            )
 
     @property
     def enabled(self) -> bool:
-        """True when the trainer has anything to do (bypass, IS or RS)."""
-        return self.bypass or self.is_level is not None or bool(self.rs_rules)
+        """True when the trainer has anything to do (bypass, IS, RS or another mask)."""
+        return (
+            self.bypass
+            or self.is_level is not None
+            or self.masks_before_update
+            or self.proximal is ProximalMethod.LOGLINEAR
+        )
+
+    @property
+    def masks_before_update(self) -> bool:
+        """Some mask (RS rules, M2PO, OPSM, staleness RS) needs ℓ before the update."""
+        return bool(self.rs_rules) or any(
+            v is not None
+            for v in (self.m2po_threshold, self.opsm_threshold, self.stale_rs_multiplier)
+        )
 
     @property
     def needs_old_log_probs(self) -> bool:
-        """Decoupled mode recomputes π_old before the update; bypass mode does not."""
-        return not self.bypass
+        """Decoupled mode recomputes π_old before the update (``proximal='recompute'``); bypass
+        mode and ``proximal='loglinear'`` do not."""
+        return not self.bypass and self.proximal is ProximalMethod.RECOMPUTE
+
+    @property
+    def needs_train_log_probs(self) -> bool:
+        """π_train is needed before the update (IS weights or a mask); never with loglinear,
+        whose π_old exists only inside the update."""
+        if self.proximal is ProximalMethod.LOGLINEAR:
+            return False
+        return self.is_level is not None or self.masks_before_update
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-able dict (enums as their string values, rules as dicts)."""
@@ -125,6 +245,11 @@ class CorrectionConfig:
             "is_threshold": self.is_threshold,
             "is_batch_normalize": self.is_batch_normalize,
             "rs_rules": [rule.to_dict() for rule in self.rs_rules],
+            "proximal": self.proximal.value,
+            "m2po_threshold": self.m2po_threshold,
+            "opsm_threshold": self.opsm_threshold,
+            "stale_rs_multiplier": self.stale_rs_multiplier,
+            "stale_rs_floor": self.stale_rs_floor,
         }
 
     @classmethod
@@ -167,6 +292,10 @@ class CorrectionConfig:
         return cls(**kwargs)
 
 
+OPSM_DELTA = 0.05
+"""δ of the OPSM presets (slime defaults to 1e-4, TRL suggests 0.5; see docs/correction.md)."""
+
+
 def _k1(option: RSOption, lower: float, upper: float) -> RejectionRule:
     return RejectionRule(option, upper=upper, lower=lower)
 
@@ -202,6 +331,26 @@ _PRESETS: dict[str, CorrectionConfig] = {
     ),
     # IcePop: mask tokens whose ratio leaves [0.5, 2] (decoupled).
     "icepop": CorrectionConfig(rs_rules=(_k1(RSOption.TOKEN_K1, 0.5, 2.0),)),
+    # M2PO (AReaL): token TIS + mask the largest-ℓ² tokens until the batch's mean ℓ² < 0.04.
+    "decoupled_m2po": CorrectionConfig(
+        is_level=ISLevel.TOKEN, is_threshold=2.0, m2po_threshold=0.04
+    ),
+    # AReaL's proximal approximation: token TIS with π_old interpolated by version, no π_old pass.
+    "decoupled_loglinear": CorrectionConfig(
+        is_level=ISLevel.TOKEN, is_threshold=2.0, proximal=ProximalMethod.LOGLINEAR
+    ),
+    # OPSM (slime --use-opsm, TRL off_policy_mask_threshold) on top of token TIS.
+    "decoupled_token_is_opsm": CorrectionConfig(
+        is_level=ISLevel.TOKEN, is_threshold=2.0, opsm_threshold=OPSM_DELTA
+    ),
+    # OPSM on top of bypass PPO clip.
+    "bypass_ppo_clip_opsm": CorrectionConfig(
+        bypass=True, loss_type=LossType.PPO_CLIP, opsm_threshold=OPSM_DELTA
+    ),
+    # Token TIS + a geometric bound that widens with each sequence's measured staleness.
+    "decoupled_token_is_stale_rs": CorrectionConfig(
+        is_level=ISLevel.TOKEN, is_threshold=2.0, stale_rs_multiplier=2.0
+    ),
 }
 
 PRESETS: Mapping[str, CorrectionConfig] = MappingProxyType(_PRESETS)

@@ -75,6 +75,11 @@ CorrectionPresetName = Literal[
     "bypass_pg_is",
     "bypass_ppo_clip_geo_rs",
     "icepop",
+    "decoupled_m2po",
+    "decoupled_loglinear",
+    "decoupled_token_is_opsm",
+    "bypass_ppo_clip_opsm",
+    "decoupled_token_is_stale_rs",
 ]
 
 
@@ -110,6 +115,16 @@ class CorrectionSection(Section):
     """Divide IS weights by their batch mean."""
     rs_rules: list[RejectionRuleConfig] = Field(default_factory=list)
     """Rejection-sampling rules, AND-combined (each `{option, upper, lower}`)."""
+    proximal: Literal["recompute", "loglinear"] = "recompute"
+    """Decoupled π_old: `recompute` (a forward pass) or `loglinear` (AReaL's interpolation by version, no pass)."""
+    m2po_threshold: float | None = Field(default=None, gt=0.0)
+    """M2PO: mask the largest squared log-ratios until the batch's mean is below this (AReaL 0.04); None = off."""
+    opsm_threshold: float | None = Field(default=None, ge=0.0)
+    """OPSM: drop negative-advantage samples whose mean k1 divergence exceeds this; None = off."""
+    stale_rs_multiplier: float | None = Field(default=None, gt=0.0)
+    """Staleness-adaptive RS: drop sequences drifting over this many times the measured drift per version of staleness; None = off."""
+    stale_rs_floor: float = Field(default=0.001, ge=0.0)
+    """Staleness-adaptive RS: the bound on the mean log-ratio of fresh (staleness 0) sequences."""
 
     @model_serializer(mode="wrap")
     def _dump_preset_and_explicit(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from tensordict import TensorDict
 
 from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
 from agentrl.batch import check_batch, merge_micro_batches, split_by_token_budget
-from correction import CorrectionConfig, apply_correction
+from correction import CorrectionConfig, ProximalMethod, apply_correction, loglinear_proximal
 
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
@@ -432,23 +432,35 @@ class Actor(FrozenPolicy):
         ``old_log_probs``: π_old is each micro-batch's own forward, detached (the weights have
         not moved yet), and the IS weights of ``anchor`` are computed per micro-batch from it
         and ``rollout_log_probs`` (row-local: no RS, no batch normalization). That saves the
-        separate π_old pass, which computed the same numbers.
+        separate π_old pass, which computed the same numbers. With a ``loglinear`` anchor
+        (``proximal='loglinear'``, any update shape) π_old is AReaL's approximation instead:
+        π_rollout + ``prox_alpha`` · (π_θ − π_rollout), from each micro-batch's forward.
+
+        An update in which no mini-batch took an optimizer step (every token masked, or a
+        non-finite gradient) leaves the model, the optimizer (moments, step counts, learning
+        rate) and the LR schedule exactly as they were; ``actor/skipped_all_masked`` is 1.0
+        when every mini-batch had no valid token.
         """
         needs = ("advantages",) if anchor is not None else ("old_log_probs", "advantages")
         check_batch(batch, "Actor.update", require=needs)
         c = self.config
         n = batch.batch_size[0]
         mini = c.mini_batch_size or n
-        if anchor is not None and not self.fuses_old_log_probs(n):
+        loglinear = anchor is not None and anchor.proximal is ProximalMethod.LOGLINEAR
+        if anchor is not None and not loglinear and not self.fuses_old_log_probs(n):
             raise ValueError("anchor= needs one optimizer step per batch (fuses_old_log_probs)")
         stats = _Stats()
         first: _FirstPass = ([], [])
+        outcomes: list[str] = []
         for epoch in range(c.ppo_epochs):
             for start in range(0, n, mini):
                 mb = batch[start : start + mini]
-                self._mini_batch_step(mb, start, epoch, stats, first, anchor)
-        self.scheduler.step()
-        self.global_step += 1
+                outcomes.append(self._mini_batch_step(mb, start, epoch, stats, first, anchor))
+        if "stepped" in outcomes:
+            # The schedule counts optimizer updates (as Hugging Face's Trainer does when it
+            # skips one): a step that changed nothing does not advance the learning rate.
+            self.scheduler.step()
+            self.global_step += 1
         sums, counts = stats.sums, stats.counts
         if self.dist is not None:
             sums, counts = self.dist.reduce_metric_sums(sums, counts)
@@ -460,6 +472,7 @@ class Actor(FrozenPolicy):
             if key in sums:
                 metrics[key] = sums[key] / max(1, n_mini)
         metrics["actor/lr"] = float(self.scheduler.get_last_lr()[0])
+        metrics["actor/skipped_all_masked"] = float(all(o == "empty" for o in outcomes))
         width = batch["responses"].shape[1]
         if self.dist is not None:
             merged = self.dist.merge_rows(first[0], first[1], n_rows=n, width=width)
@@ -475,8 +488,9 @@ class Actor(FrozenPolicy):
         stats: _Stats,
         first: _FirstPass,
         anchor: CorrectionConfig | None = None,
-    ) -> None:
-        """Accumulate the gradient of one mini-batch over its micro-batches, then step."""
+    ) -> str:
+        """Accumulate the gradient of one mini-batch over its micro-batches, then step; returns
+        ``"stepped"``, or why not: ``"nonfinite"`` (gradient) or ``"empty"`` (no valid token)."""
         width = float(mb_full["responses"].shape[1])
         self.optimizer.zero_grad(set_to_none=True)
         if self.dist is None:
@@ -509,17 +523,19 @@ class Actor(FrozenPolicy):
             from agentrl.training.fsdp import full_tensor
 
             grad_norm = full_tensor(grad_norm)  # a replicated DTensor under FSDP2
+        stats.add("actor/grad_norm", float(grad_norm))
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             stats.add("actor/skipped_nonfinite_grad", 1.0)
-        elif norm[0] == 0:
+            return "nonfinite"
+        if norm[0] == 0:
             # Nothing to learn from (rejection sampling masked every token; the count is
             # global under FSDP): AdamW's momentum alone would still move the weights.
             self.optimizer.zero_grad(set_to_none=True)
             stats.add("actor/skipped_empty_minibatch", 1.0)
-        else:
-            self.optimizer.step()
-        stats.add("actor/grad_norm", float(grad_norm))
+            return "empty"
+        self.optimizer.step()
+        return "stepped"
 
     def _micro_loss(
         self,
@@ -542,8 +558,10 @@ class Actor(FrozenPolicy):
         extra = {}
         if anchor is not None:  # π_old is this forward: the weights have not moved yet
             old = logp.detach()
+            rollout = mb["rollout_log_probs"].to(self.device)
+            if "prox_alpha" in mb:  # AReaL's log-linear π_old (proximal='loglinear')
+                old = loglinear_proximal(rollout, old, mb["prox_alpha"].to(self.device)) * m
             if anchor.is_level is not None:
-                rollout = mb["rollout_log_probs"].to(self.device)
                 weights = apply_correction(anchor, (old - rollout) * m, m).weights
                 assert weights is not None
                 extra["rollout_is_weights"] = weights

@@ -217,8 +217,8 @@ class AlgorithmPlan:
 
     @property
     def needs_train_log_probs(self) -> bool:
-        """Some correction (IS weights or RS rules) needs π_train before the update."""
-        return self.correction.is_level is not None or bool(self.correction.rs_rules)
+        """Some correction (IS weights or a mask) needs π_train before the update."""
+        return self.correction.needs_train_log_probs
 
     def describe(self) -> dict[str, Any]:
         """Plain data for logs and MLflow."""

@@ -268,7 +268,9 @@ class Critic:
 
         Returns ``critic/vf_loss`` (mean per mini-batch), ``critic/vf_clipfrac``,
         ``critic/vpred_mean`` (masked mean of the predictions seen by the update),
-        ``critic/grad_norm`` (before clipping) and ``critic/lr`` (after the schedule step);
+        ``critic/grad_norm`` (before clipping), ``critic/lr`` (after the schedule step) and
+        ``critic/skipped_all_masked`` (1.0 when no mini-batch had a valid token: then nothing,
+        weights, optimizer or schedule, changed);
         under ``dist`` the same numbers as one process on the whole batch.
         """
         check_batch(batch, "Critic.update", require=("values", "returns"))
@@ -278,14 +280,15 @@ class Critic:
         # this rank's sums of vf_loss, clipped-token fraction, predictions and predicted tokens
         totals = [0.0, 0.0, 0.0, 0.0]
         grad_norms: list[float] = []
-        skipped = 0
+        outcomes: list[str] = []
         for _ in range(c.ppo_epochs):
             for start in range(0, n, mini):
-                norm, ok = self._mini_batch_step(batch[start : start + mini], totals)
+                norm, outcome = self._mini_batch_step(batch[start : start + mini], totals)
                 grad_norms.append(norm)
-                skipped += not ok
-        self.scheduler.step()
-        self.global_step += 1
+                outcomes.append(outcome)
+        if "stepped" in outcomes:  # an update that changed nothing does not advance the LR
+            self.scheduler.step()
+            self.global_step += 1
         if self.dist is not None:
             totals = self.dist.sum_over_ranks(totals)
         n_mini = len(grad_norms)
@@ -294,16 +297,18 @@ class Critic:
             "critic/vf_clipfrac": totals[1] / n_mini,
             "critic/grad_norm": sum(grad_norms) / n_mini,
         }
-        if skipped:
+        if "nonfinite" in outcomes:
             out["critic/skipped_nonfinite_grad"] = 1.0
+        out["critic/skipped_all_masked"] = float(all(o == "empty" for o in outcomes))
         out["critic/vpred_mean"] = totals[2] / max(totals[3], 1.0)
         out["critic/lr"] = float(self.scheduler.get_last_lr()[0])
         return out
 
-    def _mini_batch_step(self, mb_full: TensorDict, totals: list[float]) -> tuple[float, bool]:
+    def _mini_batch_step(self, mb_full: TensorDict, totals: list[float]) -> tuple[float, str]:
         """Accumulate one mini-batch's value-loss gradient over its micro-batches (this rank's
         rows under ``dist``), clip, step; add to ``totals``; the pre-clip gradient norm and
-        whether the step was taken (False: a non-finite gradient, skipped)."""
+        ``"stepped"``, or why not: ``"nonfinite"`` (gradient) or ``"empty"`` (no valid token:
+        AdamW's momentum alone would still move the weights)."""
         c = self.config
         width = float(mb_full["responses"].shape[1])
         if self.dist is None:
@@ -349,9 +354,12 @@ class Critic:
             grad_norm = full_tensor(grad_norm)  # a replicated DTensor under FSDP2
         if not torch.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
-            return float(grad_norm), False
+            return float(grad_norm), "nonfinite"
+        if norm[0] == 0:
+            self.optimizer.zero_grad(set_to_none=True)
+            return float(grad_norm), "empty"
         self.optimizer.step()
-        return float(grad_norm), True
+        return float(grad_norm), "stepped"
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Backbone and head weights as whole CPU tensors (``backbone.*``, ``value_head.*``);

@@ -320,6 +320,7 @@ async def _one_step(
         pad_token_id=run.pad_token_id,
         train_actor=not frozen,
         reward_baselines=baselines,
+        version=state.version,
     )
     for g in groups:
         state.trained(g[0].task_id)

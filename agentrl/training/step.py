@@ -1,5 +1,6 @@
 """One training step as plain functions: π_old -> correction -> reference -> rewards -> values ->
-advantages -> update.
+advantages -> (OPSM) -> update. The staleness-aware corrections (:mod:`agentrl.training.offpolicy`)
+read the trainer's ``version``.
 
 When the update is one optimizer step on the batch and nothing needs π_old before it
 (:func:`fuses_old_log_probs`), π_old is the update's own first forward (detached) and the
@@ -39,6 +40,13 @@ from tensordict import TensorDict
 import correction
 from agentrl.batch import non_tensor_list, trajectories_to_batch
 from agentrl.training.algorithm import AlgorithmPlan
+from agentrl.training.offpolicy import (
+    apply_opsm,
+    loglinear_diagnostics,
+    masked_totals,
+    prepare_loglinear,
+    row_staleness,
+)
 from agentrl.types import StopReason, Trajectory
 
 __all__ = [
@@ -113,15 +121,21 @@ async def anchor_log_probs(
 
 
 def run_correction(
-    batch: TensorDict, train_lp: torch.Tensor, plan: AlgorithmPlan, m: dict[str, float]
+    batch: TensorDict,
+    train_lp: torch.Tensor,
+    plan: AlgorithmPlan,
+    m: dict[str, float],
+    staleness: torch.Tensor | None = None,
 ) -> None:
-    """IS weights, RS mask and the off-policy diagnostics (``rollout_corr/``) of the batch."""
+    """IS weights, RS/M2PO/staleness masks and the off-policy diagnostics (``rollout_corr/``) of
+    the batch (``staleness`` ``[B]``: needed by the staleness-adaptive bound only)."""
     out = correction.apply_correction(
         plan.correction,
         None,
         batch["response_mask"].float(),
         rollout_log_probs=batch["rollout_log_probs"],
         train_log_probs=train_lp,
+        staleness=staleness,
     )
     if out.weights is not None:
         batch["rollout_is_weights"] = out.weights
@@ -169,13 +183,14 @@ def compute_advantages(
 def fuses_old_log_probs(plan: AlgorithmPlan, actor: Any, num_rows: int) -> bool:
     """True when π_old can come from the update's own first forward instead of a pass of its
     own: decoupled mode, the update is one optimizer step (:meth:`Actor.fuses_old_log_probs`),
-    and nothing needs π_old before it: no RS rules (they change the mask the advantages and the
-    loss normalizer see), no batch-normalized IS, no KL in the reward, no Σπ² baseline."""
+    and nothing needs π_old before it: no mask (RS rules, M2PO, OPSM, staleness RS: they change
+    the mask the advantages and the loss normalizer see), no batch-normalized IS, no KL in the
+    reward, no Σπ² baseline."""
     c = plan.correction
     fusable = getattr(actor, "fuses_old_log_probs", None)
     return (
         plan.needs_old_log_probs
-        and not c.rs_rules
+        and not c.masks_before_update
         and not c.is_batch_normalize
         and plan.kl_in_reward is None
         and not plan.advantage.needs_sum_pi_squared
@@ -220,14 +235,22 @@ async def train_step(
     pad_token_id: int,
     train_actor: bool = True,
     reward_baselines: torch.Tensor | None = None,
+    version: int | None = None,
 ) -> StepOutput:
-    """One optimizer step on ``trajs`` (see the module docstring for the stages)."""
+    """One optimizer step on ``trajs`` (see the module docstring for the stages); ``version`` is
+    the version of the weights being trained (needed by the staleness-aware corrections)."""
     m: dict[str, float] = {}
     batch = trajectories_to_batch(list(trajs), pad_token_id=pad_token_id)
+    mask_before = batch["response_mask"].clone()
+    corr = plan.correction
+    loglinear = corr.proximal is correction.ProximalMethod.LOGLINEAR
     fused = train_actor and fuses_old_log_probs(plan, policies.actor, len(trajs))
     train_lp = None if fused else await anchor_log_probs(batch, policies.actor, plan, m)
+    if loglinear:
+        m.update(prepare_loglinear(batch, version))
     if train_lp is not None:
-        run_correction(batch, train_lp, plan, m)
+        stale = row_staleness(batch, version) if corr.stale_rs_multiplier is not None else None
+        run_correction(batch, train_lp, plan, m, stale)
     if policies.reference is not None:
         batch["ref_log_prob"] = await _off_loop(policies.reference.compute_log_probs, batch)
     compute_rewards(batch, plan, m)
@@ -236,10 +259,17 @@ async def train_step(
         batch["values"] = await _off_loop(policies.critic.compute_values, batch)
         m["timing_s/values"] = time.perf_counter() - t0
     compute_advantages(batch, plan, reward_baselines, [t.reward_info for t in trajs])
-    first_lp = await _update_models(
-        batch, policies, train_actor, m, plan.correction if fused else None
-    )
-    if fused:
+    if corr.opsm_threshold is not None:
+        assert train_lp is not None  # OPSM needs π_train before the update (the plan says so)
+        m.update(apply_opsm(batch, train_lp, corr))
+    anchor = corr if fused or loglinear else None
+    first_lp = await _update_models(batch, policies, train_actor, m, anchor)
+    if loglinear:
+        theta = first_lp
+        if theta is None:
+            theta = await _off_loop(policies.actor.compute_log_probs, batch)
+        m.update(loglinear_diagnostics(batch, theta, corr))
+    elif fused:
         # π_old was the update's first forward: the batch and the diagnostics get the same
         # numbers the separate pass would have given (row-local IS: the weights are equal).
         assert first_lp is not None
@@ -256,6 +286,7 @@ async def train_step(
             theta, batch["rollout_log_probs"], batch["response_mask"].float()
         )
         m.update({f"rollout_corr/{k}": v for k, v in diag.items()})
+    m.update(masked_totals(mask_before, batch["response_mask"]))
     return StepOutput(batch, m)
 
 

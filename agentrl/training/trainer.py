@@ -34,6 +34,7 @@ from agentrl.tracking import (
 )
 from agentrl.training.build import Run, build_run, build_serving
 from agentrl.training.loop import TrainResult, push_weights, train
+from agentrl.training.masking import MaskingWatch
 from agentrl.training.resolve import build_tasks, build_toolset, resolve_experiment
 from agentrl.training.state import RunState, seed_everything
 
@@ -184,6 +185,7 @@ class Trainer:
             MetricsReporter(tracker, cfg.tracking.log_every),
             SampleReporter(tracker, cfg.tracking.num_sample_trajectories, cfg.trainer.total_steps),
             ProgressReporter(cfg.trainer.total_steps, self.progress),
+            MaskingWatch(cfg.algorithm.correction),
         ]
         status = "FAILED"
         try:

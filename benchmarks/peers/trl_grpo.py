@@ -11,6 +11,10 @@ Two settings, the same as agentrl's:
 - ``--mode tool``: TRL's tool-calling GRPO (``GRPOTrainer(tools=[calculator])``), a Python
   calculator function, up to ``--max-turns`` model turns.
 
+With ``--snapshot-every K`` the model (and tokenizer) is saved every K steps and at the last
+step under ``--snapshot-dir``, each with the epoch time it was taken and how long the save took
+(``benchmarks/peers/time_to_accuracy.py`` evaluates them with agentrl's evaluator).
+
 The reward mirrors agentrl's ``calculator`` reward: 1.0 when the last ``\\boxed{N}`` of the final
 assistant message (else its last number) equals the ground truth. The prompts render with the
 tool schema agentrl offers (TRL would derive a slightly different one from the function's
@@ -137,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, required=True, help="torch threads (from the plan)")
     p.add_argument("--out", required=True)
+    p.add_argument("--snapshot-every", type=int, default=0, help="save the model every K steps")
+    p.add_argument("--snapshot-dir", default=None)
     args = p.parse_args(argv)
 
     import torch
@@ -196,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     steps: list[dict[str, float]] = []
+    snapshots: list[dict[str, Any]] = []
+    plain_tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
 
     class Timing(TrainerCallback):
         def on_step_begin(self, *a: Any, **k: Any) -> None:
@@ -208,6 +216,21 @@ def main(argv: list[str] | None = None) -> int:
             if logs and steps and "reward" in logs:
                 steps[-1].update({k2: float(v) for k2, v in logs.items() if _is_num(v)})
 
+    class Snapshots(TrainerCallback):
+        """The model every ``--snapshot-every`` steps and at the end, timed (epoch seconds)."""
+
+        def on_step_end(self, _args: Any, state: Any, *a: Any, **k: Any) -> None:
+            every, step = args.snapshot_every, state.global_step
+            if not every or (step % every and step != args.steps):
+                return
+            t0 = time.time()
+            path = Path(args.snapshot_dir) / f"step_{step:05d}"
+            model.save_pretrained(str(path))
+            plain_tokenizer.save_pretrained(str(path))  # the warm start's, unpatched
+            snapshots.append(
+                {"step": step, "epoch_s": t0, "save_s": time.time() - t0, "path": str(path)}
+            )
+
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=[calculator_reward],
@@ -215,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         train_dataset=dataset,
         processing_class=tokenizer,
         tools=tools or None,
-        callbacks=[Timing()],
+        callbacks=[Timing(), Snapshots()],
     )
     t0 = time.perf_counter()
     trainer.train()
@@ -228,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "mode": args.mode,
         "train_wall_s": wall,
         "steps": steps,
+        "snapshots": snapshots,
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
     return 0

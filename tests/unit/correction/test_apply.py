@@ -63,7 +63,10 @@ def test_metric_names_are_stable() -> None:
 def test_every_preset_runs(name: str) -> None:
     train, rollout, mask = make_batch(seed=9)
     cfg = correction.preset(name)
-    out = apply_correction(cfg, train - rollout, mask, rollout_log_probs=rollout)
+    staleness = torch.arange(mask.shape[0]) % 4  # used by the staleness-adaptive presets
+    out = apply_correction(
+        cfg, train - rollout, mask, rollout_log_probs=rollout, staleness=staleness
+    )
     assert (out.weights is None) == (cfg.is_level is None)
     assert out.response_mask.shape == mask.shape
     assert (out.response_mask <= mask).all()

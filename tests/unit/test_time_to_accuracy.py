@@ -1,0 +1,46 @@
+"""The time-to-accuracy benchmark's arithmetic: crossings and the ratio to TRL."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peers"))
+
+from time_to_accuracy import first_crossing, summarize
+
+
+def test_first_crossing_interpolates_and_says_never() -> None:
+    curve = [(0.0, 0.1), (10.0, 0.3), (20.0, 0.7), (30.0, 0.6)]
+    assert first_crossing(curve, 0.5) == pytest.approx(15.0)
+    assert first_crossing(curve, 0.7) == pytest.approx(20.0)
+    assert first_crossing(curve, 0.05) == 0.0
+    assert first_crossing(curve, 0.8) is None
+
+
+def test_the_ratio_is_agentrls_time_to_trls_final_accuracy_over_trls() -> None:
+    def run(system: str, seed: int, points: list[tuple[float, float]]) -> dict:
+        snaps = [{"wall_s": t, "acc": a} for t, a in points]
+        return {"system": system, "seed": seed, "snapshots": snaps}
+
+    runs = [
+        run("agentrl_async", 0, [(5.0, 0.4), (10.0, 0.8)]),
+        run("trl", 0, [(10.0, 0.3), (20.0, 0.6)]),
+        run("agentrl_async", 1, [(5.0, 0.2), (10.0, 0.3)]),
+        run("trl", 1, [(10.0, 0.5), (20.0, 0.5)]),
+    ]
+    out = summarize(runs, warm=0.1, systems=["agentrl_async", "trl"])
+    vs = out["systems"]["agentrl_async"]["vs_trl"]
+    seed0, seed1 = vs["per_seed"]
+    assert seed0["target_acc"] == 0.6 and seed0["trl_s"] == pytest.approx(20.0)
+    assert seed0["agentrl_s"] == pytest.approx(5.0 + 5.0 * (0.2 / 0.4))  # 7.5 s
+    assert seed0["ratio"] == pytest.approx(7.5 / 20.0)
+    assert seed1["agentrl_s"] is None and seed1["ratio"] is None  # never reached 0.5
+    assert seed1["note"] == "agentrl never reached TRL's final accuracy"
+    assert vs["reached"] == "1/2" and not vs["target_le_0_7x_trl"]
+    assert out["systems"]["trl"]["curves"]["0"][0] == (
+        0.0,
+        0.1,
+    )  # every curve starts at the warm start
