@@ -9,8 +9,8 @@ started later without authentication (or with another token) refuses them with
   ``ray start --head`` in tests) is token-authenticated with a fresh token held in the
   environment (``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN``), which Ray reads before any token
   file: a stale ``~/.ray/auth_token`` is never consulted, and nothing is written there;
-- a cluster the user runs (``distributed.ray_address``, or one found by ``address="auto"``)
-  is joined with Ray's own settings (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``,
+- a cluster the user runs (``distributed.ray_address``, ``RAY_ADDRESS``, or the last
+  ``ray start --head`` on the machine) is joined with Ray's own settings (``RAY_AUTH_MODE``, ``RAY_AUTH_TOKEN``,
   ``RAY_AUTH_TOKEN_PATH``, ``~/.ray/auth_token``), and an authentication failure says which of
   them to set (docs/distributed.md, "Authentication");
 - readiness is asked with the same environment the cluster was started with
@@ -132,9 +132,22 @@ def start_local(runtime_env: Mapping[str, object]) -> None:
         raise
 
 
+def _recorded_cluster() -> str | None:
+    """The cluster Ray itself joins for ``ray.init()`` with no address: ``RAY_ADDRESS``, else
+    the last ``ray start --head`` on this machine (Ray's ``ray_current_cluster`` file). Unlike
+    ``address="auto"`` this never picks up another run's private cluster found by ``ps``."""
+    env = os.environ.get("RAY_ADDRESS")
+    if env:
+        return env
+    from ray._private.utils import read_ray_address  # Ray's own lookup (private, stable)
+
+    return read_ray_address(None)
+
+
 def connect(address: str | None, runtime_env: Mapping[str, object]) -> bool:
-    """Join ``address`` (or a running cluster), else start a local one. True if this call
-    connected (the caller then calls :func:`disconnect`)."""
+    """Join ``address``; without one, the cluster ``ray.init()`` would join (``RAY_ADDRESS``
+    or the last ``ray start``), else start a local one. True if this call connected (the
+    caller then calls :func:`disconnect`)."""
     import ray
 
     if ray.is_initialized():
@@ -142,10 +155,16 @@ def connect(address: str | None, runtime_env: Mapping[str, object]) -> bool:
     if address is not None:
         _init(address, runtime_env)
         return True
+    recorded = _recorded_cluster()
+    if recorded is None:
+        start_local(runtime_env)
+        return True
     try:
-        _init("auto", runtime_env)
+        _init(recorded, runtime_env)
     except ConnectionError:
-        logger.info("no running Ray cluster found: starting a local one")
+        if os.environ.get("RAY_ADDRESS"):
+            raise
+        logger.info("the last `ray start` cluster (%s) is gone: starting a local one", recorded)
         start_local(runtime_env)
     return True
 

@@ -36,13 +36,16 @@ def _child(code: str, home: Path, **env: str) -> subprocess.CompletedProcess[str
     )
 
 
-def test_a_cluster_agentrl_starts_ignores_a_stale_token(tmp_path: Path) -> None:
+def test_a_cluster_agentrl_starts_ignores_a_stale_token(ray_cluster: str, tmp_path: Path) -> None:
+    """With another cluster running on the machine (the session's, as in CI), agentrl starts
+    its own instead of joining one it found by ``ps`` with the stale token (CI failed so)."""
     r = _child(
         """
         import os, ray
         from agentrl.distributed.cluster import connect, disconnect
         assert connect(None, {})
         print("resources", ray.cluster_resources().get("CPU"))
+        print("gcs", ray.get_runtime_context().gcs_address)
         disconnect()
         print("after", os.environ.get("RAY_AUTH_MODE"), os.environ.get("RAY_AUTH_TOKEN"))
         """,
@@ -51,6 +54,7 @@ def test_a_cluster_agentrl_starts_ignores_a_stale_token(tmp_path: Path) -> None:
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "resources" in r.stdout and "after None None" in r.stdout
+    assert f"gcs {ray_cluster}" not in r.stdout, r.stdout
     # The user's file is left as it was: nothing is written to ~/.ray.
     assert (tmp_path / ".ray" / "auth_token").read_text() == "stale-token-from-an-earlier-run\n"
 
