@@ -26,6 +26,11 @@ class PythonToolConfig(Section):
     """Size of the sandbox's private tmpfs (working directory, /tmp, /dev/shm), in MiB."""
     allow_unsandboxed: bool = False
     """Run model code without OS isolation when bubblewrap is unavailable (unsafe; else refuse)."""
+    cgroups: Literal["auto", "required", "off"] = "auto"
+    """Per-call cgroup limits (memory incl. memfd/shm/tmpfs, processes; v2 or v1): auto = where
+    possible, else rlimits with a warning; required = refuse to start without; off."""
+    cgroup_parent: str | None = None
+    """A delegated cgroup v2 directory for the calls' cgroups; None = this process's cgroup."""
 
 
 class SearchToolConfig(Section):
