@@ -47,6 +47,7 @@ __all__ = [
     "CallCgroup",
     "CgroupSetup",
     "CgroupUsage",
+    "CgroupVersion",
     "detect",
     "parse_mountinfo",
     "parse_proc_cgroup",
@@ -245,7 +246,7 @@ def detect(
     """Where calls' cgroups go (v2 first, then v1), or why nowhere (both versions' reasons).
 
     ``parent``: a v2 cgroup to use instead of this process's own (absolute path, or relative
-    to the v2 mount). ``sys_root``, ``proc_cgroup`` and ``mountinfo`` stand for ``/``,
+    to the v2 mount); when it is given, only it is tried (it is what the operator asked for). ``sys_root``, ``proc_cgroup`` and ``mountinfo`` stand for ``/``,
     ``/proc/self/cgroup`` and ``/proc/self/mountinfo`` (tests pass a fake tree). Cached per
     ``parent`` for the real machine.
     """
@@ -259,9 +260,11 @@ def detect(
             mountinfo = Path("/proc/self/mountinfo").read_text()
         mounts, own = parse_mountinfo(mountinfo), parse_proc_cgroup(proc_cgroup)
         v2 = _try_v2(sys_root, mounts, own, parent)
-        result = v2 if isinstance(v2, CgroupSetup) else _try_v1(sys_root, mounts, own)
-        if isinstance(result, str):
-            result = f"cgroup v2: {v2}; cgroup v1: {result}"
+        if isinstance(v2, CgroupSetup) or parent:
+            result = v2 if isinstance(v2, CgroupSetup) else f"cgroup v2: {v2}"
+        else:
+            v1 = _try_v1(sys_root, mounts, own)
+            result = v1 if isinstance(v1, CgroupSetup) else f"cgroup v2: {v2}; cgroup v1: {v1}"
         if real:
             _DETECTED[parent] = result
         return result

@@ -39,7 +39,7 @@ import platform
 import struct
 import sys
 
-__all__ = ["DENIED", "NAMESPACE_FLAGS", "build_filter", "filter_hex"]
+__all__ = ["DENIED", "NAMESPACE_FLAGS", "SIGNALS", "SYSCALLS", "build_filter", "filter_hex"]
 
 DENIED = (
     "ptrace", "process_vm_readv", "process_vm_writev", "kcmp", "pidfd_getfd",
@@ -71,7 +71,7 @@ _COMMON = {
     "pidfd_getfd": 438, "process_madvise": 440, "mount_setattr": 442, "process_mrelease": 448,
 }  # fmt: skip
 # From <asm/unistd_64.h> (x86_64) and <asm-generic/unistd.h> (aarch64).
-_SYSCALLS: dict[str, dict[str, int]] = {
+SYSCALLS: dict[str, dict[str, int]] = {
     "x86_64": {
         **_COMMON,
         "ptrace": 101, "process_vm_readv": 310, "process_vm_writev": 311, "kcmp": 312,
@@ -145,11 +145,11 @@ def build_filter(protected_pids: tuple[int, ...], machine: str | None = None) ->
         ValueError: ``machine`` is not x86_64 or aarch64.
     """
     machine = machine or platform.machine()
-    if machine not in _SYSCALLS:
+    if machine not in SYSCALLS:
         raise ValueError(
             f"seccomp: no system call table for machine {machine!r} (x86_64 and aarch64 only)"
         )
-    nr = _SYSCALLS[machine]
+    nr = SYSCALLS[machine]
     p = _Program()
     p.op(_LD_W_ABS, _ARCH)
     p.op(_JEQ_K, _AUDIT_ARCH[machine], jt=0, jf="deny")
