@@ -90,8 +90,7 @@ async def test_exceptions_show_the_users_traceback_only():
 async def test_the_supervisors_frames_and_source_lines_are_cut(sandboxed):
     """Without the audit hook the interpreter can read the supervisor's file and shows its
     source lines; the model still sees its own frames only."""
-    kw = {"audit_hook": False}
-    tool = PythonTool(**kw) if sandboxed else unsandboxed(**kw)
+    tool = PythonTool(audit_hook=False) if sandboxed else unsandboxed(audit_hook=False)
     r = await tool.run("def f():\n    return 1 / 0\nf()")
     assert r.content == (
         "Traceback (most recent call last):\n"
