@@ -136,12 +136,15 @@ class PythonTool(Tool):
 
     Args:
         wall_time_s: Wall-clock seconds the code may run; then every process is killed.
-        memory_mb: Address-space limit (RLIMIT_AS) of each process, in MiB.
+        memory_mb: Address-space limit (RLIMIT_AS) of each process, in MiB; with a cgroup,
+            also the memory of all the call's processes together (plus ``disk_mb`` for its
+            files; memfds and shared memory count).
         max_output_chars: Most characters of output returned (head and tail kept, the middle
             cut with a marker); the marker is counted, so the result never exceeds it.
         cpu_time_s: CPU seconds per process (RLIMIT_CPU); default ``ceil(wall_time_s) + 1``.
         max_file_mb: Largest file the code may write (RLIMIT_FSIZE), in MiB.
-        max_processes: Most processes the code may have at once, itself included.
+        max_processes: Most processes (and threads) the code may have at once, itself
+            included (RLIMIT_NPROC, and the call's cgroup ``pids.max``).
         disk_mb: Size of the sandbox's tmpfs (working directory, ``/tmp``, ``/dev/shm``).
         allow_unsandboxed: Run without OS isolation when bwrap is unavailable (only the audit
             hook and resource limits then; fork disabled). Unsafe; off by default, when the

@@ -17,7 +17,8 @@ class PythonToolConfig(Section):
     wall_time_s: float = Field(default=5.0, gt=0)
     """Wall-clock limit of one python call."""
     memory_mb: int = Field(default=512, ge=32)
-    """Address-space limit of each sandboxed process, in MiB."""
+    """Address-space limit of each sandboxed process, in MiB; with a per-call cgroup also the
+    memory of all the call's processes together (plus disk_mb; memfds and shm count)."""
     cpu_time_s: float | None = Field(default=None, gt=0)
     """CPU seconds per sandboxed process; None = wall_time_s rounded up, plus 1."""
     max_processes: int = Field(default=16, ge=1)

@@ -89,7 +89,8 @@ class SandboxLimits:
     wall_time_s: float = 5.0
     """Wall-clock seconds the code may run; then every process is killed."""
     memory_mb: int = 256
-    """Address-space limit (RLIMIT_AS) of each process, in MiB."""
+    """Address-space limit (RLIMIT_AS) of each process, in MiB; with a cgroup, the memory of
+    the call's processes together (:attr:`cgroup_memory_bytes`)."""
     output_chars: int = 4000
     """Most characters of output returned, marker included."""
     cpu_time_s: float = 6.0
