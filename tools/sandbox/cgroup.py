@@ -51,6 +51,7 @@ __all__ = [
     "detect",
     "parse_mountinfo",
     "parse_proc_cgroup",
+    "sweep",
 ]
 
 BASE = "agentrl-sandbox"
@@ -223,13 +224,50 @@ def _try_v1(
 
 
 def _trial(setup: CgroupSetup) -> CgroupSetup | str:
-    """``setup`` if a call's cgroup can really be made and limited there; else why not."""
+    """``setup`` if a call's cgroup can really be made and limited there; else why not.
+    Sweeps the cgroups of calls whose process is gone (a trainer killed mid-call) first."""
+    sweep(setup)
     try:
         call = CallCgroup.create(setup, 64 << 20, 8)
     except OSError as e:
         return f"cannot create a limited cgroup {setup.version} under {setup.bases[0]} ({e})"
     call.remove()
     return setup
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (on this host's PID namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep(setup: CgroupSetup) -> list[Path]:
+    """Remove the calls' cgroups left by processes that are gone; the ones removed.
+
+    Their processes died with them (bwrap's ``--die-with-parent``); a cgroup still holding
+    one is left alone (``rmdir`` refuses it).
+    """
+    removed: list[Path] = []
+    for base in setup.bases:
+        try:
+            entries = list(base.iterdir())
+        except OSError:
+            continue
+        for d in entries:
+            parts = d.name.split("-")
+            if len(parts) < 3 or parts[0] != "call" or not parts[1].isdigit() or not d.is_dir():
+                continue
+            if _alive(int(parts[1])):
+                continue
+            with contextlib.suppress(OSError):
+                d.rmdir()
+                removed.append(d)
+    return removed
 
 
 _LOCK = threading.Lock()

@@ -3,6 +3,7 @@ root (a temporary directory), so both versions are tested on any machine; killin
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from tools.sandbox.cgroup import (
     detect,
     parse_mountinfo,
     parse_proc_cgroup,
+    sweep,
 )
 from tools.sandbox.command import cgroup_prefix
 
@@ -244,3 +246,17 @@ def test_remove_reports_what_it_could_not_remove(tmp_path: Path, version: Cgroup
     assert not empty.exists()
     full = cgroup_dir(tmp_path / "full", {"memory.max": "1"})  # a plain directory with a file
     assert not CallCgroup(CgroupSetup(version, (tmp_path,), False), (full,)).remove()
+
+
+def test_the_cgroups_of_calls_whose_process_is_gone_are_swept(tmp_path: Path):
+    own = v2_tree(tmp_path)
+    base = own / BASE
+    dead = base / "call-4194305-0-abcdef"  # above any pid_max: no such process
+    mine = base / f"call-{os.getpid()}-0-abcdef"
+    other = base / "not-a-call"
+    for d in (dead, mine, other):
+        d.mkdir()
+    setup = detect(sys_root=tmp_path, proc_cgroup="0::/user.slice/app.scope\n", mountinfo=V2_MOUNT)
+    assert isinstance(setup, CgroupSetup)
+    assert not dead.exists() and mine.exists() and other.exists()
+    assert sweep(setup) == []  # nothing left to sweep
