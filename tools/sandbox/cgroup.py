@@ -7,9 +7,10 @@ call's processes touch, files and memfds included, to one counter, and counts it
 
 How: the probe (:func:`detect`, once per process) finds where this process may create cgroups:
 
-- **cgroup v2** (one unified hierarchy; what current distributions mount): a child of this
-  process's own cgroup, or of ``cgroup_parent`` (a delegated cgroup, e.g. a systemd scope with
-  ``Delegate=yes``), that offers the ``memory`` and ``pids`` controllers. Limits: ``memory.max``,
+- **cgroup v2** (one unified hierarchy; what current distributions mount): a child of
+  ``cgroup_parent`` (a delegated cgroup, e.g. a systemd scope with ``Delegate=yes``), else of
+  this process's own cgroup, else of the hierarchy's root (root on a host), that offers the
+  ``memory`` and ``pids`` controllers. Limits: ``memory.max``,
   ``memory.swap.max=0``, ``memory.oom.group=1`` (an OOM kills the whole call), ``pids.max``;
   the call is killed with ``cgroup.kill``.
 - **cgroup v1** (separate ``memory`` and ``pids`` hierarchies, writable as root): one child in
@@ -170,18 +171,31 @@ def _enable_controllers(directory: Path) -> None:
 def _try_v2(
     sys_root: Path, mounts: dict[str, tuple[str, str]], own: dict[str, str], parent: str | None
 ) -> CgroupSetup | str:
-    """A v2 setup under ``parent`` (or this process's cgroup), or why not."""
+    """A v2 setup under ``parent``, else under this process's cgroup, else under the mounted
+    root (as root on a host: the root cgroup may hold processes and still delegate); or why
+    not (each candidate's reason)."""
     if "" not in mounts:
         return "no cgroup v2 hierarchy is mounted"
     mount, mount_root = mounts[""]
     if parent:
-        directory: Path | None = Path(parent)
-        if not Path(parent).is_absolute():
-            directory = _under(sys_root, mount, mount_root, "/" + parent)
+        given = Path(parent)
+        candidates = [given if given.is_absolute() else sys_root / mount.lstrip("/") / parent]
     else:
-        directory = _under(sys_root, mount, mount_root, own.get("", "/"))
-    if directory is None:
-        return "this process's cgroup v2 is outside the mounted hierarchy"
+        mine = _under(sys_root, mount, mount_root, own.get("", "/"))
+        if mine is None:
+            return "this process's cgroup v2 is outside the mounted hierarchy"
+        candidates = list(dict.fromkeys([mine, sys_root / mount.lstrip("/")]))
+    reasons: list[str] = []
+    for directory in candidates:
+        found = _v2_under(directory)
+        if isinstance(found, CgroupSetup):
+            return found
+        reasons.append(found)
+    return "; ".join(reasons)
+
+
+def _v2_under(directory: Path) -> CgroupSetup | str:
+    """A v2 setup with its base in cgroup ``directory``, or why not."""
     try:
         offered = set((directory / "cgroup.controllers").read_text().split())
     except OSError as e:

@@ -260,3 +260,25 @@ def test_the_cgroups_of_calls_whose_process_is_gone_are_swept(tmp_path: Path):
     assert isinstance(setup, CgroupSetup)
     assert not dead.exists() and mine.exists() and other.exists()
     assert sweep(setup) == []  # nothing left to sweep
+
+
+def test_v2_falls_back_to_the_root_when_its_own_cgroup_cannot_delegate(tmp_path: Path):
+    """A cgroup holding processes cannot enable controllers for children (EBUSY; here a file
+    that cannot be written); the hierarchy's root can (root on a host)."""
+    own = v2_tree(tmp_path)
+    (own / "cgroup.subtree_control").unlink()
+    (own / "cgroup.subtree_control").mkdir()  # unwritable, as EBUSY would be
+    root = cgroup_dir(
+        tmp_path / "sys/fs/cgroup",
+        {"cgroup.controllers": "memory pids\n", "cgroup.subtree_control": ""},
+    )
+    cgroup_dir(root / BASE, {"cgroup.subtree_control": "memory pids\n"})
+    proc = "0::/user.slice/app.scope\n"
+    assert detect(sys_root=tmp_path, proc_cgroup=proc, mountinfo=V2_MOUNT) == CgroupSetup(
+        "v2", (root / BASE,), swap=False
+    )
+    (root / "cgroup.controllers").write_text("cpu\n")
+    why = detect(sys_root=tmp_path, proc_cgroup=proc, mountinfo=V2_MOUNT)
+    assert isinstance(why, str)
+    assert f"cannot enable memory and pids for children of cgroup v2 {own}" in why
+    assert f"cgroup v2 {root} does not offer the memory/pids controller(s)" in why
