@@ -168,7 +168,10 @@ async def _collect(
             cgroup.kill()
         _killpg(proc.pid)
 
-    watchdog = asyncio.ensure_future(_watchdog(started, reported, limits.wall_time_s, kill_call))
+    fired = asyncio.Event()
+    watchdog = asyncio.ensure_future(
+        _watchdog((started, reported, fired), limits.wall_time_s, kill_call)
+    )
     killed = False
     finished = False  # False while a cancellation propagates: no archive is kept then
     try:
@@ -179,8 +182,8 @@ async def _collect(
         finished = True
     finally:
         # Always: kill what is left, on the deadline, on cancellation and after a normal exit.
-        watchdog.cancel()
-        killed = killed or (watchdog.done() and not watchdog.cancelled() and watchdog.result())
+        watchdog.cancel()  # its kill may still run in a thread: ``fired`` says it started
+        killed = killed or fired.is_set()
         if cgroup is not None:
             await asyncio.to_thread(cgroup.kill)
         done = await _reap(proc, (out_task, err_task, status_task))
@@ -218,25 +221,25 @@ async def _collect(
 
 
 async def _watchdog(
-    started: asyncio.Event,
-    reported: asyncio.Event,
+    events: tuple[asyncio.Event, asyncio.Event, asyncio.Event],
     wall_time_s: float,
     kill: Callable[[], None],
-) -> bool:
+) -> None:
     """Kill the call (``kill``) when its code started more than ``wall_time_s`` +
-    :data:`OUTSIDE_GRACE_S` ago and the supervisor has not reported; True when it did.
+    :data:`OUTSIDE_GRACE_S` ago and the supervisor has not reported. ``events``: (the code
+    started, the supervisor reported, set here before killing).
 
     The supervisor is inside the sandbox, and the code must not be able to extend its own
     time by stopping it: this clock runs in the parent. A supervisor that never says the code
     started is covered by the hard deadline.
     """
+    started, reported, fired = events
     await started.wait()
     try:
         await asyncio.wait_for(reported.wait(), wall_time_s + OUTSIDE_GRACE_S)
     except TimeoutError:
+        fired.set()
         await asyncio.to_thread(kill)
-        return True
-    return False
 
 
 async def _feed_and_wait(proc: asyncio.subprocess.Process, code: str) -> None:
