@@ -10,9 +10,9 @@ would stop the deadline. This filter denies all of them.
 
 Why a hand-built program and not libseccomp: the supervisor installs the filter with one
 ``prctl(PR_SET_SECCOMP)`` (ctypes, standard library) in the code's process just before the
-code runs, so it needs the program as bytes; Debian's ``python3-seccomp`` is built for the
-system interpreter and is not importable from a virtual environment of another Python, and
-the few dozen instructions below are easier to read and test than a binding. The program also
+code runs, so it needs the program as bytes; Debian's ``python3-seccomp`` lives in the system
+interpreter's ``dist-packages`` (outside the trainer's virtual environment, built for Debian's
+Python), and the ~90 instructions below are easier to read and test than a binding. The program also
 compares only the low 32 bits of ``int`` arguments (pids), which is what the kernel uses
 (libseccomp compares all 64).
 
