@@ -31,8 +31,8 @@ class MCPServerConfig(Section):
     """Extra environment variables of a stdio server (it gets only HOME, PATH, USER and the like, plus these)."""
     cwd: str | None = None
     """Working directory of a stdio server (relative to the config file); null = the config file's folder."""
-    headers: dict[str, str] = Field(default_factory=dict)
-    """HTTP headers sent to a `url` server (e.g. an `Authorization` bearer token)."""
+    headers: dict[str, str] = Field(default_factory=dict, exclude=True, repr=False)
+    """HTTP headers sent to a `url` server (e.g. an `Authorization` bearer token; never logged or saved)."""
     tools: list[str] | None = None
     """Allow-list of the server's tool names the agent gets; null = every tool it lists."""
     prefix: str = ""
