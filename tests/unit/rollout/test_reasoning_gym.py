@@ -93,7 +93,7 @@ def test_unknown_task_and_bad_options_name_the_key_and_the_fix() -> None:
     bad = ReasoningGymConfig(tasks=[{"name": "chain_sum", "config": {"no_such_knob": 1}}])
     with pytest.raises(ReasoningGymError, match=r"tasks\[0\]\.config.*no_such_knob"):
         generate_reasoning_gym_tasks(bad, 4, seed=0)
-    with pytest.raises(ReasoningGymError, match="data.reasoning_gym.tasks is empty"):
+    with pytest.raises(ReasoningGymError, match=r"data\.reasoning_gym\.tasks is empty"):
         generate_reasoning_gym_tasks(ReasoningGymConfig(), 4, seed=0)
     with pytest.raises(ValueError, match="more than once"):
         ReasoningGymConfig(tasks=["chain_sum", "chain_sum"])
