@@ -1,8 +1,9 @@
 """A real MCP tool server for the tests, written with the official `mcp` SDK (MCPServer, the SDK's
 FastMCP).
 
-Run over stdio (``python tests/mcp_server.py``) or streamable HTTP on 127.0.0.1
-(``python tests/mcp_server.py --http PORT``). Its tools:
+Run over stdio (``python tests/mcp_server.py``; other arguments are ignored, so tests can mark
+the processes they start) or streamable HTTP on 127.0.0.1 (``python tests/mcp_server.py --http
+PORT``). Its tools:
 
 - ``add(a, b)``: a + b;
 - ``shout(text)``: the text upper-cased;

@@ -216,7 +216,8 @@ def _records(log: Path) -> list[dict]:
 def test_train_with_stdio_mcp_tools(tmp_path: Path) -> None:
     project, log, cwd = _project(tmp_path), tmp_path / "calls.jsonl", tmp_path / "elsewhere"
     cwd.mkdir()
-    servers = [{"name": "calc", "command": [sys.executable, SERVER], "tools": ["add"]}]
+    marker = f"--run-marker={tmp_path}"  # the server ignores it; it finds leftover processes
+    servers = [{"name": "calc", "command": [sys.executable, SERVER, marker], "tools": ["add"]}]
     out = subprocess.run(
         _train_args(project, tmp_path, servers),
         cwd=cwd,
@@ -234,7 +235,10 @@ def test_train_with_stdio_mcp_tools(tmp_path: Path) -> None:
     assert all(r["content"].isdigit() for r in records)  # every call answered by the server
     last = records[-1]["metrics"]
     assert last["tools/add/calls"] >= 1 and last["tools/add/errors"] == 0
-    assert _server_children() == []
+    leftovers = [
+        p.pid for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or [])
+    ]
+    assert leftovers == []  # every stdio server the run started (listing, sessions) has exited
 
 
 def test_killing_the_http_server_mid_run_gives_counted_errors_not_a_hang(tmp_path: Path) -> None:
