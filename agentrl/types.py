@@ -56,6 +56,7 @@ __all__ = [
     "Task",
     "Trajectory",
     "TrajectoryError",
+    "TurnRecord",
 ]
 
 
@@ -209,6 +210,26 @@ class Policy(Protocol):
         ...
 
 
+class TurnRecord(BaseModel):
+    """One step of an episode as it happened: a model turn or the environment's answer (tool
+    results, a user or game message). For traces and display only; never trained on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["model", "environment"]
+    """``model``: tokens the policy sampled; ``environment``: tokens appended for it."""
+    start: float
+    """Wall-clock time (``time.time()``) the step began: when the previous one ended."""
+    end: float
+    """Wall-clock time its tokens were recorded."""
+    tokens: int
+    """Tokens it added to the response (after any budget cut)."""
+    version: int = -1
+    """Weight version of the model turn's last generation; -1 for the environment."""
+    finish_reason: str | None = None
+    """The server's ``finish_reason`` of a model turn's last generation."""
+
+
 class Trajectory(BaseModel):
     """One finished episode, token-exact, with everything the trainer needs.
 
@@ -259,6 +280,9 @@ class Trajectory(BaseModel):
     """Agent-reported numbers, aggregated into ``rollout/`` metrics."""
     messages: list[Message] = Field(default_factory=list)
     """The conversation, for display only; never used for training."""
+    turns: list[TurnRecord] = Field(default_factory=list)
+    """Each model turn and environment answer with its timing, tokens and weight version
+    (MLflow traces are built from it); display only."""
 
     @model_validator(mode="after")
     def _check_invariants(self) -> Trajectory:
