@@ -63,14 +63,16 @@ class TrainerConfig(OptimizerFields):
     """η: rollouts may run this many versions ahead of the trainer (0 = synchronous on-policy)."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each batch."""
-    mini_batch_size: int = Field(default=8, ge=1)
-    """Tasks per optimizer step within a batch (batch_size / mini_batch_size updates per batch)."""
+    mini_batch_size: int | None = Field(default=None, ge=1)
+    """Tasks per optimizer step within a batch (batch_size / mini_batch_size updates per batch); null = data.batch_size (one update per batch)."""
     critic_lr: float = Field(default=1e-5, gt=0.0)
     """Critic learning rate (GAE only)."""
     critic_warmup_steps: int = Field(default=0, ge=0)
     """Steps that train only the critic before the actor starts (GAE only)."""
     critic_micro_batch_max_tokens: int | None = Field(default=None, ge=1)
     """Critic token budget per micro-batch (GAE only; null = trainer.micro_batch_max_tokens)."""
+    max_failed_episode_share: float = Field(default=0.1, ge=0.0, le=1.0)
+    """A finished run exits 1 when more than this share of its episodes failed (a reward, an agent or a worker raised); see docs/training.md."""
     world_size: int = Field(default=1, ge=1)
     """Data-parallel trainer ranks (FSDP2 shards actor, reference and critic; rank 0 runs the loop); see docs/distributed.md."""
 

@@ -220,7 +220,9 @@ class AgentLoopManager:
         return self._running
 
     def stats(self) -> dict[str, float]:
-        """Counters since construction, under ``rollout/`` (admitted, finished, dropped, ...)."""
+        """Counters since construction, under ``rollout/`` (admitted, finished, dropped, ...;
+        ``stop_reason_total/<reason>`` counts finished episodes by stop reason, apart from the
+        per-batch fractions ``rollout/stop_reason/<reason>`` of the training step)."""
         counts = dict(self._counts)
         for w in self.workers:
             for k, v in w.counts.items():
@@ -362,7 +364,7 @@ class AgentLoopManager:
             self._count("dropped")
         else:
             self._count("finished")
-            self._count(f"stop_reason/{traj.stop_reason.value}")
+            self._count(f"stop_reason_total/{traj.stop_reason.value}")
         self._hook("on_finished", key, traj)
         run.events.put_nowait(("drop", None) if traj is None else ("traj", traj))
 

@@ -12,6 +12,7 @@ import asyncio
 import json
 from pathlib import Path
 
+from agentrl.training.run_log import add_log_level_argument
 from agentrl.training.train_cli import configure_logging, load_and_resolve
 
 __all__ = ["add_arguments", "run"]
@@ -25,13 +26,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint", required=True, help="a Hugging Face model directory (e.g. final_model)"
     )
     parser.add_argument("--report", default=None, help="write the full JSON report here")
+    add_log_level_argument(parser, default="warning")
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate; exit status 2 on a config mistake (nothing started)."""
     from agentrl.training.trainer import evaluate_checkpoint
 
-    configure_logging(True)
+    configure_logging(args)
     cfg = load_and_resolve(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
     if cfg is None:
         return 2
