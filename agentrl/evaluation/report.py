@@ -246,8 +246,12 @@ def report_from_trajectories(
     seed: int = 0,
     prefix: str = "val",
     wall_time_s: float = 0.0,
+    dropped_reward_errors: int = 0,
 ) -> EvalReport:
     """The :class:`EvalReport` of trajectories that are already generated and scored.
+
+    ``dropped_reward_errors``: samples whose reward failed and that the runner dropped (they
+    never became trajectories); added to ``{prefix}/reward_errors``.
 
     Args:
         trajs: every sample (samples of one task share ``uid``).
@@ -270,7 +274,7 @@ def report_from_trajectories(
         f"{prefix}/num_tasks": float(num_tasks),
         f"{prefix}/num_samples": float(len(trajs)),
         f"{prefix}/dropped_samples": float(max(0, n * num_tasks - len(trajs))),
-        f"{prefix}/reward_errors": float(errors),
+        f"{prefix}/reward_errors": float(errors + dropped_reward_errors),
         f"{prefix}/wall_time_s": float(wall_time_s),
         **flatten_statistics(per_source, prefix),
     }
@@ -338,6 +342,7 @@ async def evaluate(
     if n > 1 and temperature == 0.0:
         logger.warning("evaluate: n=%d samples at temperature 0 are identical (greedy)", n)
     start = time.perf_counter()
+    errors_before = _reward_drops(runner)
     if isinstance(runner, EpisodeGenerator):
         trajs = await runner.generate(tasks, n_samples=n)
     else:
@@ -357,7 +362,14 @@ async def evaluate(
         seed=seed,
         prefix=prefix,
         wall_time_s=elapsed,
+        dropped_reward_errors=_reward_drops(runner) - errors_before,
     )
+
+
+def _reward_drops(runner: Any) -> int:
+    """Episodes a manager dropped because their reward failed (its ``stats()``), else 0."""
+    stats = getattr(runner, "stats", None)
+    return int(stats().get("rollout/dropped/reward_error", 0.0)) if callable(stats) else 0
 
 
 def log_report(

@@ -280,3 +280,25 @@ def test_report_and_samples_pickle():
     assert pickle.loads(pickle.dumps(report)) == report
     sample = ValSample("s", "g", {"reward": 1.0}, answer="42", correct=True)
     assert pickle.loads(pickle.dumps(sample)) == sample
+
+
+def test_evaluate_counts_samples_whose_reward_raised(tok):
+    """A reward that raises drops the sample in the manager (never a 0.0); validation still
+    counts it in ``val/reward_errors`` (issue 22: it stayed 0)."""
+
+    def flaky(traj: Trajectory, task: Task) -> float:
+        if task.id == "q1":
+            raise ValueError("no ground truth")
+        return 1.0
+
+    tasks = [Task(id=f"q{i}", prompt=f"q{i}", agent="single_turn", data_source="s") for i in (0, 1)]
+    manager = AgentLoopManager(
+        ScriptedPolicy(tok, lambda prompt_ids, k: "\\boxed{1}"),
+        tok,
+        reward=RewardManager({"s": flaky}),
+        config=WorkerConfig(sampling=SamplingParams(max_tokens=16, temperature=0.7)),
+    )
+    m = asyncio.run(evaluate(manager, tasks, n=2, temperature=0.7, n_bootstrap=10)).metrics
+    assert m["val/reward_errors"] == 2.0
+    assert m["val/num_samples"] == 2.0 and m["val/dropped_samples"] == 2.0
+    assert m["val/reward_mean"] == 1.0
