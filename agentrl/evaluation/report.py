@@ -369,7 +369,8 @@ async def evaluate(
 def _reward_drops(runner: Any) -> int:
     """Episodes a manager dropped because their reward failed (its ``stats()``), else 0."""
     stats = getattr(runner, "stats", None)
-    return int(stats().get("rollout/dropped/reward_error", 0.0)) if callable(stats) else 0
+    counts: dict[str, float] = stats() if callable(stats) else {}
+    return int(counts.get("rollout/dropped/reward_error", 0.0))
 
 
 def log_report(
