@@ -368,8 +368,7 @@ async def evaluate(
 
 def _reward_drops(runner: Any) -> int:
     """Episodes a manager dropped because their reward failed (its ``stats()``), else 0."""
-    stats: Any = getattr(runner, "stats", None)
-    counts: dict[str, float] = stats() if callable(stats) else {}
+    counts: Any = getattr(runner, "stats", dict)()
     return int(counts.get("rollout/dropped/reward_error", 0.0))
 
 
