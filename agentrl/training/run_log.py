@@ -9,13 +9,16 @@ the run's own lines. This module sets up logging for every ``agentrl`` command
 
 Guarantees: at ``INFO`` and above, the request loggers of ``httpx``, ``httpcore``, ``urllib3``
 and ``uvicorn.access`` (and MLflow's store set-up chatter) log warnings only; ``--log-level
-debug`` shows them again.
+debug`` shows them again. Off a terminal, Hugging Face progress bars are off
+(``HF_HUB_DISABLE_PROGRESS_BARS``, unless set).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable, Mapping
 
@@ -68,6 +71,8 @@ def configure_logging(level: str = "info") -> None:
     )
     for name in NOISY_LOGGERS:
         logging.getLogger(name).setLevel(value if level == "debug" else max(value, logging.WARNING))
+    if not sys.stderr.isatty():  # progress bars in a log file are lines of carriage returns
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _eta(seconds: float) -> str:

@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"error: distributed.ray_address: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary(result), indent=2))
+    print(json.dumps(summary(result), indent=2), flush=True)
     failed = failure_check(result, cfg.trainer.max_failed_episode_share)
     if failed:
         print(f"error: {failed}", file=sys.stderr)
