@@ -46,13 +46,13 @@ class TrainerConfig(OptimizerFields):
     val_before_train: bool = True
     """Validate once before the first step (the baseline of the run)."""
     val_n: int = Field(default=1, ge=1)
-    """Samples per validation task (the N of mean@N, best/worst/maj@k, pass@k)."""
+    """Samples per validation task (the N of mean_at_N, best/worst/maj_at_k, pass_at_k)."""
     val_temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of validation episodes (0 = greedy; use > 0 with val_n > 1)."""
     val_k: list[int] | None = None
-    """pass@k sizes (null = 1, 2, 4, ..., val_n); each in 1..val_n."""
+    """pass_at_k sizes (null = 1, 2, 4, ..., val_n); each in 1..val_n."""
     val_bootstrap_samples: int = Field(default=1000, ge=1)
-    """Bootstrap subsets per task and subset size (best/worst/maj@k) and task resamples of the CI."""
+    """Bootstrap subsets per task and subset size (best/worst/maj_at_k) and task resamples of the CI."""
     val_seed: int = 0
     """Seed of the validation bootstrap."""
     val_at_end: bool = True

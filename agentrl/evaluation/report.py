@@ -12,8 +12,8 @@ What each sample contributes:
 
 - ``reward``: ``traj.reward``; ``acc``: 1.0 when :func:`is_correct` (``reward_info["correct"]``
   when the reward function reports it, else ``reward > 0.5``, the trainer's
-  ``reward/accuracy`` rule); pass@k uses the same flag;
-- the vote for maj@k (:func:`answer_of`): ``reward_info["answer"]`` when the reward function
+  ``reward/accuracy`` rule); pass_at_k uses the same flag;
+- the vote for maj_at_k (:func:`answer_of`): ``reward_info["answer"]`` when the reward function
   reports that key (None there abstains), else the marked answer of the final assistant message
   (``\\boxed{}`` or ``####``, :func:`agentrl.rollout.rewards.extract_answer`); numbers are
   canonicalised (``"42.0"`` and ``"42"`` vote together), text is whitespace-collapsed;
@@ -91,7 +91,7 @@ def _canonical(answer: Any) -> str | None:
 
 
 def answer_of(traj: Trajectory) -> str | None:
-    """The answer ``traj`` votes for in maj@k (None abstains); rule in the module docstring."""
+    """The answer ``traj`` votes for in maj_at_k (None abstains); rule in the module docstring."""
     if "answer" in traj.reward_info:
         return _canonical(traj.reward_info["answer"])
     return _canonical(extract_answer(final_answer_text(traj)))
@@ -119,7 +119,7 @@ class EvalReport(BaseModel):
     prefix: str = "val"
     """First segment of every metric key."""
     ks: list[int]
-    """pass@k sizes."""
+    """pass_at_k sizes."""
     n_bootstrap: int
     seed: int
     num_tasks: int
@@ -332,7 +332,7 @@ async def evaluate(
         n: samples per task (``>= 1``).
         temperature: the sampling temperature the runner uses; checked against an
             AgentLoopManager's workers (a mismatch is an error), recorded in the report.
-        ks: pass@k sizes (default 1, 2, 4, ..., n); n_bootstrap, seed: the bootstrap's.
+        ks: pass_at_k sizes (default 1, 2, 4, ..., n); n_bootstrap, seed: the bootstrap's.
         prefix: first segment of every metric key.
     """
     if n < 1:

@@ -256,8 +256,8 @@ async def push_weights(run: Run, version: int) -> PushReport:
 
 async def validate(run: Run, step: int, reporters: Sequence[Any]) -> dict[str, float]:
     """Held-out evaluation (never trained on): ``trainer.val_n`` samples per task at
-    ``trainer.val_temperature``, verl's statistics per data source (mean@N, best/worst/maj@k,
-    pass@k; :mod:`agentrl.evaluation`), reported at ``step``. The rollout stream keeps
+    ``trainer.val_temperature``, verl's statistics per data source (mean_at_N, best/worst/maj_at_k,
+    pass_at_k; :mod:`agentrl.evaluation`), reported at ``step``. The rollout stream keeps
     generating meanwhile; validation itself runs on the weights of ``step``."""
     from agentrl.evaluation import evaluate
 
