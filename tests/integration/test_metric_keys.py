@@ -11,13 +11,12 @@ condition; none is skipped silently. Every logged key must also be stored by MLf
 
 from __future__ import annotations
 
-import itertools
 import re
 from pathlib import Path
 
 import pytest
 
-from agentrl.config import load_config
+from agentrl.config import ExperimentConfig, load_config
 from agentrl.tracking import sanitize_key
 from agentrl.training.trainer import Trainer
 
@@ -26,11 +25,31 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "tracking.md"
 
-FAMILIES = (
-    "actor async agent_loop critic grad_noise num_turns perf prompt_length response "
-    "response_length response_length_non_aborted reward rollout rollout_corr timing_per_token_ms "
-    "timing_s tool_call_counts tools trainer val variance_proxy weight_sync model"
-).split()
+FAMILIES = [
+    "actor",
+    "async",
+    "agent_loop",
+    "critic",
+    "grad_noise",
+    "num_turns",
+    "perf",
+    "prompt_length",
+    "response",
+    "response_length",
+    "response_length_non_aborted",
+    "reward",
+    "rollout",
+    "rollout_corr",
+    "timing_per_token_ms",
+    "timing_s",
+    "tool_call_counts",
+    "tools",
+    "trainer",
+    "val",
+    "variance_proxy",
+    "weight_sync",
+    "model",
+]
 """First segments of metric keys (everything else in backticks is a path, a formula, prose)."""
 
 CONDITIONAL = {
@@ -81,7 +100,7 @@ def _pattern(key: str) -> re.Pattern[str]:
     return re.compile(out + (".+" if key.endswith("/") else ""))
 
 
-def _config(tmp_path: Path) -> object:
+def _config(tmp_path: Path) -> ExperimentConfig:
     (tmp_path / "plugin.py").write_text(PLUGIN)
     config = tmp_path / "config.yaml"
     config.write_text((ROOT / "configs" / "quickstart.yaml").read_text())
