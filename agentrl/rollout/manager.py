@@ -98,6 +98,20 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+ALWAYS_COUNTED = (
+    "admitted",
+    "finished",
+    "dropped",
+    "cancelled",
+    "errors",
+    "timeouts",
+    "worker_errors",
+    "dropped/reward_error",
+    "dropped/prompt_too_long",
+)
+"""Counters :meth:`AgentLoopManager.stats` reports from the start, 0 until something is counted
+(a metric that appears only after its first event cannot be plotted or alerted on)."""
+
 _ROLLOUT_DEFAULTS = RolloutConfig()
 """The config's defaults (``agentrl.config`` is their only home)."""
 
@@ -223,7 +237,7 @@ class AgentLoopManager:
         """Counters since construction, under ``rollout/`` (admitted, finished, dropped, ...;
         ``stop_reason_total/<reason>`` counts finished episodes by stop reason, apart from the
         per-batch fractions ``rollout/stop_reason/<reason>`` of the training step)."""
-        counts = dict(self._counts)
+        counts: dict[str, int] = {k: 0 for k in ALWAYS_COUNTED} | self._counts
         for w in self.workers:
             for k, v in w.counts.items():
                 counts[k] = counts.get(k, 0) + v

@@ -59,6 +59,7 @@ CONDITIONAL = {
     "actor/old_log_prob_fused": "pi_old from the update's own forward (ppo_epochs 1, one mini-batch)",
     "rollout/dropped/prompt_too_long": "a prompt over data.max_prompt_tokens",
     "variance_proxy/*": "never: the page says why verl's key is not logged",
+    "tools/<name>/calls": "not yet: the page says per-tool counters come with another issue",
 }
 """Documented keys that this run's configuration cannot log, and the configuration that does."""
 
