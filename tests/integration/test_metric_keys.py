@@ -11,6 +11,7 @@ condition; none is skipped silently. Every logged key must also be stored by MLf
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 
@@ -53,11 +54,13 @@ FAMILIES = [
 """First segments of metric keys (everything else in backticks is a path, a formula, prose)."""
 
 CONDITIONAL = {
-    "critic/values/{mean,max,min}": "a critic: algorithm.advantage gae",
+    "critic/values/mean": "a critic: algorithm.advantage gae",
+    "critic/values/max": "a critic: algorithm.advantage gae",
+    "critic/values/min": "a critic: algorithm.advantage gae",
+    "critic/values/*": "a critic: algorithm.advantage gae",
     "critic/vf_explained_var": "a critic: algorithm.advantage gae",
     "actor/reward_kl_penalty": "KL in the reward: algorithm.use_kl_in_reward",
     "actor/old_log_prob_fused": "pi_old from the update's own forward (ppo_epochs 1, one mini-batch)",
-    "rollout/dropped/prompt_too_long": "a prompt over data.max_prompt_tokens",
     "variance_proxy/*": "never: the page says why verl's key is not logged",
     "tools/<name>/calls": "not yet: the page says per-tool counters come with another issue",
 }
@@ -83,13 +86,21 @@ def _doc_keys() -> list[str]:
         if token.startswith("<var>/") or token.startswith("pass_at_"):
             token = "val/<data_source>/" + token
         if token.split("/", 1)[0] in FAMILIES and "/" in token and not token.endswith(".py"):
-            keys.append(token)
+            keys.extend(_expand(token))
     return sorted(set(keys))
 
 
+def _expand(token: str) -> list[str]:
+    """``critic/{score,rewards}/{mean,max}`` -> its four keys (placeholders stay as they are)."""
+    parts = re.split(r"(\{[^}]*,[^}]*\})", token)
+    options = [p[1:-1].split(",") if p.startswith("{") else [p] for p in parts]
+    return ["".join(combo) for combo in itertools.product(*options)]
+
+
 def _pattern(key: str) -> re.Pattern[str]:
-    """A documented key as a regex: ``{a,b}`` alternatives, ``{phase}`` / ``<name>`` / ``*`` one
-    or more segments' text, ``_N`` / ``_k`` a number, a trailing ``/`` any key of the family."""
+    """A documented key (alternatives expanded) as a regex: ``{phase}`` / ``<name>`` one
+    segment, ``*`` one or more, ``_at_N`` / ``_at_k`` a number, a trailing ``/`` any key of the
+    family."""
     out = ""
     for part in re.split(r"(\{[^}]*\}|<[^>]*>|\*)", key):
         if part.startswith("{") and "," in part:
@@ -146,9 +157,15 @@ def test_every_metric_key_in_the_docs_is_logged_by_a_real_run(tmp_path: Path) ->
 
 
 def test_the_key_patterns() -> None:
-    assert _pattern("critic/{score,rewards}/{mean,max}").fullmatch("critic/rewards/max")
+    assert _expand("critic/{score,rewards}/{mean,max}") == [
+        "critic/score/mean",
+        "critic/score/max",
+        "critic/rewards/mean",
+        "critic/rewards/max",
+    ]
+    assert _expand("timing_s/{phase}") == ["timing_s/{phase}"]
     assert _pattern("timing_s/{phase}").fullmatch("timing_s/update_actor")
     assert _pattern("weight_sync/").fullmatch("weight_sync/bytes")
-    key = "val/<data_source>/<var>/best_at_k/{mean,std}"
+    key = "val/<data_source>/<var>/best_at_k/std"
     assert _pattern(key).fullmatch("val/calculator/acc/best_at_2/std")
     assert not _pattern("reward/accuracy").fullmatch("reward/accuracy/x")
