@@ -63,6 +63,17 @@ CONDITIONAL = {
     "actor/old_log_prob_fused": "pi_old from the update's own forward (ppo_epochs 1, one mini-batch)",
     "variance_proxy/*": "never: the page says why verl's key is not logged",
     "tools/<name>/calls": "not yet: the page says per-tool counters come with another issue",
+    **{
+        f"grad_noise/{k}": "not yet: the page says the actor does not call the probe"
+        for k in (
+            "",
+            "grad_sq_norm",
+            "micro_grad_norm/mean",
+            "micro_grad_norm/std",
+            "noise_scale",
+            "trace_cov",
+        )
+    },
 }
 """Documented keys that this run's configuration cannot log, and the configuration that does."""
 
@@ -124,7 +135,7 @@ def _config(tmp_path: Path) -> ExperimentConfig:
             f"trainer.output_dir={tmp_path / 'out'}",
             "trainer.total_steps=2",
             "trainer.mini_batch_size=null",
-            "trainer.micro_batch_max_tokens=600",  # several micro-batches: grad_noise/*
+            "trainer.micro_batch_max_tokens=600",  # several micro-batches per update
             "trainer.val_n=2",
             "trainer.val_temperature=1.0",
             "data.batch_size=4",
