@@ -8,7 +8,10 @@ stays fast and ``agentrl tiny-model`` never imports a server.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
+import logging
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -34,6 +37,8 @@ def _top_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``agentrl COMMAND ...`` (``argv``, default the command line); the exit status."""
+    from_command_line = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         parser = _top_parser()
@@ -48,7 +53,23 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     # Options may come before, between or after the config and its key=value overrides.
     args = parser.parse_intermixed_args(rest)
-    return int(module.run(args) or 0)
+    status = int(module.run(args) or 0)
+    if from_command_line:
+        _leave(status)
+    return status
+
+
+def _leave(status: int) -> None:
+    """The process ends now: skip the interpreter's final collection of the whole heap (torch,
+    transformers, mlflow: 6-9 s of a Ctrl-C on a busy 2-core machine). After Ctrl-C (status
+    130) the command has already stopped its servers and ended its MLflow run, so the module
+    teardown (another 2-4 s) is skipped too: flush, then exit at once."""
+    gc.freeze()
+    if status == 130:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(status)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", default="outputs/quickstart", help="where the run goes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("agentrl.run").setLevel(logging.INFO)  # the step lines off a terminal
     # Before torch loads OpenMP (here and in the SFT processes, which inherit it): idle OpenMP
     # threads sleep instead of spinning, so other work on the machine slows the run down
     # instead of stalling it (measured 4-7x on a shared 2-core machine; docs/training.md).

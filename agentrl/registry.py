@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-from agentrl.user_code import RegistryError, import_path
+from agentrl.user_code import RegistryError, import_path, imported_by_path
 
 __all__ = [
     "DuplicateNameError",
@@ -114,14 +114,7 @@ def import_spec(spec: str, *, base_dir: str | Path | None = None, key: str = "")
     if target.endswith(".py") or "/" in target or "\\" in target:
         module = import_path(target, base_dir=base_dir, key=key)
     else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise RegistryError(
-                f"{where}cannot import module {target!r} of {spec!r} ({exc}); install it, list "
-                "its file under `imports:`, or give a path relative to the config file "
-                "('path/file.py:attr')"
-            ) from exc
+        module = _import_module(target, spec, where)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -131,6 +124,22 @@ def import_spec(spec: str, *, base_dir: str | Path | None = None, key: str = "")
             raise RegistryError(f"{where}{target!r} has no attribute {attr!r}{hint}")
         obj = getattr(obj, part)
     return obj
+
+
+def _import_module(target: str, spec: str, where: str) -> Any:
+    """Module ``target`` of ``spec``: installed, or a file imported by path under ``imports:``
+    (``imports: [plugin.py]`` then ``plugin:fn``: the file's stem names it)."""
+    try:
+        return importlib.import_module(target)
+    except ImportError as exc:
+        module = imported_by_path(target)
+        if module is not None:
+            return module
+        raise RegistryError(
+            f"{where}cannot import module {target!r} of {spec!r} ({exc}); install it, list "
+            "its file under `imports:`, or give a path relative to the config file "
+            "('path/file.py:attr')"
+        ) from exc
 
 
 class Registry(Generic[T]):

@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import re
+import secrets
 import tempfile
 from abc import ABC, abstractmethod
 from collections import defaultdict
@@ -31,6 +33,7 @@ __all__ = [
     "Reporter",
     "SampleReporter",
     "Tracker",
+    "fresh_run_name",
     "log_run_plots",
     "make_tracker",
     "sanitize_key",
@@ -142,7 +145,8 @@ class MlflowTracker(Tracker):
                 artifact_root = (Path(uri[len("sqlite:///") :]).parent / "artifacts").as_uri()
             mlflow.create_experiment(experiment, artifact_location=artifact_root)
         mlflow.set_experiment(experiment)
-        self._run = mlflow.start_run(run_id=run_id, run_name=None if run_id else run_name)
+        name = None if run_id else (run_name or fresh_run_name())
+        self._run = mlflow.start_run(run_id=run_id, run_name=name)
         self.run_id = self._run.info.run_id
         self.experiment = experiment
         self.skipped_non_finite = 0
@@ -206,6 +210,23 @@ class MlflowTracker(Tracker):
     def location(self) -> str:
         """The tracking URI, experiment and run id."""
         return f"{self.tracking_uri} (experiment {self.experiment!r}, run {self.run_id})"
+
+
+def fresh_run_name() -> str:
+    """A run name in MLflow's style (``overjoyed-slug-911``) drawn from the OS's entropy: MLflow
+    draws its names from the global RNG, which ``seed_everything`` has seeded, so every run of
+    every store would get the same name."""
+    rng = random.SystemRandom()
+    try:
+        from mlflow.utils import name_utils
+
+        words = [
+            rng.choice(name_utils._GENERATOR_PREDICATES),
+            rng.choice(name_utils._GENERATOR_NOUNS),
+        ]
+    except (ImportError, AttributeError):  # MLflow moved its word lists: a plain unique name
+        words = ["run", secrets.token_hex(3)]
+    return f"{words[0]}-{words[1]}-{rng.randrange(1000)}"
 
 
 def make_tracker(

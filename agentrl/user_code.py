@@ -39,6 +39,7 @@ __all__ = [
     "RegistryError",
     "import_path",
     "import_user_modules",
+    "imported_by_path",
     "is_path_spec",
     "resolve_user_path",
 ]
@@ -142,7 +143,7 @@ def import_path(text: str, *, base_dir: str | Path | None = None, key: str = "")
         raise RegistryError(f"{key + ': ' if key else ''}{text!r}: nothing to import")
     name = ".".join([_namespace_for(root), *parts])
     try:
-        return importlib.import_module(name)
+        module = importlib.import_module(name)
     except ImportError as exc:
         hint = ""
         missing = getattr(exc, "name", None) or ""
@@ -154,6 +155,19 @@ def import_path(text: str, *, base_dir: str | Path | None = None, key: str = "")
         raise RegistryError(
             f"{key + ': ' if key else ''}importing {text!r} failed: {type(exc).__name__}: {exc}{hint}"
         ) from exc
+    _BY_SHORT_NAME[".".join(parts)] = module
+    return module
+
+
+_BY_SHORT_NAME: dict[str, ModuleType] = {}
+"""Files and packages imported by path, by their name inside the project (``plugin`` for
+``plugin.py``, ``pkg.mod`` for ``pkg/mod.py``)."""
+
+
+def imported_by_path(name: str) -> ModuleType | None:
+    """The module imported by path (``imports: [plugin.py]``) whose name inside its project is
+    ``name`` (``plugin``), so a later ``plugin:fn`` resolves to it; None if there is none."""
+    return _BY_SHORT_NAME.get(name)
 
 
 def import_user_modules(

@@ -28,8 +28,8 @@ the per-task samples, so a condition's seeds can be pooled into one task-bootstr
 
 Printed JSON (also written to ``--out``.json, with a plot ``--out``.png) per condition:
 
-- ``final_mean_at_n``: held-out ``acc/mean@N`` per seed with its 95% task-bootstrap CI
-  (``val/<source>/acc/mean@N/ci95_lo/hi``), the mean and std over seeds, and ``pooled``: the
+- ``final_mean_at_n``: held-out ``acc/mean_at_N`` per seed with its 95% task-bootstrap CI
+  (``val/<source>/acc/mean_at_N/ci95_lo/hi``), the mean and std over seeds, and ``pooled``: the
   mean over seeds with a 95% CI from resampling tasks (each task's accuracy averaged over seeds);
 - ``reward_curve``: ``reward/mean`` per step, mean and std over seeds (and per seed);
 - ``diagnostics``: means over steps and seeds of ``rollout_corr/*`` (kl, k3_kl, chi2, IS
@@ -231,9 +231,9 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
 
 
 def _acc_key(metrics: dict[str, float], n: int) -> str:
-    keys = [k for k in metrics if k.endswith(f"/acc/mean@{n}")]
+    keys = [k for k in metrics if k.endswith(f"/acc/mean_at_{n}")]
     if len(keys) != 1:
-        raise KeyError(f"expected one val/<source>/acc/mean@{n} key, got {keys}")
+        raise KeyError(f"expected one val/<source>/acc/mean_at_{n} key, got {keys}")
     return keys[0]
 
 
@@ -337,7 +337,7 @@ def aggregate(records: list[dict[str, Any]], args: argparse.Namespace) -> dict[s
 # ---- plot -------------------------------------------------------------------------------------
 def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     """Three panels: training reward per step and the off-policy KL (k3) per step, mean ± std
-    over seeds, and the final held-out mean@N per condition (bars ± std over seeds, a dot per
+    over seeds, and the final held-out mean_at_N per condition (bars ± std over seeds, a dot per
     seed)."""
     import matplotlib
 
@@ -381,7 +381,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     ax3.set_xticks(range(len(labels)))
     ax3.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
     ax3.set_ylabel(
-        f"held-out acc mean@{summary['val_n']} at T={summary['val_temperature']} (± std over seeds)"
+        f"held-out acc mean_at_{summary['val_n']} at T={summary['val_temperature']} (± std over seeds)"
     )
     ax3.set_title(f"final held-out accuracy ({summary['val_tasks']} tasks)")
     fig.suptitle(title, fontsize=10)
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--conditions", nargs="+", default=None, help="default: all")
     p.add_argument("--val-tasks", type=int, default=64, help="held-out tasks")
-    p.add_argument("--val-n", type=int, default=4, help="samples per held-out task (mean@N)")
+    p.add_argument("--val-n", type=int, default=4, help="samples per held-out task (mean_at_N)")
     p.add_argument("--val-temperature", type=float, default=1.0)
     p.add_argument("--bootstrap", type=int, default=1000, help="task resamples of pooled CIs")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="writes OUT.json and OUT.png")

@@ -187,14 +187,14 @@ class AdvantageSection(VariantSection):
     """Advantage estimator and its knobs, e.g. `{name: gae, gamma: 1.0, lam: 0.95}`."""
 
     name: str = "grpo"
-    """Estimator: gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax, opo, gpg (+ the knobs of the one chosen, see docs/algorithms.md), or `module:function`."""
+    """Estimator: a registered name, e.g. grpo, gae, rloo (docs/algorithms.md lists every one and its knobs), or `module:function`."""
 
 
 class LossSection(VariantSection):
     """Policy loss and its knobs, e.g. `{name: vanilla, clip_ratio_low: 0.2, clip_ratio_high: 0.28}`."""
 
     name: str = "vanilla"
-    """Loss: vanilla (PPO clip + dual clip; alias ppo_clip), gspo, cispo, reinforce (+ its knobs, see docs/algorithms.md), or `module:function`."""
+    """Loss: a registered name, e.g. vanilla (PPO clip + dual clip), gspo, cispo (docs/algorithms.md lists every one and its knobs), or `module:function`."""
 
 
 class AlgorithmConfig(Section):

@@ -82,7 +82,8 @@ class ExperimentConfig(Section):
             raise ValueError(
                 f"trainer.val_k={t.val_k}: every k must be in 1..trainer.val_n ({t.val_n})"
             )
-        if self.data.batch_size % self.trainer.mini_batch_size != 0:
+        mini = self.trainer.mini_batch_size  # None follows data.batch_size
+        if mini is not None and self.data.batch_size % mini != 0:
             raise ValueError(
                 f"data.batch_size ({self.data.batch_size}) must be a multiple of "
                 f"trainer.mini_batch_size ({self.trainer.mini_batch_size})"

@@ -19,11 +19,11 @@ class TrackingConfig(Section):
     backend: Literal["mlflow", "none"] = "mlflow"
     """Tracking backend."""
     tracking_uri: str | None = None
-    """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else a local store under ./mlruns."""
+    """MLflow tracking URI; None = $MLFLOW_TRACKING_URI, else a local SQLite store under trainer.output_dir/mlruns."""
     experiment: str = "agentrl"
     """MLflow experiment name."""
     run_name: str | None = None
-    """MLflow run name; None = generated."""
+    """MLflow run name; None = a generated name, different for every run."""
     log_every: int = Field(default=1, ge=1)
     """Log metrics every N steps."""
     num_sample_trajectories: int = Field(default=4, ge=0)

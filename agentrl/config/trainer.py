@@ -46,13 +46,13 @@ class TrainerConfig(OptimizerFields):
     val_before_train: bool = True
     """Validate once before the first step (the baseline of the run)."""
     val_n: int = Field(default=1, ge=1)
-    """Samples per validation task (the N of mean@N, best/worst/maj@k, pass@k)."""
+    """Samples per validation task (the N of mean_at_N, best/worst/maj_at_k, pass_at_k)."""
     val_temperature: float = Field(default=0.0, ge=0.0)
     """Sampling temperature of validation episodes (0 = greedy; use > 0 with val_n > 1)."""
     val_k: list[int] | None = None
-    """pass@k sizes (null = 1, 2, 4, ..., val_n); each in 1..val_n."""
+    """pass_at_k sizes (null = 1, 2, 4, ..., val_n); each in 1..val_n."""
     val_bootstrap_samples: int = Field(default=1000, ge=1)
-    """Bootstrap subsets per task and subset size (best/worst/maj@k) and task resamples of the CI."""
+    """Bootstrap subsets per task and subset size (best/worst/maj_at_k) and task resamples of the CI."""
     val_seed: int = 0
     """Seed of the validation bootstrap."""
     val_at_end: bool = True
@@ -63,14 +63,16 @@ class TrainerConfig(OptimizerFields):
     """η: rollouts may run this many versions ahead of the trainer (0 = synchronous on-policy)."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each batch."""
-    mini_batch_size: int = Field(default=8, ge=1)
-    """Tasks per optimizer step within a batch (batch_size / mini_batch_size updates per batch)."""
+    mini_batch_size: int | None = Field(default=None, ge=1)
+    """Tasks per optimizer step within a batch (batch_size / mini_batch_size updates per batch); null = data.batch_size (one update per batch)."""
     critic_lr: float = Field(default=1e-5, gt=0.0)
     """Critic learning rate (GAE only)."""
     critic_warmup_steps: int = Field(default=0, ge=0)
     """Steps that train only the critic before the actor starts (GAE only)."""
     critic_micro_batch_max_tokens: int | None = Field(default=None, ge=1)
     """Critic token budget per micro-batch (GAE only; null = trainer.micro_batch_max_tokens)."""
+    max_failed_episode_share: float = Field(default=0.1, ge=0.0, le=1.0)
+    """A finished run exits 1 when more than this share of its episodes failed (a reward, an agent or a worker raised); see docs/training.md."""
     world_size: int = Field(default=1, ge=1)
     """Data-parallel trainer ranks (FSDP2 shards actor, reference and critic; rank 0 runs the loop); see docs/distributed.md."""
 

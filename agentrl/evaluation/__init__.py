@@ -1,4 +1,4 @@
-"""agentrl evaluation: held-out statistics (mean@N, best@k, maj@k, pass@k) and the eval runner.
+"""agentrl evaluation: held-out statistics (mean_at_N, best_at_k, maj_at_k, pass_at_k) and the eval runner.
 
 ``agentrl.evaluation.stats`` is pure (numpy only); ``agentrl.evaluation.report`` runs tasks
 through an AgentLoopManager-like ``generate`` and builds an :class:`EvalReport`. Importing this

@@ -12,8 +12,8 @@ What each sample contributes:
 
 - ``reward``: ``traj.reward``; ``acc``: 1.0 when :func:`is_correct` (``reward_info["correct"]``
   when the reward function reports it, else ``reward > 0.5``, the trainer's
-  ``reward/accuracy`` rule); pass@k uses the same flag;
-- the vote for maj@k (:func:`answer_of`): ``reward_info["answer"]`` when the reward function
+  ``reward/accuracy`` rule); pass_at_k uses the same flag;
+- the vote for maj_at_k (:func:`answer_of`): ``reward_info["answer"]`` when the reward function
   reports that key (None there abstains), else the marked answer of the final assistant message
   (``\\boxed{}`` or ``####``, :func:`agentrl.rollout.rewards.extract_answer`); numbers are
   canonicalised (``"42.0"`` and ``"42"`` vote together), text is whitespace-collapsed;
@@ -91,7 +91,7 @@ def _canonical(answer: Any) -> str | None:
 
 
 def answer_of(traj: Trajectory) -> str | None:
-    """The answer ``traj`` votes for in maj@k (None abstains); rule in the module docstring."""
+    """The answer ``traj`` votes for in maj_at_k (None abstains); rule in the module docstring."""
     if "answer" in traj.reward_info:
         return _canonical(traj.reward_info["answer"])
     return _canonical(extract_answer(final_answer_text(traj)))
@@ -119,7 +119,7 @@ class EvalReport(BaseModel):
     prefix: str = "val"
     """First segment of every metric key."""
     ks: list[int]
-    """pass@k sizes."""
+    """pass_at_k sizes."""
     n_bootstrap: int
     seed: int
     num_tasks: int
@@ -246,8 +246,12 @@ def report_from_trajectories(
     seed: int = 0,
     prefix: str = "val",
     wall_time_s: float = 0.0,
+    dropped_reward_errors: int = 0,
 ) -> EvalReport:
     """The :class:`EvalReport` of trajectories that are already generated and scored.
+
+    ``dropped_reward_errors``: samples whose reward failed and that the runner dropped (they
+    never became trajectories); added to ``{prefix}/reward_errors``.
 
     Args:
         trajs: every sample (samples of one task share ``uid``).
@@ -270,7 +274,7 @@ def report_from_trajectories(
         f"{prefix}/num_tasks": float(num_tasks),
         f"{prefix}/num_samples": float(len(trajs)),
         f"{prefix}/dropped_samples": float(max(0, n * num_tasks - len(trajs))),
-        f"{prefix}/reward_errors": float(errors),
+        f"{prefix}/reward_errors": float(errors + dropped_reward_errors),
         f"{prefix}/wall_time_s": float(wall_time_s),
         **flatten_statistics(per_source, prefix),
     }
@@ -329,7 +333,7 @@ async def evaluate(
         n: samples per task (``>= 1``).
         temperature: the sampling temperature the runner uses; checked against an
             AgentLoopManager's workers (a mismatch is an error), recorded in the report.
-        ks: pass@k sizes (default 1, 2, 4, ..., n); n_bootstrap, seed: the bootstrap's.
+        ks: pass_at_k sizes (default 1, 2, 4, ..., n); n_bootstrap, seed: the bootstrap's.
         prefix: first segment of every metric key.
         keep: when given, the scored trajectories are appended to it (e.g. for traces).
     """
@@ -340,6 +344,7 @@ async def evaluate(
     if n > 1 and temperature == 0.0:
         logger.warning("evaluate: n=%d samples at temperature 0 are identical (greedy)", n)
     start = time.perf_counter()
+    errors_before = _reward_drops(runner)
     if isinstance(runner, EpisodeGenerator):
         trajs = await runner.generate(tasks, n_samples=n)
     else:
@@ -361,7 +366,14 @@ async def evaluate(
         seed=seed,
         prefix=prefix,
         wall_time_s=elapsed,
+        dropped_reward_errors=_reward_drops(runner) - errors_before,
     )
+
+
+def _reward_drops(runner: Any) -> int:
+    """Episodes a manager dropped because their reward failed (its ``stats()``), else 0."""
+    counts: Any = getattr(runner, "stats", dict)()
+    return int(counts.get("rollout/dropped/reward_error", 0.0))
 
 
 def log_report(

@@ -1,21 +1,21 @@
-"""Validation statistics per data source: mean@N, std@N, best@k, worst@k, maj@k, pass@k.
+"""Validation statistics per data source: mean_at_N, std_at_N, best_at_k, worst_at_k, maj_at_k, pass_at_k.
 
 Why it exists: one greedy sample per task says little about a stochastic policy. Researchers
 read verl's validation numbers (``process_validation_metrics``): for each task (prompt) sampled
 ``N`` times, the mean and spread of its samples, what best-of-k / worst-of-k / majority-vote-of-k
-selection would score (bootstrap estimates over subsets of size k), and pass@k with the unbiased
+selection would score (bootstrap estimates over subsets of size k), and pass_at_k with the unbiased
 estimator of Chen et al. 2021 (arXiv:2107.03374). This module computes them from plain records;
 it imports numpy only (no torch, servers or trackers).
 
 Definitions (per task with ``N`` samples ``x_1..x_N`` of a variable, e.g. the reward):
 
-- ``mean@N`` = (1/N) Σ x_i; ``std@N`` = sqrt((1/N) Σ (x_i − mean)²) (population std, as verl);
+- ``mean_at_N`` = (1/N) Σ x_i; ``std_at_N`` = sqrt((1/N) Σ (x_i − mean)²) (population std, as verl);
 - for each subset size ``k`` in :func:`subset_sizes` (2, 4, 8, ... below N, then N), draw
   ``n_bootstrap`` subsets of ``k`` indices uniformly *with replacement* (the index matrix is
   ``numpy.random.default_rng(seed).integers(0, N, size=(n_bootstrap, k))``, the same for every
   task and variable, so results do not depend on which other tasks were evaluated);
-  ``best@k/mean`` and ``best@k/std`` are the mean and population std over subsets of the subset's
-  max; ``worst@k`` the same for the min; ``maj@k`` for the majority-vote value (below);
+  ``best_at_k/mean`` and ``best_at_k/std`` are the mean and population std over subsets of the subset's
+  max; ``worst_at_k`` the same for the min; ``maj_at_k`` for the majority-vote value (below);
 - majority vote of a subset (:func:`majority_value`): samples vote with their extracted answer;
   samples without an answer abstain. The answer with the most votes wins and the subset scores
   the mean value of the samples that gave it. **Ties**: every tied answer is taken with equal
@@ -23,16 +23,16 @@ Definitions (per task with ``N`` samples ``x_1..x_N`` of a variable, e.g. the re
   expectation of breaking the tie uniformly at random, and it does not depend on sample order
   (verl keeps whichever tied answer it met first). A subset in which every sample abstains
   scores the mean of its values;
-- ``pass@k`` = 1 − C(N−c, k) / C(N, k) with ``c`` correct samples (unbiased for the chance
+- ``pass_at_k`` = 1 − C(N−c, k) / C(N, k) with ``c`` correct samples (unbiased for the chance
   that at least one of k samples drawn without replacement is correct), for k ≤ N;
-- ``mean@N/ci95_lo`` and ``ci95_hi``: the 2.5 and 97.5 percentiles of the mean over tasks of
-  ``mean@N`` when the *tasks* are resampled with replacement ``n_bootstrap`` times (seeded):
+- ``mean_at_N/ci95_lo`` and ``ci95_hi``: the 2.5 and 97.5 percentiles of the mean over tasks of
+  ``mean_at_N`` when the *tasks* are resampled with replacement ``n_bootstrap`` times (seeded):
   a confidence interval of the data-source score, which the per-task ``std`` keys are not.
 
 Aggregation: each per-task number is averaged over the tasks of a data source (a task with
 fewer than ``k`` samples is left out of the size-``k`` statistics and counted in
 ``num_incomplete_tasks``). Keys of :func:`validation_statistics` are ``{variable}/{stat}``
-(``reward/mean@4``, ``acc/maj@4/mean``) plus ``pass@{k}``, ``num_tasks``, ``num_samples`` and
+(``reward/mean_at_4``, ``acc/maj_at_4/mean``) plus ``pass_at_{k}``, ``num_tasks``, ``num_samples`` and
 ``num_incomplete_tasks``; :func:`flatten_statistics` prefixes them as
 ``val/{data_source}/{key}``.
 
@@ -41,8 +41,8 @@ Example::
     samples = [ValSample("gsm8k", "t0", {"reward": r}, answer=a, correct=r > 0)
                for r, a in [(1.0, "42"), (0.0, "41"), (1.0, "42"), (0.0, None)]]
     stats = validation_statistics(samples, n=4)
-    stats["gsm8k"]["reward/mean@4"]   # 0.5
-    stats["gsm8k"]["pass@2"]          # 1 - C(2,2)/C(4,2) = 5/6
+    stats["gsm8k"]["reward/mean_at_4"]   # 0.5
+    stats["gsm8k"]["pass_at_2"]          # 1 - C(2,2)/C(4,2) = 5/6
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class ValSample:
 
     ``group`` identifies the task run (all samples of one task share it, e.g. the trajectory's
     ``uid``); ``values`` holds the numeric variables to summarise (``reward``, ``acc``, ...);
-    ``answer`` is the vote for maj@k (None = abstain); ``correct`` feeds pass@k (None = unknown,
-    left out of pass@k).
+    ``answer`` is the vote for maj_at_k (None = abstain); ``correct`` feeds pass_at_k (None = unknown,
+    left out of pass_at_k).
     """
 
     data_source: str
@@ -90,7 +90,7 @@ class ValSample:
 def subset_sizes(n: int) -> list[int]:
     """Bootstrap subset sizes for ``n`` samples: 2, 4, 8, ... below ``n``, then ``n``.
 
-    Empty for ``n == 1`` (best/worst/maj of one sample is the sample: ``mean@1`` says it).
+    Empty for ``n == 1`` (best/worst/maj of one sample is the sample: ``mean_at_1`` says it).
     """
     if n < 1:
         raise ValueError(f"subset_sizes: n must be >= 1, got {n}")
@@ -105,12 +105,12 @@ def subset_sizes(n: int) -> list[int]:
 
 
 def default_ks(n: int) -> list[int]:
-    """The pass@k sizes reported by default: 1, then :func:`subset_sizes` (1, 2, 4, ..., n)."""
+    """The pass_at_k sizes reported by default: 1, then :func:`subset_sizes` (1, 2, 4, ..., n)."""
     return [1, *subset_sizes(n)]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of one task: ``1 − C(n−c, k) / C(n, k)`` (Chen et al. 2021).
+    """Unbiased pass_at_k of one task: ``1 − C(n−c, k) / C(n, k)`` (Chen et al. 2021).
 
     Args:
         n: samples of the task; c: how many were correct; k: the budget, ``1 <= k <= n``.
@@ -211,15 +211,15 @@ def group_statistics(
     n_bootstrap: int = 1000,
     seed: int = 0,
 ) -> dict[str, float]:
-    """The statistics of one task's samples (keys ``{variable}/{stat}`` and ``pass@{k}``).
+    """The statistics of one task's samples (keys ``{variable}/{stat}`` and ``pass_at_{k}``).
 
     Args:
         values: variable name -> one value per sample (all of the same length ``m``).
-        answers: one vote per sample for maj@k (None abstains); None = no maj@k.
-        correct: one flag per sample for pass@k (None = unknown); None = no pass@k.
-        n: the nominal samples per task; it names ``mean@{n}``/``std@{n}`` and bounds the
+        answers: one vote per sample for maj_at_k (None abstains); None = no maj_at_k.
+        correct: one flag per sample for pass_at_k (None = unknown); None = no pass_at_k.
+        n: the nominal samples per task; it names ``mean_at_{n}``/``std_at_{n}`` and bounds the
             subset sizes (a task with ``m < k`` samples gets no size-k statistics).
-        ks: pass@k sizes.
+        ks: pass_at_k sizes.
         n_bootstrap: subsets drawn per size; seed: their seed.
     """
     lengths = {name: len(v) for name, v in values.items()}
@@ -231,9 +231,9 @@ def group_statistics(
     out: dict[str, float] = {}
     arrays = {name: np.asarray(v, dtype=float) for name, v in values.items()}
     for name, arr in arrays.items():
-        out[f"{name}/mean@{n}"] = float(arr.mean())
+        out[f"{name}/mean_at_{n}"] = float(arr.mean())
         if m > 1:
-            out[f"{name}/std@{n}"] = float(arr.std())
+            out[f"{name}/std_at_{n}"] = float(arr.std())
     codes = None
     if answers is not None:
         if len(answers) != m:
@@ -251,13 +251,13 @@ def group_statistics(
             if name in majority:
                 reduced["maj"] = majority[name]
             for stat, per_subset in reduced.items():
-                out[f"{name}/{stat}@{k}/mean"] = float(per_subset.mean())
-                out[f"{name}/{stat}@{k}/std"] = float(per_subset.std())
+                out[f"{name}/{stat}_at_{k}/mean"] = float(per_subset.mean())
+                out[f"{name}/{stat}_at_{k}/std"] = float(per_subset.std())
     if correct is not None:
         known = [bool(c) for c in correct if c is not None]
         for k in ks:
             if 1 <= k <= len(known):
-                out[f"pass@{k}"] = pass_at_k(len(known), sum(known), k)
+                out[f"pass_at_{k}"] = pass_at_k(len(known), sum(known), k)
     return out
 
 
@@ -287,7 +287,7 @@ def validation_statistics(
     Args:
         samples: every scored sample; samples of one task share ``group``.
         n: nominal samples per task (default: the largest group).
-        ks: pass@k sizes (default :func:`default_ks` of ``n``); each must be in ``1..n``.
+        ks: pass_at_k sizes (default :func:`default_ks` of ``n``); each must be in ``1..n``.
         n_bootstrap: bootstrap subsets per task and size (and task resamples of the CI).
         seed: seed of every bootstrap draw.
     """
@@ -303,7 +303,7 @@ def validation_statistics(
     bad = [k for k in ks_eff if not 1 <= k <= n_eff]
     if bad:
         raise ValueError(
-            f"pass@k sizes {bad} are outside 1..n={n_eff}; choose k <= the samples per task"
+            f"pass_at_k sizes {bad} are outside 1..n={n_eff}; choose k <= the samples per task"
         )
     return {
         source: _source_statistics(by_group, n_eff, ks_eff, n_bootstrap, seed)
@@ -341,7 +341,7 @@ def _source_statistics(
             collected[key].append(value)
     out = {key: float(np.mean(vals)) for key, vals in sorted(collected.items())}
     for key, vals in sorted(collected.items()):
-        if key.endswith(f"/mean@{n}"):
+        if key.endswith(f"/mean_at_{n}"):
             out[f"{key}/ci95_lo"], out[f"{key}/ci95_hi"] = task_ci95(
                 vals, n_bootstrap=n_bootstrap, seed=seed
             )

@@ -98,6 +98,20 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+ALWAYS_COUNTED = (
+    "admitted",
+    "finished",
+    "dropped",
+    "cancelled",
+    "errors",
+    "timeouts",
+    "worker_errors",
+    "dropped/reward_error",
+    "dropped/prompt_too_long",
+)
+"""Counters :meth:`AgentLoopManager.stats` reports from the start, 0 until something is counted
+(a metric that appears only after its first event cannot be plotted or alerted on)."""
+
 _ROLLOUT_DEFAULTS = RolloutConfig()
 """The config's defaults (``agentrl.config`` is their only home)."""
 
@@ -220,8 +234,10 @@ class AgentLoopManager:
         return self._running
 
     def stats(self) -> dict[str, float]:
-        """Counters since construction, under ``rollout/`` (admitted, finished, dropped, ...)."""
-        counts = dict(self._counts)
+        """Counters since construction, under ``rollout/`` (admitted, finished, dropped, ...;
+        ``stop_reason_total/<reason>`` counts finished episodes by stop reason, apart from the
+        per-batch fractions ``rollout/stop_reason/<reason>`` of the training step)."""
+        counts: dict[str, int] = {k: 0 for k in ALWAYS_COUNTED} | self._counts
         for w in self.workers:
             for k, v in w.counts.items():
                 counts[k] = counts.get(k, 0) + v
@@ -362,7 +378,7 @@ class AgentLoopManager:
             self._count("dropped")
         else:
             self._count("finished")
-            self._count(f"stop_reason/{traj.stop_reason.value}")
+            self._count(f"stop_reason_total/{traj.stop_reason.value}")
         self._hook("on_finished", key, traj)
         run.events.put_nowait(("drop", None) if traj is None else ("traj", traj))
 

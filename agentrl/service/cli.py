@@ -57,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a directory dataset.path may read from (repeatable; none = refused)",
     )
     parser.add_argument("--heartbeat-s", type=float, default=15.0, help="SSE keep-alive period")
-    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    from agentrl.training.run_log import add_log_level_argument
+
+    add_log_level_argument(parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> Any:
@@ -129,8 +131,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.config import ConfigError, load_config
     from agentrl.training.train_cli import configure_logging
 
-    configure_logging(args.quiet)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    configure_logging(args)  # request loggers (httpx, uvicorn.access) at warning: run_log
     from agentrl.training.resolve import ResolutionError, resolve_experiment
 
     try:

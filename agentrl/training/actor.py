@@ -88,7 +88,7 @@ def optimizer_settings(cfg: Any, *, lr: float, micro_batch_max_tokens: int) -> d
         "lr_schedule": t.lr_schedule,
         "micro_batch_max_tokens": micro_batch_max_tokens,
         "ppo_epochs": t.ppo_epochs,
-        "mini_batch_size": t.mini_batch_size * cfg.data.n_samples,
+        "mini_batch_size": (t.mini_batch_size or cfg.data.batch_size) * cfg.data.n_samples,
         "loss_agg_mode": cfg.algorithm.loss_agg_mode,
     }
 

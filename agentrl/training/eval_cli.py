@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from agentrl.training.run_log import add_log_level_argument
 from agentrl.training.train_cli import configure_logging, load_and_resolve
 
 __all__ = ["add_arguments", "run"]
@@ -37,13 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=100,
         help="episodes written as MLflow traces with --report (default 100; 0 = none)",
     )
+    add_log_level_argument(parser, default="warning")
 
 
 def run(args: argparse.Namespace) -> int:
     """Evaluate; exit status 2 on a config mistake (nothing started)."""
     from agentrl.training.trainer import evaluate_checkpoint
 
-    configure_logging(True)
+    configure_logging(args)
     cfg = load_and_resolve(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
     if cfg is None:
         return 2

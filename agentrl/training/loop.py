@@ -18,7 +18,9 @@ Invariants:
 - Every dispatched task is trained, dropped (counted) or pending, and pending tasks are saved
   with the step (:mod:`agentrl.training.state`), so resume loses none and trains none twice.
 - An episode that ends without a trajectory (a reward that failed, a prompt over the limit)
-  drops its whole group (counted ``incomplete_group``), never a 0.0 reward that is trained on.
+  or whose agent raised (``stop_reason=error``, counted ``rollout/dropped/agent_error``) drops
+  its whole group (counted ``incomplete_group``), never a 0.0 reward or a broken episode that
+  is trained on.
   When a batch's worth of episodes in a row end that way or with ``stop_reason=error``, or a
   drop is fatal by configuration, the run stops with the first error — never a zero-gradient
   step, never rc 0 on a run that learned nothing.
@@ -80,6 +82,9 @@ class TrainResult:
     run_location: str = ""
     output_dir: str = ""
     wall_time_s: float = 0.0
+    episodes: dict[str, float] = field(default_factory=dict)
+    """The run's episode counters at the end (:meth:`RolloutFeed.counts`): admitted, finished,
+    dropped and errors by reason; what the printed summary and the failure check read."""
 
 
 class _Admission(StalenessAdmission):
@@ -117,6 +122,8 @@ class RolloutFeed:
         self.admission.accepted = self.buffer.consumed
         self.manager = run.make_manager(admission=self.admission, greedy_baseline=self.greedy)
         self.max_uniform_drops = cfg.rollout.max_sampling_rounds * self.batch_groups
+        self.agent_errors = 0
+        """Episodes whose agent raised (``stop_reason=error``), dropped with their group."""
         self._failures_in_a_row = 0
         self._first_failure: str | None = None
         self._fatal: str | None = None
@@ -128,6 +135,8 @@ class RolloutFeed:
     async def _produce(self) -> None:
         try:
             async for traj in self._stream:
+                if traj.stop_reason is StopReason.ERROR:
+                    continue  # a counted drop (episode_finished): never trained on
                 if not await self.buffer.put(traj):
                     self.admission.reject(1)  # a member of a dropped group: replace it
         except Exception as exc:  # surfaced by the consumer: never a silent hang
@@ -135,11 +144,16 @@ class RolloutFeed:
             await self.buffer.close()
 
     def episode_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
-        """Count failures in a row; drop the whole group of an episode that has no trajectory."""
-        if traj is None:
+        """Count failures in a row; drop the whole group of an episode that has no usable
+        trajectory (none, or ``stop_reason=error``: its agent raised; counted ``agent_error``)."""
+        if traj is not None and traj.stop_reason is StopReason.ERROR:
+            self.agent_errors += 1
+            self.admission.reject(1)  # accepted by on_finished, thrown away here
+        if traj is None or traj.stop_reason is StopReason.ERROR:
             n = self.buffer.discard_group_nowait(key.uid, key.task_id)
             if n:
                 self.admission.reject(n)
+        if traj is None:
             failures = self.manager.failures
             reason, message = failures[-1] if failures else ("dropped", "episode dropped")
             if reason == "prompt_too_long" and "data.overlong_prompts" in message:
@@ -191,6 +205,14 @@ class RolloutFeed:
             )
         return groups, time.perf_counter() - t0
 
+    def counts(self) -> dict[str, float]:
+        """The run's episode counts so far: the manager's ``rollout/`` counters, the buffer's
+        drops (``async/dropped_*_total``) and ``rollout/dropped/agent_error``."""
+        out = self.manager.stats()
+        out.update(self.buffer.metrics())
+        out["rollout/dropped/agent_error"] = float(self.agent_errors)
+        return out
+
     def split(self, groups: list[list[Trajectory]]) -> tuple[list[Trajectory], torch.Tensor | None]:
         """The trajectories to train on, and ReMax's greedy baseline reward per row."""
         if not self.greedy:
@@ -234,8 +256,8 @@ async def push_weights(run: Run, version: int) -> PushReport:
 
 async def validate(run: Run, step: int, reporters: Sequence[Any]) -> dict[str, float]:
     """Held-out evaluation (never trained on): ``trainer.val_n`` samples per task at
-    ``trainer.val_temperature``, verl's statistics per data source (mean@N, best/worst/maj@k,
-    pass@k; :mod:`agentrl.evaluation`), reported at ``step``. The rollout stream keeps
+    ``trainer.val_temperature``, verl's statistics per data source (mean_at_N, best/worst/maj_at_k,
+    pass_at_k; :mod:`agentrl.evaluation`), reported at ``step``. The rollout stream keeps
     generating meanwhile; validation itself runs on the weights of ``step``."""
     from agentrl.evaluation import evaluate
 
@@ -276,10 +298,15 @@ async def train(
     result = TrainResult(steps=state.step, version=state.version, output_dir=str(run.output_dir))
     # Every run starts by pushing its weights at its version: the servers provably serve the
     # trainer's weights (fresh: the initial model; resumed: the saved one) before any rollout.
+    t0 = time.perf_counter()
     await push(state.version)
+    logger.info("start-up: weights v%d pushed in %.1f s", state.version, time.perf_counter() - t0)
     if t.val_before_train and not state.resumed:
+        t0 = time.perf_counter()
         result.val_before = await validate(run, state.step, reporters)
+        logger.info("start-up: validation before training in %.1f s", time.perf_counter() - t0)
     feed = RolloutFeed(run, state, dataset)
+    logger.info("training: steps %d..%d, first batch on its way", state.step + 1, t.total_steps)
     try:
         while state.step < t.total_steps:
             metrics = await _one_step(run, state, feed, push)
@@ -295,6 +322,7 @@ async def train(
                 break
     finally:
         await feed.close()
+        result.episodes = feed.counts()
     if t.val_at_end and state.step >= t.total_steps:
         result.val_after = await validate(run, state.step, reporters)
     result.steps, result.version = state.step, state.version
@@ -346,7 +374,7 @@ async def _one_step(
     if report is not None:
         m.update(report.metrics())
     m.update(feed.buffer.metrics())
-    m.update(feed.manager.stats())
+    m.update(feed.counts())
     m.update(run.rewards.metrics())
     counts = TokenCounts.from_trajectories(trajs)
     elapsed = time.perf_counter() - t0

@@ -317,7 +317,10 @@ def trajectory_metrics(
         "rollout/num_turns_mean": _mean([float(t.num_turns) for t in trajs]),
         "rollout/tool_calls_mean": _mean([float(sum(t.tool_calls.values())) for t in trajs]),
     }
-    episode_counts: dict[str, float] = {}
+    # the stop policy's counters are always logged (0 when no episode counted one)
+    episode_counts: dict[str, float] = {
+        k: 0.0 for k in ("tool_calls_malformed", "tool_calls_unrun", "abort_resumes")
+    }
     for t in trajs:
         for key, value in t.metrics.items():
             # e.g. tool_calls_malformed, tool_calls_unrun, abort_resumes

@@ -1,19 +1,40 @@
-"""``agentrl train CONFIG [key=value ...] [--resume]``: one experiment, tracked in MLflow."""
+"""``agentrl train CONFIG [key=value ...] [--resume]``: one experiment, tracked in MLflow.
+
+What the command guarantees a user reading its output (a terminal or a log file):
+
+- a config mistake prints ``error: ...`` and exits 2 before anything starts;
+- Ctrl-C prints one line (what was saved, the exact command that resumes) and exits 130,
+  no traceback;
+- the printed summary lists the run's drops and errors by reason, and the exit status is 1
+  when more than ``trainer.max_failed_episode_share`` of the episodes failed (a reward, an
+  agent or a worker raised): a run that mostly failed never exits 0.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import shlex
 import sys
+from pathlib import Path
 from typing import Any
 
 from agentrl.config import ConfigError, load_config
+from agentrl.training.run_log import add_log_level_argument
+from agentrl.training.run_log import configure_logging as _configure
+from agentrl.training.summary import failure_check, summary
 
 __all__ = ["add_arguments", "configure_logging", "load_and_resolve", "run", "summary"]
 
+logger = logging.getLogger(__name__)
+
+EXIT_INTERRUPTED = 130
+"""The shell's status for a process ended by SIGINT (128 + 2)."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's arguments."""
     parser.add_argument("config", help="experiment YAML (e.g. configs/quickstart.yaml)")
     parser.add_argument(
         "overrides", nargs="*", help="dotted overrides, e.g. trainer.max_staleness=2"
@@ -23,14 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="continue from trainer.output_dir/checkpoint (same MLflow run, same data position)",
     )
-    parser.add_argument("--quiet", action="store_true", help="log warnings only")
+    add_log_level_argument(parser)
 
 
-def configure_logging(quiet: bool) -> None:
-    logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+def configure_logging(args: argparse.Namespace | bool) -> None:
+    """Logging for a command from its ``--log-level`` / ``--quiet`` (or a bare quiet flag)."""
+    if isinstance(args, bool):
+        _configure("warning" if args else "info")
+        return
+    quiet = getattr(args, "quiet", False)
+    _configure("warning" if quiet else getattr(args, "log_level", "info"))
 
 
 def load_and_resolve(path: str, overrides: list[str]) -> Any:
@@ -48,15 +71,19 @@ def load_and_resolve(path: str, overrides: list[str]) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train; the exit status says how the run ended (module docstring)."""
     from agentrl.training.loop import RunFailed
     from agentrl.training.trainer import Trainer
 
-    configure_logging(args.quiet)
+    configure_logging(args)
     cfg = load_and_resolve(args.config, args.overrides)
     if cfg is None:
         return 2
     try:
         result = _train(cfg, args.resume, Trainer)
+    except KeyboardInterrupt:
+        print(interrupted_line(cfg, args), file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except RunFailed as exc:
         print(f"error: the run stopped: {exc}", file=sys.stderr)
         return 1
@@ -65,28 +92,38 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"error: distributed.ray_address: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(summary(result), indent=2))
+    print(json.dumps(summary(result), indent=2), flush=True)
+    failed = failure_check(result, cfg.trainer.max_failed_episode_share)
+    if failed:
+        print(f"error: {failed}", file=sys.stderr)
+        return 1
     return 0
 
 
-def summary(result: Any) -> dict[str, Any]:
-    """What ``agentrl train`` prints: steps, validation, weight pushes, where the run is."""
-    diffs = [d for _, d in result.history.get("weight_sync/verify_max_abs_diff", [])]
-    failed = [f for _, f in result.history.get("weight_sync/failed_servers", [])]
-    return {
-        "steps": result.steps,
-        "version": result.version,
-        "val_before": result.val_before,
-        "val_after": result.val_after,
-        "weight_pushes": {
-            "verified": len(diffs),
-            "failed_servers": sum(failed),
-            "max_abs_diff": max(diffs) if diffs else None,
-        },
-        "wall_time_s": round(result.wall_time_s, 1),
-        "output_dir": result.output_dir,
-        "mlflow": result.run_location,
-    }
+def resume_command(args: argparse.Namespace) -> str:
+    """The exact command line that continues this run (``--resume`` added once)."""
+    words = ["agentrl", "train", args.config, *args.overrides]
+    if getattr(args, "log_level", "info") != "info":
+        words += ["--log-level", args.log_level]
+    if getattr(args, "quiet", False):
+        words.append("--quiet")
+    return shlex.join([*words, "--resume"])
+
+
+def interrupted_line(cfg: Any, args: argparse.Namespace) -> str:
+    """What Ctrl-C prints: the checkpoint that holds the run (its step), and how to go on."""
+    from agentrl.training.state import STATE_FILE
+
+    ckpt = Path(cfg.trainer.output_dir) / "checkpoint"
+    state = ckpt / STATE_FILE
+    if not state.exists():
+        return (
+            f"interrupted: no checkpoint was saved yet (trainer.save_every="
+            f"{cfg.trainer.save_every}); rerun to start over: "
+            f"{shlex.join(['agentrl', 'train', args.config, *args.overrides])}"
+        )
+    step = json.loads(state.read_text()).get("step", "?")
+    return f"interrupted: checkpoint {ckpt} holds step {step}; resume with: {resume_command(args)}"
 
 
 def _train(cfg: Any, resume: bool, trainer_cls: Any) -> Any:

@@ -18,6 +18,8 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -36,6 +38,7 @@ from agentrl.training.build import Run, build_run, build_serving
 from agentrl.training.loop import TrainResult, push_weights, train
 from agentrl.training.masking import MaskingWatch
 from agentrl.training.resolve import build_tasks, build_toolset, resolve_experiment
+from agentrl.training.run_log import PhaseTimer, StepLog
 from agentrl.training.state import RunState, seed_everything
 
 __all__ = [
@@ -45,6 +48,8 @@ __all__ = [
     "build_toolset",
     "evaluate_checkpoint",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 class Trainer:
@@ -129,17 +134,15 @@ class Trainer:
 
         cfg = self.cfg
         t0 = time.perf_counter()
+        phases = PhaseTimer()
         seed_everything(cfg.trainer.seed)
         resolved = resolve_experiment(cfg)
-        saved = (
-            RunState.load(self.out / "checkpoint", world_size=cfg.trainer.world_size)
-            if self.resume
-            else None
-        )
-        self.state = saved or RunState.fresh()
+        phases.done("config resolved", t0)
+        saved = self._load_state()
         dataset = TaskDataset(resolved.train_tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         if saved is not None:
             dataset.load_state_dict(saved.dataset)
+        t1 = time.perf_counter()
         async with build_run(
             cfg,
             resolved=resolved,
@@ -147,16 +150,31 @@ class Trainer:
             transport=self.transport,
             workers=self.workers,
         ) as run:
+            phases.done(f"{len(run.server_urls)} server(s) up and models loaded", t1)
             self.run_obj = run
             if self.on_built is not None:
                 await self.on_built(run)
             if saved is not None:
                 self._restore(run, saved)
+            t2 = time.perf_counter()
             tracker = self._tracker(saved)
+            phases.done("tracking ready", t2)
             run.tracker = tracker
             result = await self._train(run, tracker, dataset)
         result.wall_time_s = time.perf_counter() - t0
         return result
+
+    def _load_state(self) -> RunState | None:
+        """The saved state when resuming (logged: which step, which checkpoint), else None;
+        :attr:`state` is set either way."""
+        ckpt = self.out / "checkpoint"
+        saved = RunState.load(ckpt, world_size=self.cfg.trainer.world_size) if self.resume else None
+        if saved is not None:
+            logger.info("resumed from step %d (checkpoint %s)", saved.step, ckpt.resolve())
+        elif self.resume:
+            logger.warning("--resume: no checkpoint in %s; starting from step 0", ckpt.resolve())
+        self.state = saved or RunState.fresh()
+        return saved
 
     def _restore(self, run: Run, saved: RunState) -> None:
         RunState.load_weights(self.out / "checkpoint", run.policies.actor, run.policies.critic)
@@ -181,10 +199,12 @@ class Trainer:
 
     async def _train(self, run: Run, tracker: Tracker, dataset: Any) -> TrainResult:
         cfg = self.cfg
+        tty = sys.stderr.isatty()  # a terminal gets the live line, a log file a line per step
         reporters = [
             MetricsReporter(tracker, cfg.tracking.log_every),
             SampleReporter(tracker, cfg.tracking.num_sample_trajectories, cfg.trainer.total_steps),
-            ProgressReporter(cfg.trainer.total_steps, self.progress),
+            ProgressReporter(cfg.trainer.total_steps, self.progress if tty else False),
+            StepLog(cfg.trainer.total_steps, enabled=not tty),
             MaskingWatch(cfg.algorithm.correction),
         ]
         status = "FAILED"

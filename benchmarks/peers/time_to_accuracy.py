@@ -17,7 +17,7 @@ wall time since the run's process was launched, minus the time spent taking the 
 evaluated by the same evaluator, agentrl's held-out evaluation
 (:func:`agentrl.training.trainer.evaluate_checkpoint`: ``--val-n`` samples per held-out task at
 temperature ``--val-temperature``, the same ``val_seed`` for all), on held-out tasks disjoint from
-the training tasks. A curve is (wall seconds, held-out ``acc/mean@N``), starting at the warm
+the training tasks. A curve is (wall seconds, held-out ``acc/mean_at_N``), starting at the warm
 start's accuracy at 0 s.
 
 The headline is, per seed, ``time for agentrl to reach TRL's final held-out accuracy / TRL's time
@@ -179,7 +179,7 @@ def eval_overrides(args: argparse.Namespace, model: str) -> list[str]:
 
 
 def eval_child(args: argparse.Namespace) -> dict[str, Any]:
-    """In the child: held-out ``acc/mean@N`` of every model directory in ``--models``."""
+    """In the child: held-out ``acc/mean_at_N`` of every model directory in ``--models``."""
     import asyncio
 
     from agentrl.config import load_config
@@ -188,7 +188,7 @@ def eval_child(args: argparse.Namespace) -> dict[str, Any]:
     out = {}
     for model in args.models:
         report = asyncio.run(evaluate_checkpoint(load_config(CONFIG, eval_overrides(args, model))))
-        key = next(k for k in report.metrics if k.endswith(f"/acc/mean@{args.val_n}"))
+        key = next(k for k in report.metrics if k.endswith(f"/acc/mean_at_{args.val_n}"))
         out[model] = {
             "acc": report.metrics[key],
             "ci95": [report.metrics[f"{key}/ci95_lo"], report.metrics[f"{key}/ci95_hi"]],
@@ -295,7 +295,7 @@ def plot(summary: dict[str, Any], path: Path, title: str) -> None:
     if trl and trl["final_acc_mean"] is not None:
         ax.axhline(trl["final_acc_mean"], color="grey", ls=":", lw=1, label="TRL final (mean)")
     ax.set_xlabel("wall time since launch, s (start-up included)")
-    ax.set_ylabel(f"held-out acc mean@{summary['val_n']} (agentrl's evaluator)")
+    ax.set_ylabel(f"held-out acc mean_at_{summary['val_n']} (agentrl's evaluator)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
@@ -323,7 +323,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--num-tasks", type=int, default=256, help="training tasks")
     p.add_argument("--val-tasks", type=int, default=64, help="held-out tasks")
-    p.add_argument("--val-n", type=int, default=4, help="samples per held-out task (mean@N)")
+    p.add_argument("--val-n", type=int, default=4, help="samples per held-out task (mean_at_N)")
     p.add_argument("--val-temperature", type=float, default=1.0)
     p.add_argument("--model-dir", type=Path, default=CHECKPOINT)
     p.add_argument("--trl-python", type=Path, default=ROOT / ".venv-trl" / "bin" / "python")

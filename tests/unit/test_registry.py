@@ -129,3 +129,14 @@ def test_user_modules_import_in_a_child_process(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr.decode()
     assert out.stdout.decode().strip() == "1.0"
+
+
+def test_a_file_under_imports_resolves_by_its_stem(tmp_path: Path) -> None:
+    """``imports: [plugin_x.py]`` then ``reward.sources.s: "plugin_x:score"`` (issue 22)."""
+    (tmp_path / "plugin_x.py").write_text("def score(traj, task):\n    return 1.0\n")
+    with pytest.raises(RegistryError, match="list its file under `imports:`"):
+        import_spec("plugin_x:score", key="reward.sources.s")
+    (module,) = import_user_modules(["plugin_x.py"], tmp_path)
+    assert import_spec("plugin_x:score", key="reward.sources.s") is module.score
+    with pytest.raises(RegistryError, match="has no attribute 'scroe'; did you mean 'score'"):
+        import_spec("plugin_x:scroe", key="reward.sources.s")

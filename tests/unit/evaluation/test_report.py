@@ -135,15 +135,15 @@ def run_scripted(**kw: Any) -> EvalReport:
 def test_report_metrics_hand_values():
     report = run_scripted()
     m = report.metrics
-    assert m["val/math/reward/mean@4"] == pytest.approx((0.75 + 0.25) / 2)
-    assert m["val/math/acc/mean@4"] == pytest.approx(0.5)
-    assert m["val/math/pass@1"] == pytest.approx(0.5)
-    assert m["val/math/pass@2"] == pytest.approx((pass_at_k(4, 3, 2) + pass_at_k(4, 1, 2)) / 2)
-    assert m["val/math/pass@4"] == 1.0
+    assert m["val/math/reward/mean_at_4"] == pytest.approx((0.75 + 0.25) / 2)
+    assert m["val/math/acc/mean_at_4"] == pytest.approx(0.5)
+    assert m["val/math/pass_at_1"] == pytest.approx(0.5)
+    assert m["val/math/pass_at_2"] == pytest.approx((pass_at_k(4, 3, 2) + pass_at_k(4, 1, 2)) / 2)
+    assert m["val/math/pass_at_4"] == 1.0
     assert m["val/math/num_turns/mean"] == pytest.approx(1.5)
     assert m["val/math/tool_call_counts/mean"] == pytest.approx(0.5)
     # the failed reward is left out: code has 3 scored samples, all right
-    assert m["val/code/reward/mean@4"] == 1.0
+    assert m["val/code/reward/mean_at_4"] == 1.0
     assert m["val/code/num_samples"] == 3.0
     assert m["val/code/num_incomplete_tasks"] == 1.0
     assert m["val/reward_errors"] == 1.0
@@ -153,7 +153,7 @@ def test_report_metrics_hand_values():
     assert m["val/dropped_samples"] == 0.0
     assert m["val/aborted_ratio"] == pytest.approx(1 / 12)
     assert m["val/tool_calls_mean"] == pytest.approx(4 / 12)
-    for key in ("best@4/mean", "worst@2/std", "maj@4/mean", "maj@2/std", "mean@4/ci95_lo"):
+    for key in ("best_at_4/mean", "worst_at_2/std", "maj_at_4/mean", "maj_at_2/std", "mean_at_4/ci95_lo"):
         assert f"val/math/acc/{key}" in m
     assert report.ks == [1, 2, 4]
 
@@ -175,7 +175,7 @@ def test_report_round_trips_json_and_makes_a_table():
     assert again == report
     assert json.loads(report.to_json())["tasks"][0]["answers"] == ["42", "42", "42", "41"]
     rows = report.rows(step=7)
-    assert {"step": 7, "data_source": "math", "metric": "pass@4", "value": 1.0} in rows
+    assert {"step": 7, "data_source": "math", "metric": "pass_at_4", "value": 1.0} in rows
     assert {
         "step": 7,
         "data_source": "all",
@@ -198,7 +198,7 @@ def test_log_report_logs_metrics_table_and_report():
     tracker = Recording()
     report = run_scripted()
     log_report(tracker, report, step=3)
-    assert tracker.history["val/math/pass@4"] == [(3, 1.0)]
+    assert tracker.history["val/math/pass_at_4"] == [(3, 1.0)]
     assert tracker.dicts["eval/table_step_00003.json"] == report.rows(step=3)
     assert tracker.dicts["eval/report_step_00003.json"]["n"] == 4
 
@@ -255,9 +255,9 @@ def test_evaluate_runs_each_task_n_times_through_the_manager(tok):
     m = report.metrics
     assert m["val/num_samples"] == 8.0
     assert m["val/calc/num_samples"] == 8.0
-    assert m["val/calc/acc/mean@4"] == pytest.approx((0.75 + 0.0) / 2)
-    assert m["val/calc/pass@1"] == pytest.approx(0.375)
-    assert m["val/calc/pass@4"] == pytest.approx(0.5)
+    assert m["val/calc/acc/mean_at_4"] == pytest.approx((0.75 + 0.0) / 2)
+    assert m["val/calc/pass_at_1"] == pytest.approx(0.375)
+    assert m["val/calc/pass_at_4"] == pytest.approx(0.5)
     assert m["val/accuracy"] == pytest.approx(3 / 8)
     answers = {t.task_id: sorted(a or "" for a in t.answers) for t in report.tasks}
     assert answers == {"q0": ["41", "42", "42", "42"], "q1": ["7", "7", "7", "7"]}
@@ -280,3 +280,25 @@ def test_report_and_samples_pickle():
     assert pickle.loads(pickle.dumps(report)) == report
     sample = ValSample("s", "g", {"reward": 1.0}, answer="42", correct=True)
     assert pickle.loads(pickle.dumps(sample)) == sample
+
+
+def test_evaluate_counts_samples_whose_reward_raised(tok):
+    """A reward that raises drops the sample in the manager (never a 0.0); validation still
+    counts it in ``val/reward_errors`` (issue 22: it stayed 0)."""
+
+    def flaky(traj: Trajectory, task: Task) -> float:
+        if task.id == "q1":
+            raise ValueError("no ground truth")
+        return 1.0
+
+    tasks = [Task(id=f"q{i}", prompt=f"q{i}", agent="single_turn", data_source="s") for i in (0, 1)]
+    manager = AgentLoopManager(
+        ScriptedPolicy(tok, lambda prompt_ids, k: "\\boxed{1}"),
+        tok,
+        reward=RewardManager({"s": flaky}),
+        config=WorkerConfig(sampling=SamplingParams(max_tokens=16, temperature=0.7)),
+    )
+    m = asyncio.run(evaluate(manager, tasks, n=2, temperature=0.7, n_bootstrap=10)).metrics
+    assert m["val/reward_errors"] == 2.0
+    assert m["val/num_samples"] == 2.0 and m["val/dropped_samples"] == 2.0
+    assert m["val/reward_mean"] == 1.0

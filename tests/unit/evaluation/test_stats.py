@@ -1,4 +1,4 @@
-"""Validation statistics against hand calculations: pass@k, maj@k ties, bootstrap, aggregation."""
+"""Validation statistics against hand calculations: pass_at_k, maj_at_k ties, bootstrap, aggregation."""
 
 from __future__ import annotations
 
@@ -35,14 +35,14 @@ def test_subset_sizes_are_powers_of_two_then_n():
         subset_sizes(0)
 
 
-# ---- pass@k ---------------------------------------------------------------------------------
+# ---- pass_at_k ---------------------------------------------------------------------------------
 
 
 def test_pass_at_k_hand_values():
     assert pass_at_k(4, 2, 2) == pytest.approx(1 - 1 / 6)  # C(2,2)/C(4,2) = 1/6
     assert pass_at_k(4, 0, 4) == 0.0
     assert pass_at_k(4, 1, 4) == 1.0
-    assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)  # pass@1 is the accuracy
+    assert pass_at_k(5, 2, 1) == pytest.approx(2 / 5)  # pass_at_1 is the accuracy
 
 
 @pytest.mark.parametrize("n", range(1, 7))
@@ -112,12 +112,12 @@ def test_vectorized_statistics_equal_the_generic_bootstrap():
             n_bootstrap=300,
             seed=7,
         )
-        assert stats[f"r/best@{k}/mean"] == pytest.approx(best)
-        assert stats[f"r/best@{k}/std"] == pytest.approx(best_sd)
-        assert stats[f"r/worst@{k}/mean"] == pytest.approx(worst)
-        assert stats[f"r/worst@{k}/std"] == pytest.approx(worst_sd)
-        assert stats[f"r/maj@{k}/mean"] == pytest.approx(maj)
-        assert stats[f"r/maj@{k}/std"] == pytest.approx(maj_sd)
+        assert stats[f"r/best_at_{k}/mean"] == pytest.approx(best)
+        assert stats[f"r/best_at_{k}/std"] == pytest.approx(best_sd)
+        assert stats[f"r/worst_at_{k}/mean"] == pytest.approx(worst)
+        assert stats[f"r/worst_at_{k}/std"] == pytest.approx(worst_sd)
+        assert stats[f"r/maj_at_{k}/mean"] == pytest.approx(maj)
+        assert stats[f"r/maj_at_{k}/std"] == pytest.approx(maj_sd)
 
 
 # ---- bootstrap ------------------------------------------------------------------------------
@@ -140,26 +140,26 @@ def test_bootstrap_two_samples_matches_hand_calculation():
     )
 
     best = (ones + mixed) / draws
-    assert stats["r/best@2/mean"] == pytest.approx(best)
-    assert stats["r/best@2/std"] == pytest.approx(math.sqrt(best * (1 - best)))
-    assert stats["r/worst@2/mean"] == pytest.approx(ones / draws)
+    assert stats["r/best_at_2/mean"] == pytest.approx(best)
+    assert stats["r/best_at_2/std"] == pytest.approx(math.sqrt(best * (1 - best)))
+    assert stats["r/worst_at_2/mean"] == pytest.approx(ones / draws)
     maj = (ones + 0.5 * mixed) / draws
-    assert stats["r/maj@2/mean"] == pytest.approx(maj)
+    assert stats["r/maj_at_2/mean"] == pytest.approx(maj)
     maj_var = (zeros * maj**2 + ones * (1 - maj) ** 2 + mixed * (0.5 - maj) ** 2) / draws
-    assert stats["r/maj@2/std"] == pytest.approx(math.sqrt(maj_var))
-    assert stats["r/mean@2"] == 0.5
-    assert stats["r/std@2"] == 0.5
+    assert stats["r/maj_at_2/std"] == pytest.approx(math.sqrt(maj_var))
+    assert stats["r/mean_at_2"] == 0.5
+    assert stats["r/std_at_2"] == 0.5
 
 
 def test_bootstrap_two_samples_converges_to_the_exact_expectation():
     stats = group_statistics(
         {"r": [0.0, 1.0]}, ["x", "y"], None, n=2, ks=[], n_bootstrap=40_000, seed=0
     )
-    assert stats["r/best@2/mean"] == pytest.approx(0.75, abs=0.01)  # 1 - P(both 0) = 3/4
-    assert stats["r/best@2/std"] == pytest.approx(math.sqrt(3) / 4, abs=0.01)
-    assert stats["r/worst@2/mean"] == pytest.approx(0.25, abs=0.01)
-    assert stats["r/maj@2/mean"] == pytest.approx(0.5, abs=0.01)
-    assert stats["r/maj@2/std"] == pytest.approx(math.sqrt(0.125), abs=0.01)
+    assert stats["r/best_at_2/mean"] == pytest.approx(0.75, abs=0.01)  # 1 - P(both 0) = 3/4
+    assert stats["r/best_at_2/std"] == pytest.approx(math.sqrt(3) / 4, abs=0.01)
+    assert stats["r/worst_at_2/mean"] == pytest.approx(0.25, abs=0.01)
+    assert stats["r/maj_at_2/mean"] == pytest.approx(0.5, abs=0.01)
+    assert stats["r/maj_at_2/std"] == pytest.approx(math.sqrt(0.125), abs=0.01)
 
 
 def test_bootstrap_is_reproducible_and_seeded():
@@ -168,7 +168,7 @@ def test_bootstrap_is_reproducible_and_seeded():
     b = group_statistics(data, None, None, n=4, ks=[], n_bootstrap=200, seed=5)
     c = group_statistics(data, None, None, n=4, ks=[], n_bootstrap=200, seed=6)
     assert a == b
-    assert a["r/best@2/mean"] != c["r/best@2/mean"]
+    assert a["r/best_at_2/mean"] != c["r/best_at_2/mean"]
 
 
 def test_task_ci95_brackets_the_mean_and_collapses_for_equal_tasks():
@@ -203,15 +203,15 @@ def test_validation_statistics_aggregate_over_tasks_per_source():
     stats = validation_statistics(samples, n=4, n_bootstrap=5000, seed=0)
     assert sorted(stats) == ["code", "math"]
     math_stats = stats["math"]
-    assert math_stats["reward/mean@4"] == pytest.approx((0.5 + 0.25) / 2)
-    assert math_stats["reward/std@4"] == pytest.approx((0.5 + math.sqrt(3) / 4) / 2)
-    # pass@k per task, then averaged: t0 has c=2, t1 c=1
-    assert math_stats["pass@1"] == pytest.approx((2 / 4 + 1 / 4) / 2)
-    assert math_stats["pass@2"] == pytest.approx((pass_at_k(4, 2, 2) + pass_at_k(4, 1, 2)) / 2)
-    assert math_stats["pass@4"] == 1.0
-    # maj@4 draws 4 of the 4 samples with replacement: it converges to the exact expectation
+    assert math_stats["reward/mean_at_4"] == pytest.approx((0.5 + 0.25) / 2)
+    assert math_stats["reward/std_at_4"] == pytest.approx((0.5 + math.sqrt(3) / 4) / 2)
+    # pass_at_k per task, then averaged: t0 has c=2, t1 c=1
+    assert math_stats["pass_at_1"] == pytest.approx((2 / 4 + 1 / 4) / 2)
+    assert math_stats["pass_at_2"] == pytest.approx((pass_at_k(4, 2, 2) + pass_at_k(4, 1, 2)) / 2)
+    assert math_stats["pass_at_4"] == 1.0
+    # maj_at_4 draws 4 of the 4 samples with replacement: it converges to the exact expectation
     # over all 4**4 ordered draws
-    assert math_stats["reward/maj@4/mean"] == pytest.approx(
+    assert math_stats["reward/maj_at_4/mean"] == pytest.approx(
         (
             _exact_maj([1.0, 1.0, 0.0, 0.0], ["4", "4", "5", "6"], 4)
             + _exact_maj([0.0, 0.0, 0.0, 1.0], ["7", "7", "8", "9"], 4)
@@ -223,14 +223,14 @@ def test_validation_statistics_aggregate_over_tasks_per_source():
     assert math_stats["num_samples"] == 8.0
     assert math_stats["num_incomplete_tasks"] == 0.0
     code = stats["code"]
-    assert code["reward/mean@4"] == 1.0
-    assert code["reward/maj@4/mean"] == 1.0
-    assert code["reward/worst@4/mean"] == 1.0
-    assert code["reward/mean@4/ci95_lo"] == code["reward/mean@4/ci95_hi"] == 1.0
+    assert code["reward/mean_at_4"] == 1.0
+    assert code["reward/maj_at_4/mean"] == 1.0
+    assert code["reward/worst_at_4/mean"] == 1.0
+    assert code["reward/mean_at_4/ci95_lo"] == code["reward/mean_at_4/ci95_hi"] == 1.0
     flat = flatten_statistics(stats)
-    assert flat["val/math/reward/mean@4"] == math_stats["reward/mean@4"]
-    assert flat["val/code/pass@2"] == 1.0
-    assert "val/math/reward/best@2/std" in flat
+    assert flat["val/math/reward/mean_at_4"] == math_stats["reward/mean_at_4"]
+    assert flat["val/code/pass_at_2"] == 1.0
+    assert "val/math/reward/best_at_2/std" in flat
 
 
 def test_incomplete_tasks_are_left_out_of_larger_subsets_and_counted():
@@ -240,23 +240,23 @@ def test_incomplete_tasks_are_left_out_of_larger_subsets_and_counted():
     ]
     stats = validation_statistics(samples, n=4, n_bootstrap=100, seed=0)["s"]
     assert stats["num_incomplete_tasks"] == 1.0
-    assert stats["reward/mean@4"] == pytest.approx((0.5 + 1.0) / 2)
-    assert stats["pass@1"] == pytest.approx((0.5 + 1.0) / 2)
-    assert stats["pass@4"] == pytest.approx(pass_at_k(4, 2, 4))  # only the full task
+    assert stats["reward/mean_at_4"] == pytest.approx((0.5 + 1.0) / 2)
+    assert stats["pass_at_1"] == pytest.approx((0.5 + 1.0) / 2)
+    assert stats["pass_at_4"] == pytest.approx(pass_at_k(4, 2, 4))  # only the full task
     short_only = validation_statistics(_samples("s", "short", [1.0], ["a"]), n=4)["s"]
-    assert "reward/best@2/mean" not in short_only
+    assert "reward/best_at_2/mean" not in short_only
 
 
 def test_single_sample_tasks_report_mean_and_pass_at_1_only():
     stats = validation_statistics(_samples("s", "t", [1.0], ["a"]), n=1)["s"]
-    assert stats["reward/mean@1"] == 1.0
-    assert stats["pass@1"] == 1.0
-    assert not any("best@" in k or "maj@" in k or "std@" in k for k in stats)
+    assert stats["reward/mean_at_1"] == 1.0
+    assert stats["pass_at_1"] == 1.0
+    assert not any("best_at_" in k or "maj_at_" in k or "std_at_" in k for k in stats)
 
 
 def test_validation_statistics_errors_name_the_problem():
     samples = _samples("s", "t", [1.0, 0.0], ["a", "b"])
-    with pytest.raises(ValueError, match=r"pass@k sizes \[3\] are outside 1..n=2"):
+    with pytest.raises(ValueError, match=r"pass_at_k sizes \[3\] are outside 1..n=2"):
         validation_statistics(samples, n=2, ks=[3])
     mixed = [ValSample("s", "t", {"reward": 1.0}), ValSample("s", "t", {"acc": 1.0})]
     with pytest.raises(ValueError, match="different variables"):
@@ -267,8 +267,8 @@ def test_validation_statistics_errors_name_the_problem():
 def test_maj_and_pass_need_answers_and_correctness():
     samples = [ValSample("s", "t", {"reward": r}) for r in (1.0, 0.0)]
     stats = validation_statistics(samples, n=2)["s"]
-    assert "reward/best@2/mean" in stats
-    assert not any(k.startswith("pass@") or "maj@" in k for k in stats)
+    assert "reward/best_at_2/mean" in stats
+    assert not any(k.startswith("pass_at_") or "maj_at_" in k for k in stats)
 
 
 def test_bootstrap_metric_generic_api():

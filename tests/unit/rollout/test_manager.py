@@ -120,7 +120,7 @@ async def test_groups_share_uid_and_stream_in_completion_order(tok):
     )
     stats = mgr.stats()
     assert stats["rollout/admitted"] == stats["rollout/finished"] == stats["rollout/delivered"] == 6
-    assert stats["rollout/running"] == 0 and stats["rollout/stop_reason/eos"] == 6
+    assert stats["rollout/running"] == 0 and stats["rollout/stop_reason_total/eos"] == 6
     # all three workers got work
     assert mgr._outstanding == [0, 0, 0]
 
