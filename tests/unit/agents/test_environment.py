@@ -237,3 +237,18 @@ def _check_class(cls: type[Environment]) -> None:
 def test_environment_kwargs_that_do_not_fit_are_refused(game) -> None:
     with pytest.raises(RegistryError, match=r"environment.kwargs \{'level': 3\} do not fit"):
         check_environment("secret_number", {"level": 3})
+
+
+async def test_the_readme_environment_runs_as_printed(tok) -> None:
+    readme = (EXAMPLE.parents[1] / "README.md").read_text()
+    section = readme[readme.index("## Write your own environment") :]
+    start = section.index("```python\n") + len("```python\n")
+    code = section[start : section.index("\n```", start)]
+    assert len(code.strip().splitlines()) <= 30, "keep the README environment short"
+    exec(compile(code, "README.md", "exec"), {})
+    w = worker(tok, [call("probe", x=2), call("probe", x=3)], toolset=ToolSet([]))
+    w.config.agent_kwargs = {"environment": {"name": "guess_number"}}
+    w.reward = RewardManager(sources={"g": EnvironmentReward("guess_number")})
+    traj = await w.run_episode(Task(prompt="go", data_source="g", extra={"target": 3}), "g", 0)
+    assert traj is not None and traj.stop_reason is StopReason.TOOL_STOP and traj.reward == 1.0
+    assert [m["content"] for m in traj.messages if m["role"] == "tool"] == ["higher", "correct"]
