@@ -246,7 +246,7 @@ class EnvironmentAgent(AgentLoop):
         env = cls(task, **self.env_kwargs)
         base = ctx.tools.tools() if ctx.tools is not None else []
         try:
-            async with ctx.tool_episode([*base, *env.tools()]) as calls:
+            async with ctx.tool_episode([*env.tools(), *base]) as calls:
                 ctx.start_episode(env.initial_messages(task, ctx.system_prompt))
                 while True:
                     turn = await ctx.turn(calls)
