@@ -276,6 +276,11 @@ class Trajectory(BaseModel):
     """The error message when ``stop_reason`` is ``error``."""
     timings: dict[str, float] = Field(default_factory=dict)
     """Seconds spent per phase (``generate``, ``tools``, ``reward``, ``total``)."""
+    tool_stats: dict[str, dict[str, float]] = Field(default_factory=dict)
+    """Tool name -> this episode's ``calls``, ``errors``, ``timeouts``, ``latency_s`` (summed)
+    and ``latency_max_s``; each step logs them per batch as ``tools/<name>/...``."""
+    env_state: dict[str, Any] = Field(default_factory=dict)
+    """The environment's final state (plain data), what its reward reads; empty without one."""
     metrics: dict[str, float] = Field(default_factory=dict)
     """Agent-reported numbers, aggregated into ``rollout/`` metrics."""
     messages: list[Message] = Field(default_factory=list)

@@ -173,6 +173,11 @@ class AgentContext:
     tool_counts: dict[str, int] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
+    tool_stats: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Tool name -> this episode's ``calls``, ``errors``, ``timeouts``, ``latency_s`` (sum)
+    and ``latency_max_s`` (summed per batch into ``tools/<name>/...``)."""
+    env_state: dict[str, Any] = field(default_factory=dict)
+    """The environment's final state (:mod:`agents.environment`), what its reward reads."""
     step_rewards: dict[int, float] = field(default_factory=dict)
     """Model turn (1-based) -> sum of the step rewards of the tools it called."""
 
@@ -284,9 +289,12 @@ class AgentContext:
     # ---- tools ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def tool_episode(self, tools: Sequence[Tool] | None = None) -> AsyncIterator[ToolEpisode]:
-        """The episode's tool calls: ``ctx.tools`` (or a ToolSet of ``tools``), released at exit."""
-        toolset = ToolSet(tools) if tools is not None else (self.tools or ToolSet())
-        if tools is not None:
+        """The episode's tool calls: ``ctx.tools``, or ``tools`` instead (run under ``ctx.tools``'
+        limits, thread pool and counters, i.e. the config's ``tools:`` section); released at exit."""
+        if tools is None:
+            toolset = self.tools or ToolSet()
+        else:  # the agent's own tools, under the run's limits and counters (config `tools:`)
+            toolset = self.tools.with_tools(tools) if self.tools is not None else ToolSet(tools)
             self.tools = toolset
         async with toolset.episode() as ep:
             yield ep
@@ -300,17 +308,29 @@ class AgentContext:
         and whether a tool asked to stop. Never raises, except on cancellation.
         """
         start = time.perf_counter()
+        latencies: list[float] = [0.0] * len(parsed.calls)
+
+        async def timed(i: int, name: str, args: Any) -> ToolResult:
+            """Run call ``i``, its latency read from the episode's clock."""
+            t0 = episode.clock()
+            try:
+                return await episode.call(name, args)
+            finally:
+                latencies[i] = episode.clock() - t0
+
         if len(parsed.calls) == 1:  # the common case: run inline, no task, no semaphore
-            results = [await episode.call(parsed.calls[0].name, parsed.calls[0].arguments)]
+            results = [await timed(0, parsed.calls[0].name, parsed.calls[0].arguments)]
         elif parsed.calls:
             sem = asyncio.Semaphore(self.limits.max_parallel_calls)
 
-            async def one(name: str, args: dict[str, Any]) -> ToolResult:
+            async def one(i: int, name: str, args: dict[str, Any]) -> ToolResult:
                 """Run one call while holding a ``max_parallel_calls`` slot."""
                 async with sem:
-                    return await episode.call(name, args)
+                    return await timed(i, name, args)
 
-            results = await asyncio.gather(*(one(c.name, c.arguments) for c in parsed.calls))
+            results = await asyncio.gather(
+                *(one(i, c.name, c.arguments) for i, c in enumerate(parsed.calls))
+            )
         else:
             results = []
         self.timings["tools"] = self.timings.get("tools", 0.0) + time.perf_counter() - start
@@ -318,15 +338,16 @@ class AgentContext:
         out: list[Message] = []
         stop = False
         step_reward: float | None = None
-        for call, res in zip(parsed.calls, results, strict=True):
+        for call, res, latency in zip(parsed.calls, results, latencies, strict=True):
             key = call.name if tools is not None and call.name in tools else INVALID_TOOL
             self.tool_counts[key] = self.tool_counts.get(key, 0) + 1
             if key == INVALID_TOOL:
                 self._count("tool_calls_unknown")
+            else:
+                self._record_call(key, res, latency)
             if res.error:
                 self._count("tool_errors")
-                # ToolResult has no timeout flag; the ToolSet's timeout message is fixed text.
-                if " timed out after " in res.content:
+                if res.timed_out:
                     self._count("tool_timeouts")
             if res.reward is not None:
                 step_reward = (step_reward or 0.0) + res.reward
@@ -342,6 +363,19 @@ class AgentContext:
             turn = self.recorder.num_turns if self.recorder is not None else 0
             self.step_rewards[turn] = self.step_rewards.get(turn, 0.0) + step_reward
         return out, stop
+
+    def _record_call(self, name: str, res: ToolResult, latency: float) -> None:
+        """Count one call of a known tool in the episode's ``tool_stats`` (``calls``,
+        ``errors``, ``timeouts``, ``latency_s`` summed, ``latency_max_s``)."""
+        st = self.tool_stats.setdefault(
+            name,
+            {"calls": 0.0, "errors": 0.0, "timeouts": 0.0, "latency_s": 0.0, "latency_max_s": 0.0},
+        )
+        st["calls"] += 1
+        st["errors"] += float(res.error)
+        st["timeouts"] += float(res.timed_out)
+        st["latency_s"] += latency
+        st["latency_max_s"] = max(st["latency_max_s"], latency)
 
     def _count(self, key: str, n: float = 1.0) -> None:
         self.metrics[key] = self.metrics.get(key, 0.0) + n
@@ -433,6 +467,8 @@ class AgentContext:
             "stop_reason": stop_reason,
             "error": error,
             "tool_calls": dict(self.tool_counts),
+            "tool_stats": {k: dict(v) for k, v in self.tool_stats.items()},
+            "env_state": dict(self.env_state),
             "timings": dict(self.timings),
             "metrics": dict(self.metrics),
             "messages": list(self.messages),

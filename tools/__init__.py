@@ -19,7 +19,7 @@ Built-ins live in :mod:`tools.calculator`, :mod:`tools.python_sandbox` (with its
 :func:`get_tool`.
 """
 
-from tools.base import FunctionTool, Tool, ToolArgumentError, ToolResult, tool
+from tools.base import BoundTool, FunctionTool, Tool, ToolArgumentError, ToolResult, tool
 from tools.episode import ToolEpisode
 from tools.limits import ToolLimits, TruncateSide, truncate
 from tools.metrics import ToolMetrics
@@ -27,6 +27,7 @@ from tools.registry import get_tool, register_tool, registered_tools
 from tools.toolset import ToolSet
 
 __all__ = [
+    "BoundTool",
     "FunctionTool",
     "Tool",
     "ToolArgumentError",

@@ -59,6 +59,7 @@ from tools.schema import arguments_model, clean_schema, parse_docstring
 
 __all__ = [
     "ABANDON_GRACE_S",
+    "BoundTool",
     "FunctionTool",
     "Tool",
     "ToolArgumentError",
@@ -204,7 +205,12 @@ class FunctionTool(Tool):
         self.timeout_s = timeout_s
         self.max_output_chars = max_output_chars
         self.is_async = inspect.iscoroutinefunction(fn)
-        self._model = arguments_model(fn, arg_docs, model_name=f"{self.name}_arguments")
+        params = list(inspect.signature(fn).parameters)
+        self.is_method = bool(params) and params[0] == "self"
+        """A method (``self`` first): bound to its object per episode (:meth:`bind`)."""
+        self._model = arguments_model(
+            fn, arg_docs, model_name=f"{self.name}_arguments", method=self.is_method
+        )
         try:
             self.parameters = clean_schema(self._model)
         except Exception as exc:  # pydantic cannot express some type or default in JSON schema
@@ -231,6 +237,19 @@ class FunctionTool(Tool):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.fn(*args, **kwargs)
 
+    def bind(self, obj: Any) -> BoundTool:
+        """This method tool bound to ``obj`` (the object whose state its calls read and change)."""
+        if not self.is_method:
+            raise TypeError(f"tool {self.name!r} is a function, not a method; it binds to nothing")
+        return BoundTool(self, obj)
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        # ``@tool`` on a method: ``instance.probe`` is the tool bound to that instance (and
+        # still callable as the method: ``instance.probe(3)``).
+        if obj is None or not self.is_method:
+            return self
+        return self.bind(obj)
+
     def __reduce__(self) -> Any:
         # A module-level ``@tool`` replaces its function in the module, so pickle by reference
         # (like a function); anything else pickles by value, rebuilding the dynamic model.
@@ -250,6 +269,39 @@ class FunctionTool(Tool):
 
     def _options(self) -> tuple[Any, ...]:
         return (self.name, self.description, self.timeout_s, self.max_output_chars)
+
+
+class BoundTool(Tool):
+    """A ``@tool`` method bound to one object: ``env.probe`` for an environment ``env``.
+
+    It shares the method's schema and validation; a call runs ``method(obj, **arguments)``
+    (a sync method in the tool thread pool, like any sync ``@tool``). Calling it directly calls
+    the method, so ``env.probe(3)`` still works in tests.
+    """
+
+    def __init__(self, method: FunctionTool, obj: Any) -> None:
+        self.method = method
+        self.obj = obj
+        self.name = method.name
+        self.description = method.description
+        self.parameters = method.parameters
+        self.timeout_s = method.timeout_s
+        self.max_output_chars = method.max_output_chars
+
+    def validate_arguments(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Checked and coerced by the method's model (its type hints)."""
+        return self.method.validate_arguments(arguments)
+
+    async def execute(self, state: Any, arguments: dict[str, Any]) -> ToolResult | str:
+        """Call the method on the bound object."""
+        if self.method.is_async:
+            out = await self.method.fn(self.obj, **arguments)
+        else:
+            out = await run_in_tool_thread(functools.partial(self.method.fn, self.obj), **arguments)
+        return _to_result(out)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.method.fn(self.obj, *args, **kwargs)
 
 
 class _Ref:

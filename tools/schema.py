@@ -178,11 +178,14 @@ def arguments_model(
     arg_docs: dict[str, str] | None = None,
     *,
     model_name: str | None = None,
+    method: bool = False,
 ) -> type[BaseModel]:
     """A pydantic model of ``fn``'s parameters (type hints, defaults, docstring descriptions).
 
     ``*args``/``**kwargs`` are not allowed (a tool's arguments are a JSON object with named
-    fields); a parameter without a type hint is typed ``Any``.
+    fields), and neither is a parameter without a type hint (the model would see an empty
+    schema for it): both raise ``TypeError`` naming the parameter and the fix. ``method=True``
+    skips the first parameter (``self`` of a tool method, bound per episode).
     """
     arg_docs = arg_docs or {}
     sig = inspect.signature(fn)
@@ -194,13 +197,20 @@ def arguments_model(
             "import the types the signature names at module level"
         ) from exc
     fields: dict[str, Any] = {}
-    for pname, param in sig.parameters.items():
+    params = list(sig.parameters.items())[1 if method else 0 :]
+    for pname, param in params:
         if param.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
             raise TypeError(
                 f"tool {fn.__name__!r}: parameter {pname!r} is *args/**kwargs; a tool takes "
                 "named arguments only (declare each one with a type hint)"
             )
-        annotation = hints.get(pname, Any)
+        if pname not in hints:
+            raise TypeError(
+                f"tool {fn.__name__!r}: parameter {pname!r} has no type annotation, so the "
+                f"model would see no schema for it; annotate it (e.g. `{pname}: int`, "
+                f"`{pname}: str`, `{pname}: Literal['a', 'b']`)"
+            )
+        annotation = hints[pname]
         default = ... if param.default is inspect.Parameter.empty else param.default
         desc = arg_docs.get(pname)
         fields[pname] = (annotation, Field(default, description=desc or None))

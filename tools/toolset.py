@@ -91,6 +91,25 @@ class ToolSet:
             self._tools[t.name] = t
         self._metrics = ToolMetrics()
         self._pool: DaemonThreadPool | None = None
+        self._parent: ToolSet | None = None
+
+    def with_tools(self, tools: Sequence[Tool]) -> ToolSet:
+        """Other tools under this set's limits, counters and thread pool.
+
+        This is how an agent's or an environment's own tools (built per episode, e.g. bound to
+        the episode's state) run under the config's ``tools.timeout_s`` /
+        ``max_output_chars`` / ``truncate_side`` and are counted in the run's
+        ``tools/<name>/...`` metrics, instead of a fresh set's class defaults.
+        """
+        child = ToolSet(tools, clock=self.clock)
+        child.limits = self.limits
+        child._metrics = self._metrics
+        child._parent = self._parent or self
+        return child
+
+    def tools(self) -> list[Tool]:
+        """The tools, in order."""
+        return list(self._tools.values())
 
     @classmethod
     def from_names(
@@ -140,6 +159,8 @@ class ToolSet:
 
     def _sync_pool(self) -> DaemonThreadPool:
         """The pool of sync tools (created on the first call that needs it)."""
+        if self._parent is not None:
+            return self._parent._sync_pool()
         if self._pool is None:
             self._pool = DaemonThreadPool(self.limits.sync_workers, name="agentrl-tool")
         return self._pool
@@ -205,5 +226,6 @@ class ToolSet:
         ``tools/abandoned_running`` (abandoned calls still running now) and
         ``tools/sync_threads_busy`` (threads of the sync pool running a call now).
         """
-        busy = self._pool.busy if self._pool else 0
+        pool = self._parent._pool if self._parent is not None else self._pool
+        busy = pool.busy if pool else 0
         return self._metrics.snapshot(reset, sync_threads_busy=busy)

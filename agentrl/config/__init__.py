@@ -10,7 +10,7 @@ fails before any server starts, with the full key path and the closest valid key
     cfg.flatten()["algorithm.correction.preset"]     # "decoupled_token_is" (MLflow params)
 
 Where things are: the schema is one module per top-level key (``model``, ``data``, ``agent``,
-``tools``, ``reward``, ``inference``, ``rollout``, ``algorithm``, ``trainer``, ``checkpoint``,
+``environment``, ``tools``, ``reward``, ``inference``, ``rollout``, ``algorithm``, ``trainer``, ``checkpoint``,
 ``tracking``, ``distributed``; the SFT sections sit beside their RL namesakes), on the
 :class:`Section` base (``section``), assembled by ``experiment``; reading a config is
 ``yaml_io`` (YAML 1.2 scalars), ``overrides`` (``a.b.c=value``) and ``loading`` (validation with
@@ -52,6 +52,7 @@ from agentrl.config.checkpoint import CheckpointConfig
 from agentrl.config.data import DataConfig, SFTDataConfig
 from agentrl.config.distributed import DistributedConfig
 from agentrl.config.docs import config_markdown
+from agentrl.config.environment import EnvironmentConfig
 from agentrl.config.experiment import KINDS, AnyConfig, ExperimentConfig, SFTConfig
 from agentrl.config.inference import InferenceConfig
 from agentrl.config.loading import (
@@ -97,6 +98,7 @@ __all__ = [
     "CorrectionSection",
     "DataConfig",
     "DistributedConfig",
+    "EnvironmentConfig",
     "ExperimentConfig",
     "InferenceConfig",
     "JudgeConfig",

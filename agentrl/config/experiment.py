@@ -18,6 +18,7 @@ from agentrl.config.algorithm import AlgorithmConfig
 from agentrl.config.checkpoint import CheckpointConfig
 from agentrl.config.data import DataConfig, SFTDataConfig
 from agentrl.config.distributed import DistributedConfig
+from agentrl.config.environment import EnvironmentConfig
 from agentrl.config.inference import InferenceConfig
 from agentrl.config.model import PolicyModelConfig, SFTModelConfig
 from agentrl.config.reward import RewardConfig
@@ -46,6 +47,8 @@ class ExperimentConfig(Section):
     """Tasks."""
     agent: AgentConfig = Field(default_factory=AgentConfig)
     """The agent loop."""
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)
+    """The environment tasks run in (state, tools, protocol, reward); see docs/environments.md."""
     tools: ToolsConfig = Field(default_factory=ToolsConfig)
     """Tools."""
     reward: RewardConfig = Field(default_factory=RewardConfig)

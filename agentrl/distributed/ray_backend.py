@@ -335,11 +335,11 @@ class RewardWorkerActor:
 
     def _rewards(self) -> Any:
         if self._manager is None:
-            from agentrl.rollout.rewards import RewardManager
+            from agentrl.training.resolve import build_rewards
             from agentrl.user_code import import_user_modules
 
             import_user_modules(self.cfg.imports, self.cfg.base_dir)
-            self._manager = RewardManager.from_config(self.cfg.reward, base_dir=self.cfg.base_dir)
+            self._manager = build_rewards(self.cfg)
         return self._manager
 
     def connect_models(self, urls: dict[str, list[str]], api_key: str | None) -> None:
@@ -449,8 +449,7 @@ class AgentLoopWorkerActor:
         from transformers import AutoTokenizer
 
         from agentrl.inference.pool import ServerPool
-        from agentrl.rollout.rewards import RewardManager
-        from agentrl.training.resolve import build_toolset
+        from agentrl.training.resolve import build_rewards, build_toolset
         from agentrl.user_code import import_user_modules
 
         # The user's agents, tools and rewards register themselves when imported: here too.
@@ -461,9 +460,7 @@ class AgentLoopWorkerActor:
         self._pool.start()
         if self.reward is not None:
             self._scorer = RemoteScorer(self.reward)
-        scorer: Any = self._scorer or RewardManager.from_config(
-            self.cfg.reward, base_dir=self.cfg.base_dir
-        )
+        scorer: Any = self._scorer or build_rewards(self.cfg)
         self._worker = AgentLoopWorker(
             self._pool,
             AutoTokenizer.from_pretrained(

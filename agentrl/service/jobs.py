@@ -305,9 +305,10 @@ class JobManager:
         return await self.status(row.id)
 
     def _validate_tasks(self, tasks: list[Task], agent: str | None) -> None:
+        from agentrl.training.resolve import default_agent
         from agents import get_agent_class
 
-        default = self.serving.cfg.agent.default
+        default = default_agent(self.serving.cfg)
         for name in {agent} if agent else {t.agent or default for t in tasks}:
             try:
                 get_agent_class(name, base_dir=self.serving.cfg.base_dir)

@@ -45,7 +45,13 @@ from typing import Any
 from agentrl.config import ExperimentConfig
 from agentrl.inference.server import embedded_device
 from agentrl.threads import ThreadPlan, make_plan
-from agentrl.training.resolve import Resolved, build_toolset, model_dir, resolve_experiment
+from agentrl.training.resolve import (
+    Resolved,
+    build_rewards,
+    build_toolset,
+    model_dir,
+    resolve_experiment,
+)
 
 __all__ = [
     "Run",
@@ -94,10 +100,12 @@ def worker_config(
         top_p=inf.top_p,
         top_k=inf.top_k,
     )
+    from agentrl.training.resolve import agent_kwargs, default_agent
+
     return WorkerConfig.from_config(
-        cfg.agent,
+        cfg.agent.model_copy(update={"default": default_agent(cfg)}),
         sampling,
-        agent_kwargs=cfg.agent.kwargs,
+        agent_kwargs=agent_kwargs(cfg),
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         overlong_prompts=cfg.data.overlong_prompts,
         greedy_sample_index=cfg.data.n_samples if greedy_baseline else None,
@@ -329,7 +337,6 @@ async def build_serving(
     """
     from agentrl.inference.pool import ServerPool
     from agentrl.rollout.model_rewards import start_model_servers
-    from agentrl.rollout.rewards import RewardManager
 
     async with contextlib.AsyncExitStack() as own:
         stack = stack or own
@@ -339,7 +346,7 @@ async def build_serving(
         logger.info("thread plan: %s", plan.describe())
         path = model_dir(cfg)
         tokenizer = load_tokenizer(cfg, path)
-        rewards = RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)  # names checked
+        rewards = build_rewards(cfg)  # names checked
         models = asyncio.to_thread(load_models) if load_models is not None else None
         launching = server_urls is None and cfg.inference.backend != "external"
         key = server_api_key(cfg, launching=launching)

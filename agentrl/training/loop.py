@@ -52,9 +52,11 @@ from agentrl.training.checkpoint_engine import PushReport, WeightPushError
 from agentrl.training.metrics import (
     TokenCounts,
     compute_data_metrics,
+    compute_reward_component_metrics,
     compute_rollout_timing_metrics,
     compute_throughput_metrics,
     compute_timing_metrics,
+    compute_tool_metrics,
 )
 from agentrl.training.state import RunState
 from agentrl.training.step import train_step, trajectory_metrics
@@ -371,6 +373,8 @@ async def _one_step(
         )
     )
     m.update(compute_rollout_timing_metrics(trajs))
+    m.update(compute_tool_metrics(trajs))
+    m.update(compute_reward_component_metrics(trajs))
     if report is not None:
         m.update(report.metrics())
     m.update(feed.buffer.metrics())

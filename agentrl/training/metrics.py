@@ -38,9 +38,11 @@ __all__ = [
     "TokenCounts",
     "compute_data_metrics",
     "compute_gradient_noise_metrics",
+    "compute_reward_component_metrics",
     "compute_rollout_timing_metrics",
     "compute_throughput_metrics",
     "compute_timing_metrics",
+    "compute_tool_metrics",
 ]
 
 ABORTED_STOP_REASONS = frozenset({StopReason.ABORTED, StopReason.ERROR})
@@ -372,3 +374,60 @@ class MicroBatchGradProbe:
     def total_sq_norm(self) -> float:
         """‖g‖² of the gradient accumulated so far."""
         return float(sum(float(g.double().pow(2).sum()) for g in self._previous if g is not None))
+
+
+def compute_tool_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """Per tool, over one step's episodes (``Trajectory.tool_stats``): ``tools/<name>/calls``,
+    ``errors``, ``timeouts`` (sums), ``latency_mean_s`` (per call) and ``latency_max_s``.
+
+    Counted where each call ran (any process, a Ray actor), carried by the trajectories, so
+    these are exactly the calls of the episodes the step trained on.
+    """
+    totals: dict[str, dict[str, float]] = {}
+    for t in trajectories:
+        for name, st in t.tool_stats.items():
+            acc = totals.setdefault(
+                name, {"calls": 0.0, "errors": 0.0, "timeouts": 0.0, "latency_s": 0.0, "max": 0.0}
+            )
+            for key in ("calls", "errors", "timeouts", "latency_s"):
+                acc[key] += float(st.get(key, 0.0))
+            acc["max"] = max(acc["max"], float(st.get("latency_max_s", 0.0)))
+    out: dict[str, float] = {}
+    for name, acc in sorted(totals.items()):
+        out[f"tools/{name}/calls"] = acc["calls"]
+        out[f"tools/{name}/errors"] = acc["errors"]
+        out[f"tools/{name}/timeouts"] = acc["timeouts"]
+        out[f"tools/{name}/latency_mean_s"] = (
+            acc["latency_s"] / acc["calls"] if acc["calls"] else 0.0
+        )
+        out[f"tools/{name}/latency_max_s"] = acc["max"]
+    return out
+
+
+def _components(info: Mapping[str, object]) -> dict[str, float]:
+    """The numbers of a reward's ``reward_info``: its own numeric keys and a mix's ``terms``."""
+    out: dict[str, float] = {}
+    for key, value in info.items():
+        if isinstance(value, bool | int | float):
+            out[key] = float(value)
+        elif key == "terms" and isinstance(value, Mapping):
+            for term, score in value.items():
+                if isinstance(score, bool | int | float):
+                    out[f"terms/{term}"] = float(score)
+    return out
+
+
+def compute_reward_component_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+    """``reward/<data_source>/<component>/mean`` for every number a reward returned besides its
+    score (``{"score": 1.0, "probes": 4}`` gives ``reward/<source>/probes/mean``; a mix's terms
+    give ``reward/<source>/terms/<term>/mean``), averaged over the episodes that report it."""
+    sums: dict[tuple[str, str], list[float]] = {}
+    for t in trajectories:
+        for key, value in _components(t.reward_info).items():
+            acc = sums.setdefault((t.data_source, key), [0.0, 0.0])
+            acc[0] += value
+            acc[1] += 1.0
+    return {
+        f"reward/{source}/{key}/mean": total / n
+        for (source, key), (total, n) in sorted(sums.items())
+    }

@@ -11,7 +11,8 @@ closest match — a user error, never a traceback.
 
 What it resolves, in order: the ``imports:`` (the user's modules, by name or by path relative to
 the config file), the algorithm (estimator, loss and their knobs, correction, KL), the tool-call
-parser, the tools (built with their options), the reward function of every data source, the
+parser, the tools (built with their options), the environment (its class, kwargs and reward
+arity), the reward function of every data source, the
 tasks (files exist, every row validates) and every agent they or ``agent.default`` name, the
 weight transport, and the python sandbox when the ``python`` tool is enabled.
 
@@ -33,7 +34,17 @@ from agentrl.config import ExperimentConfig
 from agentrl.registry import RegistryError
 from agentrl.types import Task
 
-__all__ = ["ResolutionError", "Resolved", "build_tasks", "build_toolset", "resolve_experiment"]
+__all__ = [
+    "ResolutionError",
+    "Resolved",
+    "agent_kwargs",
+    "build_rewards",
+    "build_tasks",
+    "build_toolset",
+    "default_agent",
+    "environment_class",
+    "resolve_experiment",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +107,53 @@ def build_toolset(cfg: ExperimentConfig) -> Any:
     )
 
 
+def environment_class(cfg: ExperimentConfig) -> Any:
+    """The class ``environment.name`` names (checked: kwargs, reward arity), or None."""
+    if not cfg.environment.name:
+        return None
+    from agents.environment import check_environment
+
+    return check_environment(cfg.environment.name, cfg.environment.kwargs, base_dir=cfg.base_dir)
+
+
+def default_agent(cfg: ExperimentConfig) -> str:
+    """The agent of tasks that name none: ``environment`` when the config names one."""
+    return "environment" if cfg.environment.name else cfg.agent.default
+
+
+def agent_kwargs(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
+    """``agent.kwargs``, plus the environment agent's (which environment, its kwargs)."""
+    out = dict(cfg.agent.kwargs)
+    if cfg.environment.name:
+        out["environment"] = {
+            "name": cfg.environment.name,
+            "kwargs": dict(cfg.environment.kwargs),
+            "base_dir": cfg.base_dir,
+        }
+    return out
+
+
+def environment_rewards(cfg: ExperimentConfig) -> dict[str, Any]:
+    """``{environment name: its reward}`` when the environment defines ``reward``."""
+    cls = environment_class(cfg)
+    if cls is None or getattr(cls, "reward", None) is None:
+        return {}
+    from agents.environment import EnvironmentReward, environment_label
+
+    assert cfg.environment.name is not None
+    return {environment_label(cls): EnvironmentReward(cfg.environment.name, cfg.base_dir)}
+
+
+def build_rewards(cfg: ExperimentConfig) -> Any:
+    """The run's ``RewardManager``: the ``reward`` section, plus the environment's reward for
+    its data source (``reward.sources`` wins where it names the same source)."""
+    from agentrl.rollout.rewards import RewardManager
+
+    return RewardManager.from_config(
+        cfg.reward, base_dir=cfg.base_dir, extra_sources=environment_rewards(cfg)
+    )
+
+
 def build_tasks(cfg: ExperimentConfig, *, split: str) -> list[Task]:
     """Tasks of ``split`` (``train`` or ``val``) from files, or from the configured generator.
 
@@ -119,7 +177,18 @@ def build_tasks(cfg: ExperimentConfig, *, split: str) -> list[Task]:
             tasks = _generate(cfg, n, seed=d.seed if split == "train" else d.generator_val_seed)
     elif split == "train":
         raise RegistryError("data.train_files is empty and data.generator is null: no tasks")
-    return [t if t.agent else t.model_copy(update={"agent": cfg.agent.default}) for t in tasks]
+    agent = default_agent(cfg)
+    tasks = [t if t.agent else t.model_copy(update={"agent": agent}) for t in tasks]
+    env = environment_class(cfg)
+    if env is None:
+        return tasks
+    from agents.environment import environment_label
+
+    source = environment_label(env)
+    return [
+        t.model_copy(update={"data_source": source}) if t.data_source == "default" else t
+        for t in tasks
+    ]
 
 
 def _generate(cfg: ExperimentConfig, n: int, *, seed: int) -> list[Task]:
@@ -172,6 +241,9 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
     plan = _check(problems, lambda: _algorithm(cfg))
     _check(problems, lambda: _parser(cfg))
     _check(problems, lambda: build_toolset(cfg))
+    env = _check(problems, lambda: environment_class(cfg))
+    if cfg.environment.name and env is None:
+        raise ResolutionError(problems)  # its tasks, agent and reward all depend on it
     rewards = _check(problems, lambda: _rewards(cfg))
     train = (
         _check(problems, lambda: build_tasks(cfg, split="train")) or []
@@ -212,9 +284,7 @@ def _parser(cfg: ExperimentConfig) -> Any:
 
 
 def _rewards(cfg: ExperimentConfig) -> Any:
-    from agentrl.rollout.rewards import RewardManager
-
-    return RewardManager.from_config(cfg.reward, base_dir=cfg.base_dir)
+    return build_rewards(cfg)
 
 
 def _check_sources(rewards: Any, tasks: list[Task], problems: list[str]) -> None:
@@ -250,7 +320,10 @@ def _check_reasoning_gym_rewards(cfg: ExperimentConfig, rewards: Any, problems: 
 def _agents(cfg: ExperimentConfig, tasks: list[Task], problems: list[str]) -> list[str]:
     from agents import AGENTS
 
-    names: dict[str, str] = {cfg.agent.default: "agent.default"}
+    names: dict[str, str] = {
+        default_agent(cfg): "environment.name" if cfg.environment.name else "agent.default"
+    }
+    kwargs = agent_kwargs(cfg)
     for t in tasks:
         if t.agent and t.agent not in names:
             names[t.agent] = f"the 'agent' column of task {t.id!r}"
@@ -261,7 +334,7 @@ def _agents(cfg: ExperimentConfig, tasks: list[Task], problems: list[str]) -> li
             problems.append(str(exc))
             continue
         try:
-            cls(**cfg.agent.kwargs.get(name, {}))  # agents are cheap; a bad kwarg fails here
+            cls(**kwargs.get(name, {}))  # agents are cheap; a bad kwarg fails here
         except TypeError as exc:
             problems.append(f"agent.kwargs.{name}: {exc}")
     unknown_kwargs = set(cfg.agent.kwargs) - set(names)

@@ -88,6 +88,7 @@ def test_all_sections_of_design_exist() -> None:
         "model",
         "data",
         "agent",
+        "environment",
         "tools",
         "reward",
         "inference",

@@ -118,13 +118,17 @@ class RewardManager:
         """Model rewards by name (``reward.models``)."""
 
     @classmethod
-    def from_config(cls, cfg: Any, *, base_dir: Any = None) -> RewardManager:
+    def from_config(
+        cls, cfg: Any, *, base_dir: Any = None, extra_sources: Mapping[str, Any] | None = None
+    ) -> RewardManager:
         """Build from the ``reward`` config section (``sources``, ``default``, ``executor``,
         ``max_workers``, ``timeout_s``, ``format_weight``, ``models``; any object with those
-        attributes); path specs resolve against ``base_dir`` (the config file's folder)."""
+        attributes); path specs resolve against ``base_dir`` (the config file's folder).
+        ``extra_sources`` (e.g. an environment's reward) score data sources the section does
+        not name."""
         return cls(
             base_dir=base_dir,
-            sources=dict(cfg.sources),
+            sources={**dict(extra_sources or {}), **dict(cfg.sources)},
             default=cfg.default,
             executor=cfg.executor,
             max_workers=cfg.max_workers,

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +29,7 @@ from agentrl.registry import Registry, RegistryError
 from agentrl.rollout.rewards.base import RewardConfigError, RewardFn
 from agentrl.rollout.rewards.rules import calculator_reward, exact_match, numeric_match, tool_format
 
-__all__ = ["BUILTIN_REWARDS", "REWARDS", "register_reward", "resolve_reward_fn"]
+__all__ = ["BUILTIN_REWARDS", "REWARDS", "check_arity", "register_reward", "resolve_reward_fn"]
 
 
 def _check_reward(obj: Any) -> None:
@@ -77,6 +78,26 @@ def resolve_reward_fn(
     if isinstance(spec, str) and not spec:
         raise RewardConfigError(f"{key}: empty reward function name")
     try:
-        return REWARDS.get(spec, key=key, base_dir=base_dir)
+        fn = REWARDS.get(spec, key=key, base_dir=base_dir)
     except RegistryError as exc:
         raise RewardConfigError(str(exc)) from None
+    check_arity(fn, key=key)
+    return fn
+
+
+def check_arity(fn: Any, *, key: str) -> None:
+    """Raise :class:`RewardConfigError` unless ``fn`` can be called as ``fn(traj, task)``: a
+    wrong signature is found when the config resolves, not at the first scored episode."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: nothing to check
+        return
+    try:
+        sig.bind(None, None)
+    except TypeError:
+        name = getattr(fn, "__qualname__", None) or repr(fn)
+        raise RewardConfigError(
+            f"{key}: reward function {name!r} has the signature {sig}; a reward is called as "
+            "fn(traj, task): declare `def {0}(traj, task) -> float | dict` (extra parameters "
+            "need defaults)".format(getattr(fn, "__name__", "reward"))
+        ) from None

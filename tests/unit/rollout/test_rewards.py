@@ -614,3 +614,23 @@ async def test_chaos_a_hanging_judge_does_not_stall_the_rollout_stream():
     assert len(out) <= 4
     m = rewards.metrics()
     assert m["reward/judge/timeouts"] == 4 and m["reward/judge/scored"] == 0
+
+
+def test_a_reward_function_of_the_wrong_arity_is_refused_when_resolved() -> None:
+    from agentrl.rollout.rewards import RewardConfigError, RewardManager
+
+    def one(traj):  # the mistake: no task
+        return 1.0
+
+    def three(traj, task, extra):  # a third parameter without a default
+        return 1.0
+
+    def fine(traj, task, scale=1.0):
+        return scale
+
+    for fn in (one, three):
+        with pytest.raises(
+            RewardConfigError, match=r"reward.sources.s: reward function .* fn\(traj, task\)"
+        ):
+            RewardManager(sources={"s": fn})
+    assert RewardManager(sources={"s": fine}).reward_fn_for("s") is fine

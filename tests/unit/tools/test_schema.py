@@ -181,9 +181,18 @@ def test_async_function_tool_is_detected():
     assert f.is_async
 
 
-def test_untyped_parameter_accepts_anything():
+def test_untyped_parameter_is_refused_naming_it_and_the_fix():
+    # It used to be accepted with an empty schema: the model saw nothing about the argument.
+    with pytest.raises(TypeError, match=r"tool 'f': parameter 'x' has no type annotation.*x: int"):
+
+        @tool
+        def f(x) -> Any:  # type: ignore[no-untyped-def]  # testing a missing hint on purpose
+            return x
+
+
+def test_parameter_typed_any_explicitly_accepts_anything():
     @tool
-    def f(x) -> Any:  # type: ignore[no-untyped-def]  # testing a missing hint on purpose
+    def f(x: Any) -> Any:
         return x
 
     assert f.validate_arguments({"x": [1, "a"]}) == {"x": [1, "a"]}

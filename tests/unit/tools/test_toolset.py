@@ -495,3 +495,19 @@ async def test_state_created_after_the_episode_closed_is_released():
     r = await call
     assert r.error and "episode already ended" in r.content
     assert log == ["create", "release:0"]
+
+
+async def test_with_tools_keeps_the_limits_counters_and_pool() -> None:
+    @tool
+    def echo(text: str) -> str:
+        """Echo."""
+        return text
+
+    base = ToolSet([], timeout_s=3.0, max_output_chars=5, truncate_side="left")
+    child = base.with_tools([echo])
+    assert child.limits is base.limits and child.names() == ["echo"] and base.names() == []
+    async with child.episode() as ep:
+        result = await ep.call("echo", {"text": "abcdefgh"})
+    assert result.content.endswith("defgh")  # the parent's output limit and side
+    assert base.metrics()["tools/echo/calls"] == 1  # the parent's counters
+    assert child._sync_pool() is base._sync_pool()

@@ -98,3 +98,62 @@ def test_every_problem_is_reported_at_once(
     )
     err = capsys.readouterr().err
     assert rc == 2 and "advantage estimator 'grp'" in err and "tool-call format 'hermez'" in err
+
+
+SECRET = UNITS.parents[1] / "secret_number" / "config.yaml"
+
+BAD_CODE = {
+    # file name -> (its code, the overrides that use it, what the message must say)
+    "untyped.py": (
+        "from agents import Environment\nfrom tools import tool\n\n"
+        "class Game(Environment):\n"
+        "    @tool\n"
+        "    def probe(self, x) -> str:\n"
+        "        return str(x)\n",
+        ["environment=untyped.py:Game"],
+        ["parameter 'x' has no type annotation", "annotate it (e.g. `x: int`"],
+    ),
+    "env_reward.py": (
+        "from agents import Environment\n\n"
+        "class Game(Environment):\n"
+        "    @staticmethod\n"
+        "    def reward(state):\n"
+        "        return 1.0\n",
+        ["environment=env_reward.py:Game"],
+        ["Game.reward(state) must take (state, task)", "@staticmethod def reward(state, task)"],
+    ),
+    "reward_fn.py": (
+        "def score(traj):\n    return 1.0\n",
+        ["reward.sources={secret_number: reward_fn.py:score}"],
+        ["reward.sources.secret_number", "signature (traj)", "fn(traj, task)"],
+    ),
+}
+
+
+def test_an_unknown_environment_fails_before_any_server_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    rc = main(["train", str(SECRET), "environment=secret_numbr", f"trainer.output_dir={out}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err
+    assert "environment.name: unknown environment 'secret_numbr'" in err
+    assert "did you mean 'secret_number'?" in err and "@register_environment" in err
+    assert not (out / "logs").exists(), "a server was started"
+
+
+@pytest.mark.parametrize("name", sorted(BAD_CODE))
+def test_bad_environment_code_fails_before_any_server_starts(
+    name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, overrides, expected = BAD_CODE[name]
+    (tmp_path / name).write_text(code)
+    out = tmp_path / "run"
+    args = [f"imports=[game.py, {tmp_path / name}]", f"trainer.output_dir={out}"]
+    args += [o.replace(f"{name}:", f"{tmp_path / name}:") for o in overrides]
+    rc = main(["train", str(SECRET), *args, "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    for text in expected:
+        assert text in err, f"{text!r} not in:\n{err}"
+    assert not (out / "logs").exists(), "a server was started"
