@@ -62,7 +62,9 @@ CONDITIONAL = {
     "actor/reward_kl_penalty": "KL in the reward: algorithm.use_kl_in_reward",
     "actor/old_log_prob_fused": "pi_old from the update's own forward (ppo_epochs 1, one mini-batch)",
     "variance_proxy/*": "never: the page says why verl's key is not logged",
-    "tools/<name>/calls": "not yet: the page says per-tool counters come with another issue",
+    "tools/<name>/calls": "a tool called in the step's episodes (tests/unit/agents/test_environment.py)",
+    "reward/<source>/<component>/mean": "a reward returning numbers beside score (test_environment.py)",
+    "reward/<source>/terms/<term>/mean": "a reward mix (tests/unit/agents/test_environment.py)",
     **{
         f"grad_noise/{k}": "not yet: the page says the actor does not call the probe"
         for k in (
