@@ -21,6 +21,8 @@ Guarantees:
   weight gather and save is then a collective (every rank calls it with the same arguments;
   :mod:`agentrl.training.ranks` makes the follower ranks do so), and the update gives the
   single-process full-batch gradient. Without ``dist`` nothing changes.
+- ``gradient_checkpointing`` (``trainer.gradient_checkpointing``) gives the same log-probs,
+  loss and gradients with less activation memory (:mod:`agentrl.training.memory`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from tensordict import TensorDict
 
 from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
 from agentrl.batch import check_batch, merge_micro_batches, split_by_token_budget
+from agentrl.training.memory import checkpoint_decoder_layers
 from correction import CorrectionConfig, ProximalMethod, apply_correction, loglinear_proximal
 
 if TYPE_CHECKING:
@@ -73,6 +76,8 @@ class OptimizerSettings:
     mini_batch_size: int | None
     """Rows per optimizer step (None = the whole batch)."""
     loss_agg_mode: str
+    gradient_checkpointing: bool
+    """Recompute decoder-layer activations in backward (:mod:`agentrl.training.memory`)."""
 
 
 def optimizer_settings(cfg: Any, *, lr: float, micro_batch_max_tokens: int) -> dict[str, Any]:
@@ -90,6 +95,7 @@ def optimizer_settings(cfg: Any, *, lr: float, micro_batch_max_tokens: int) -> d
         "ppo_epochs": t.ppo_epochs,
         "mini_batch_size": t.mini_batch_size * cfg.data.n_samples,
         "loss_agg_mode": cfg.algorithm.loss_agg_mode,
+        "gradient_checkpointing": t.gradient_checkpointing,
     }
 
 
@@ -218,6 +224,7 @@ class FrozenPolicy:
         dtype: str,
         trust_remote_code: bool,
         dist: DistContext | None = None,
+        gradient_checkpointing: bool = False,
     ) -> None:
         self.dist = dist
         if dist is not None:
@@ -231,6 +238,8 @@ class FrozenPolicy:
         self.model = load_causal_lm(
             model_dir, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code
         )
+        if gradient_checkpointing:  # before sharding: FSDP2 renames the layer classes
+            checkpoint_decoder_layers(self.model)
         if dist is not None:
             self.model = dist.shard(self.model)
             self.device = dist.device
@@ -384,6 +393,7 @@ class Actor(FrozenPolicy):
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             dist=dist,
+            gradient_checkpointing=config.gradient_checkpointing,
         )
         self.config = config
         if config.lora is not None:
