@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = dict(num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024)
+MODEL: dict[str, Any] = dict(
+    num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024
+)
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {},
     "checkpointing": {"gradient_checkpointing": True},
@@ -161,7 +163,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--updates", type=int, default=2)
