@@ -14,7 +14,16 @@ What each figure is:
 - ``train_tokens_per_s``: (prompt + response) tokens of a step / ``timing_s/update_actor``;
 - ``train_mfu``: 6 · parameters · trained tokens / update time / the device's peak bf16 FLOP/s
   (``--peak-tflops``; default 989, an H100/H200 SXM's dense bf16);
-- ``push_s`` and ``verify_max_abs_diff``: the CheckpointEngine's figures of the last step.
+- ``push_s`` and ``verify_max_abs_diff``: the CheckpointEngine's figures of the last step;
+  ``push_gb_per_s``: the pushed bytes (parameters x bytes per element of the serving dtype) / ``push_s``;
+- ``peak_rss_mb``: this process's peak resident memory (trainer, embedded server and driver
+  share it); ``peak_device_mb``: the torch allocator's peak on CUDA (null on CPU).
+
+It fails loudly (exit status 1, ``"ok": false`` and the reasons in ``failures``) when a step is
+missing, the verify difference is absent or above the tolerance, or a rate is not positive.
+``--gradient-checkpointing`` and ``--cpu-offload`` run the same check with
+``trainer.gradient_checkpointing`` / ``trainer.cpu_offload`` (the latter trains through the
+FSDP2 rank path with one rank).
 """
 
 from __future__ import annotations
@@ -23,14 +32,16 @@ import argparse
 import asyncio
 import json
 import os
+import resource
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SIZES = {
+SIZES: dict[str, dict[str, Any]] = {
     # ~0.49B parameters (Qwen2-0.5B's shape; byte-level vocabulary, tied embeddings)
     "0.5b": dict(
         num_layers=24, hidden_size=896, num_heads=14, num_kv_heads=2, intermediate_size=4864
@@ -63,12 +74,14 @@ async def _generation_rate(policy: object, concurrency: int, max_tokens: int) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="0.5b")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--out", default=None, help="working directory (default: a temp dir)")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
+    parser.add_argument("--cpu-offload", action="store_true", help="trainer.cpu_offload")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out or tempfile.mkdtemp(prefix="agentrl-gpu-smoke-"))
@@ -83,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
 
     update_s = last("timing_s/update_actor") or float("nan")
     tokens = last("perf/total_num_tokens") or 0.0
+    cuda = args.device.startswith("cuda")
+    push_s = last("timing_s/push")
+    pushed_bytes = params * (2 if cuda else 4)  # bf16 on the accelerator, float32 on CPU
     report = {
         "device": args.device,
         "size": args.size,
@@ -91,13 +107,46 @@ def main(argv: list[str] | None = None) -> int:
         "generation_tokens_per_s": round(rate, 1),
         "train_tokens_per_s": round(tokens / update_s, 1),
         "train_mfu": 6 * params * tokens / update_s / (args.peak_tflops * 1e12),
-        "push_s": last("timing_s/push"),
+        "push_s": push_s,
+        "push_gb_per_s": round(pushed_bytes / push_s / 1e9, 3) if push_s else None,
         "verify_max_abs_diff": last("weight_sync/verify_max_abs_diff"),
         "reward_mean_last": last("reward/mean"),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_device_mb": _peak_device_mb(cuda),
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "cpu_offload": args.cpu_offload,
         "wall_s": round(time.perf_counter() - t_all, 1),
     }
+    failures = _failures(report, args.steps, _tolerance(cuda))
+    report["ok"] = not failures
+    report["failures"] = failures
     print(json.dumps(report, indent=2))
-    return 0
+    return 0 if not failures else 1
+
+
+def _tolerance(cuda: bool) -> float:
+    """The verify tolerance: bf16 serving vs bf16 training differ by rounding (docs/design.md)."""
+    return 0.1 if cuda else 1e-3
+
+
+def _peak_device_mb(cuda: bool) -> float | None:
+    import torch
+
+    return round(torch.cuda.max_memory_allocated() / 2**20, 1) if cuda else None
+
+
+def _failures(report: dict, steps: int, tolerance: float) -> list[str]:  # type: ignore[type-arg]
+    """Why the check failed (empty when it passed)."""
+    out = []
+    if report["steps"] != steps:
+        out.append(f"ran {report['steps']} steps, expected {steps}")
+    diff = report["verify_max_abs_diff"]
+    if diff is None or not diff <= tolerance:
+        out.append(f"verify_max_abs_diff={diff} (tolerance {tolerance}): served != trained")
+    for key in ("generation_tokens_per_s", "train_tokens_per_s", "push_gb_per_s"):
+        if not (report[key] or 0) > 0:
+            out.append(f"{key}={report[key]}: not measured")
+    return out
 
 
 def _run(args: argparse.Namespace, path: Path, out: Path):  # type: ignore[no-untyped-def]
@@ -120,7 +169,9 @@ def _run(args: argparse.Namespace, path: Path, out: Path):  # type: ignore[no-un
             "data.max_prompt_tokens=2048",
             "tracking.enabled=false",
             # bf16 serving vs bf16 training differ by rounding; the diff is reported either way
-            f"checkpoint.verify_tolerance={0.1 if cuda else 1e-3}",
+            f"checkpoint.verify_tolerance={_tolerance(cuda)}",
+            f"trainer.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
+            f"trainer.cpu_offload={str(args.cpu_offload).lower()}",
         ],
     )
     trainer = Trainer(cfg)

@@ -75,6 +75,10 @@ class TrainerConfig(OptimizerFields):
     """A finished run exits 1 when more than this share of its episodes failed (a reward, an agent or a worker raised); see docs/training.md."""
     world_size: int = Field(default=1, ge=1)
     """Data-parallel trainer ranks (FSDP2 shards actor, reference and critic; rank 0 runs the loop); see docs/distributed.md."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic; less memory, about one more forward per update); see docs/training.md."""
+    cpu_offload: bool = False
+    """Keep parameters, gradients and optimizer state of the FSDP2 shards in host memory (the optimizer step runs on CPU; trains through the FSDP2 path even with world_size 1); see docs/training.md."""
 
 
 class SFTTrainerConfig(OptimizerFields):

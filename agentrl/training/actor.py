@@ -12,7 +12,11 @@ Guarantees:
   gradient accumulation gives the full mini-batch gradient whatever the packing; the loss's
   diagnostics (``actor/ppo_kl``, clip fractions, ...) are token-weighted means over the batch,
   so they do not depend on the packing either (nor on the number of ranks).
-- float32 on CPU; bf16 weights on GPU with the log-softmax in float32.
+- Mixed precision (docs/design.md): float32 on CPU; with a half ``dtype`` (``auto`` on GPU)
+  the trainable actor keeps float32 master weights and computes under bf16 autocast (FSDP2:
+  its ``MixedPrecisionPolicy``), LoRA keeps the frozen base in the half dtype; logits are
+  always upcast to float32 before the log-softmax, for the loss and for the log-probs the
+  correction compares with the servers'; the push sends the servers' dtype.
 - Any local Hugging Face causal-LM directory loads (``AutoModelForCausalLM``).
 - ``state_dict_for_push()`` returns contiguous CPU tensors under the Hugging Face parameter
   names, so the same file serves the embedded server and vLLM's ``reload_weights``.
@@ -21,6 +25,8 @@ Guarantees:
   weight gather and save is then a collective (every rank calls it with the same arguments;
   :mod:`agentrl.training.ranks` makes the follower ranks do so), and the update gives the
   single-process full-batch gradient. Without ``dist`` nothing changes.
+- ``gradient_checkpointing`` (``trainer.gradient_checkpointing``) gives the same log-probs,
+  loss and gradients with less activation memory (:mod:`agentrl.training.memory`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from tensordict import TensorDict
 
 from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
 from agentrl.batch import check_batch, merge_micro_batches, split_by_token_budget
+from agentrl.training.memory import checkpoint_decoder_layers
 from correction import CorrectionConfig, ProximalMethod, apply_correction, loglinear_proximal
 
 if TYPE_CHECKING:
@@ -73,6 +80,8 @@ class OptimizerSettings:
     mini_batch_size: int | None
     """Rows per optimizer step (None = the whole batch)."""
     loss_agg_mode: str
+    gradient_checkpointing: bool
+    """Recompute decoder-layer activations in backward (:mod:`agentrl.training.memory`)."""
 
 
 def optimizer_settings(cfg: Any, *, lr: float, micro_batch_max_tokens: int) -> dict[str, Any]:
@@ -90,6 +99,7 @@ def optimizer_settings(cfg: Any, *, lr: float, micro_batch_max_tokens: int) -> d
         "ppo_epochs": t.ppo_epochs,
         "mini_batch_size": (t.mini_batch_size or cfg.data.batch_size) * cfg.data.n_samples,
         "loss_agg_mode": cfg.algorithm.loss_agg_mode,
+        "gradient_checkpointing": t.gradient_checkpointing,
     }
 
 
@@ -218,8 +228,14 @@ class FrozenPolicy:
         dtype: str,
         trust_remote_code: bool,
         dist: DistContext | None = None,
+        gradient_checkpointing: bool = False,
+        float32_master: bool = False,
     ) -> None:
         self.dist = dist
+        self.push_dtype = resolve_dtype(dtype, dist.device if dist else resolve_device(device))
+        """The dtype the servers run (``model.dtype`` on the device): what the push sends."""
+        self.autocast: torch.dtype | None = None
+        """Compute dtype over float32 master weights (``float32_master``), else None."""
         if dist is not None:
             # Load whole on CPU, shard onto the device: no rank ever holds the full model there.
             device = "cpu"
@@ -228,9 +244,13 @@ class FrozenPolicy:
         self.micro_batch_max_tokens = micro_batch_max_tokens
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
+        if float32_master and dist is None and self.dtype != torch.float32:
+            self.autocast, self.dtype = self.dtype, torch.float32
         self.model = load_causal_lm(
             model_dir, device=self.device, dtype=self.dtype, trust_remote_code=trust_remote_code
         )
+        if gradient_checkpointing:  # before sharding: FSDP2 renames the layer classes
+            checkpoint_decoder_layers(self.model)
         if dist is not None:
             self.model = dist.shard(self.model)
             self.device = dist.device
@@ -249,12 +269,13 @@ class FrozenPolicy:
         responses = mb["responses"].to(self.device)
         prompt_len = mb["prompts"].shape[1]
         resp_len = responses.shape[1]
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-        ).logits
+        with self._compute():
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            ).logits
         logits = logits[:, prompt_len - 1 : prompt_len - 1 + resp_len].float()
         logp = logprobs_from_logits(logits, responses, temperature=self.temperature)
         extra = None
@@ -267,6 +288,11 @@ class FrozenPolicy:
 
     def _micro_batches(self, batch: TensorDict) -> tuple[list[TensorDict], list[list[int]]]:
         return split_by_token_budget(batch, max(1, self.micro_batch_max_tokens))
+
+    def _compute(self) -> Any:
+        """bf16/fp16 autocast over float32 master weights (``self.autocast``), else a no-op."""
+        dtype = self.autocast or torch.float32
+        return torch.autocast(self.device.type, dtype=dtype, enabled=self.autocast is not None)
 
     @torch.no_grad()
     def _score(
@@ -384,6 +410,10 @@ class Actor(FrozenPolicy):
             dtype=dtype,
             trust_remote_code=trust_remote_code,
             dist=dist,
+            gradient_checkpointing=config.gradient_checkpointing,
+            # full fine-tuning: AdamW updates float32 weights (a bf16 weight would round a
+            # small step away); LoRA keeps the frozen base in the serving dtype
+            float32_master=config.lora is None,
         )
         self.config = config
         if config.lora is not None:
@@ -593,7 +623,8 @@ class Actor(FrozenPolicy):
     def score_tokens(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
         """Log-probs of ``token_ids`` after ``prompt_ids`` by the servers' convention."""
         ids = torch.tensor([list(prompt_ids) + list(token_ids)], device=self.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
+        with self._compute():
+            logits = self.model(input_ids=ids, use_cache=False).logits[0].float()
         p = len(prompt_ids)
         logits = logits[p - 1 : p - 1 + len(token_ids)]
         target = torch.tensor(token_ids, device=self.device)
@@ -614,7 +645,7 @@ class Actor(FrozenPolicy):
         if self.dist is not None:
             from agentrl.training.fsdp import full_state_dict_for_push
 
-            return full_state_dict_for_push(self.model)
+            return full_state_dict_for_push(self.model, self.push_dtype)
         out: dict[str, torch.Tensor] = {}
         seen: set[int] = set()
         for name, tensor in self.model.state_dict().items():
@@ -622,7 +653,9 @@ class Actor(FrozenPolicy):
             if key in seen:
                 continue
             seen.add(key)
-            out[name] = tensor.detach().to("cpu").contiguous()
+            t = tensor.detach()
+            t = t.to(self.push_dtype) if t.is_floating_point() else t
+            out[name] = t.to("cpu").contiguous()
         return out
 
     def save_pretrained(self, out_dir: str | Path) -> None:

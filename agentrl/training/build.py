@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -404,6 +405,8 @@ def load_policies(cfg: ExperimentConfig, path: Path, plan: Any, *, dist: Any = N
     from agentrl.training.step import Policies
 
     t, m = cfg.trainer, cfg.model
+    if dist is not None and t.cpu_offload:
+        dist = dataclasses.replace(dist, cpu_offload=True)
     common = {
         "device": t.device,
         "dtype": m.dtype,
@@ -439,8 +442,9 @@ def start_policies(
     ``trainer.world_size`` trainer ranks with this process as rank 0 and the models wrapped in
     :class:`~agentrl.training.ranks.RankedModel` proxies (the loop and the step call them as
     plain models). The followers' stop is on ``stack`` before the first one starts."""
-    if cfg.trainer.world_size == 1:
+    if cfg.trainer.world_size == 1 and not cfg.trainer.cpu_offload:
         return load_policies(cfg, path, plan)
+    # host offload is an FSDP2 policy: with world_size 1 this process is the only rank
     from agentrl.training.ranks import start_ranks
 
     ranks = start_ranks(cfg, path, threads=thread_plan(cfg).trainer, register=stack.callback)

@@ -47,6 +47,7 @@ from agentrl.training.actor import (
     resolve_device,
     resolve_dtype,
 )
+from agentrl.training.memory import checkpoint_decoder_layers
 
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
@@ -205,6 +206,8 @@ class Critic:
             self.value_head.weight.zero_()
             self.value_head.bias.zero_()
         self.module = ValueModel(self.backbone, self.value_head)
+        if config.gradient_checkpointing:  # before sharding: FSDP2 renames the layer classes
+            checkpoint_decoder_layers(self.backbone)
         if dist is not None:
             dist.shard(self.module, layers_of=self.backbone, float32_units=[self.value_head])
             self.device = dist.device

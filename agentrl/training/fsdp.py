@@ -47,10 +47,11 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from agentrl.batch import balance_across_ranks, select_rows, split_by_token_budget
+from agentrl.training.memory import offload_policy
 
 __all__ = [
     "DistContext",
@@ -107,6 +108,7 @@ def shard_model(
     mixed_precision: MixedPrecisionPolicy | None = None,
     layers_of: torch.nn.Module | None = None,
     float32_units: Sequence[torch.nn.Module] = (),
+    cpu_offload: bool = False,
 ) -> Any:
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head).
 
@@ -124,6 +126,8 @@ def shard_model(
             root.
         float32_units: submodules sharded as their own unit that always computes in float32
             (the critic's value head, whatever ``mixed_precision`` says).
+        cpu_offload: keep parameter shards, gradients and optimizer state in host memory
+            (:func:`agentrl.training.memory.offload_policy`; ``trainer.cpu_offload``).
 
     Returns:
         ``model`` itself, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.
@@ -132,12 +136,18 @@ def shard_model(
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = mixed_precision or default_mixed_precision(mesh.device_type)
+    offload = offload_policy(mesh.device_type) if cpu_offload else OffloadPolicy()
+    common: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "offload_policy": offload,
+    }
     for layer in decoder_layers(model if layers_of is None else layers_of):
-        fully_shard(layer, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(layer, mp_policy=policy, **common)
     fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for unit in float32_units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=fp32)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(unit, mp_policy=fp32, **common)
+    fully_shard(model, mp_policy=policy, **common)
     return model
 
 
@@ -225,6 +235,8 @@ class DistContext:
     device: torch.device
     reshard_after_forward: bool = True
     mixed_precision: MixedPrecisionPolicy | None = None
+    cpu_offload: bool = False
+    """Shard with host offload (``trainer.cpu_offload``; :func:`shard_model`)."""
 
     @classmethod
     def current(
@@ -274,6 +286,7 @@ class DistContext:
             mixed_precision=self.mixed_precision,
             layers_of=layers_of,
             float32_units=float32_units,
+            cpu_offload=self.cpu_offload,
         )
 
     # ---- collectives --------------------------------------------------------------------

@@ -29,6 +29,7 @@ def test_gpu_smoke_script_runs_on_cpu(tmp_path: Path) -> None:
             "2",
             "--out",
             str(tmp_path),
+            "--gradient-checkpointing",
         ],
         capture_output=True,
         text=True,
@@ -40,3 +41,5 @@ def test_gpu_smoke_script_runs_on_cpu(tmp_path: Path) -> None:
     assert report["steps"] == 2 and report["parameters"] > 0
     assert report["generation_tokens_per_s"] > 0 and report["train_tokens_per_s"] > 0
     assert report["verify_max_abs_diff"] is not None and report["verify_max_abs_diff"] <= 1e-3
+    assert report["ok"] and report["failures"] == [] and report["gradient_checkpointing"]
+    assert report["push_gb_per_s"] > 0 and report["peak_rss_mb"] > 0
