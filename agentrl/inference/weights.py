@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from agentrl.jsonsafe import loads_limited
+
 __all__ = [
     "MAX_HEADER_BYTES",
     "SafetensorsPayload",
@@ -365,7 +367,7 @@ def parse_safetensors(buf: bytearray | memoryview) -> dict[str, torch.Tensor]:
             "not a safetensors file (or was cut short)"
         )
     try:
-        header = json.loads(bytes(view[8 : 8 + n]))
+        header = loads_limited(bytes(view[8 : 8 + n]), what="the safetensors header")
     except (ValueError, UnicodeDecodeError) as e:
         raise WeightLoadError(f"the safetensors header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
@@ -404,7 +406,7 @@ def safetensors_metadata(buf: bytearray | memoryview | bytes) -> dict[str, str]:
     if n > MAX_HEADER_BYTES or 8 + n > len(view):
         raise WeightLoadError(f"the safetensors header claims {n} bytes; the body has {len(view)}")
     try:
-        header = json.loads(bytes(view[8 : 8 + n]))
+        header = loads_limited(bytes(view[8 : 8 + n]), what="the safetensors header")
     except (ValueError, UnicodeDecodeError) as e:
         raise WeightLoadError(f"the safetensors header is not valid JSON: {e}") from e
     meta = header.get("__metadata__") if isinstance(header, dict) else None
