@@ -137,6 +137,18 @@ async def proxy_url(server: ServerHandle, tiny_model_dir: Path) -> AsyncIterator
         yield proxy.base_url, proxy.open_session()
 
 
+async def _raw_status(base: str, request: bytes) -> bytes:
+    """Send ``request`` bytes on a fresh connection; the status line of the answer."""
+    host, port = base.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.readline(), 120)
+    finally:
+        writer.close()
+
+
 def _deep(n: int) -> str:
     return "[" * n + "]" * n
 
@@ -144,14 +156,18 @@ def _deep(n: int) -> str:
 async def test_the_proxy_refuses_huge_and_deep_bodies_with_4xx(proxy_url) -> None:
     base, sid = proxy_url
     url = f"{base}/sessions/{sid}/v1/chat/completions"
-    huge = b'{"messages": [{"role": "user", "content": "' + b"a" * MAX_BODY_BYTES + b'"}]}'
-
-    async def chunks() -> AsyncIterator[bytes]:
-        yield huge  # no content-length: cut off at the limit while streaming
-
+    path = f"/sessions/{sid}/v1/chat/completions"
+    head = f"POST {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+    # Declared too large: refused from the header, before a byte of the body is read.
+    declared = f"{head}content-length: {MAX_BODY_BYTES + 1}\r\n\r\n".encode() + b'{"mess'
+    assert (await _raw_status(base, declared)).startswith(b"HTTP/1.1 413")
+    # Chunked past the limit: cut off with a 413 once the limit is crossed.
+    chunk = b"a" * (1 << 20)
+    piece = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    chunked = f"{head}transfer-encoding: chunked\r\n\r\n".encode()
+    chunked += piece * (MAX_BODY_BYTES // len(chunk) + 1)
+    assert (await _raw_status(base, chunked)).startswith(b"HTTP/1.1 413")
     async with httpx.AsyncClient(timeout=120) as http:
-        assert (await http.post(url, content=huge)).status_code == 413
-        assert (await http.post(url, content=chunks())).status_code == 413
         messages = '[{"role": "user", "content": "hi", "extra": ' + _deep(200) + "}]"
         r = await http.post(
             url,
