@@ -29,6 +29,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentrl.jsonsafe import MAX_JSON_DEPTH, json_depth, loads_limited
 from agentrl.registry import Registry
 
 __all__ = [
@@ -98,7 +99,7 @@ def _call_from_obj(obj: Any, raw: str, where: str) -> ToolCall | str:
     if isinstance(args, str):
         # Some models double-encode the arguments (OpenAI style); accept a JSON string of an object.
         try:
-            args = json.loads(args) if args.strip() else {}
+            args = loads_limited(args, what="arguments") if args.strip() else {}
         except json.JSONDecodeError as exc:
             return (
                 f"malformed tool call {where} to {name!r}: arguments are not valid JSON ({exc.msg})"
@@ -122,7 +123,7 @@ def _collect(call: ToolCall | str, calls: list[ToolCall], errors: list[str]) -> 
 
 def _decode_json(body: str, where: str) -> tuple[Any, str | None]:
     try:
-        return json.loads(body), None
+        return loads_limited(body, what="the tool call"), None
     except json.JSONDecodeError as exc:
         snippet = body.strip()
         if len(snippet) > 80:
@@ -189,6 +190,11 @@ class JsonParser(ToolCallParser):
             body = body[len(self._PYTHON_TAG) :].strip()
         if not body.startswith(("{", "[")):
             return ParseResult(content=text.strip())
+        if json_depth(body, stop_above=MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            return ParseResult(
+                content="",
+                errors=[f"malformed tool call #1: JSON nested more than {MAX_JSON_DEPTH} levels"],
+            )
         calls: list[ToolCall] = []
         errors: list[str] = []
         decoder = json.JSONDecoder()

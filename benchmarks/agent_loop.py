@@ -228,7 +228,10 @@ def main() -> None:
     )
     ap.add_argument("--concurrent", type=int, default=1000)
     ap.add_argument("--latency-ms", type=float, default=50.0)
+    ap.add_argument("--smoke", action="store_true", help="a few episodes of each part (CI)")
     args = ap.parse_args()
+    if args.smoke:
+        args.episodes, args.concurrency, args.concurrent, args.latency_ms = 8, 4, 8, 1.0
     tok = build_tiny_tokenizer()
     result = {
         "benchmark": "agent_loop",

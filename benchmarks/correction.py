@@ -79,7 +79,10 @@ def main() -> None:
         help="torch intra-op threads (default 1: on a shared machine multi-threaded timings mostly "
         "measure the scheduler)",
     )
+    parser.add_argument("--smoke", action="store_true", help="a [4, 64] batch, one round (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.seq, args.repeats, args.rounds = 4, 64, 1, 1
     torch.set_num_threads(args.threads)
 
     train, rollout, mask = _make_batch(args.batch, args.seq)

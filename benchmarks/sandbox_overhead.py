@@ -83,7 +83,10 @@ def _summary(times: list[float]) -> dict[str, float]:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--smoke", action="store_true", help="one round (CI)")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds = 1
     report: dict[str, object] = {"rounds": args.rounds}
     for snippet in SNIPPETS:
         times = await _measure(args.rounds, snippet)

@@ -11,6 +11,7 @@ Rounds alternate (A, B, A, B, ...) so drift hits both sides alike. Printed JSON:
 trajectories/s, the medians, and ``ratio`` = service / in-process (target >= 0.9).
 
     .venv/bin/python benchmarks/service.py --rounds 4 --tasks 64 --n 4
+    .venv/bin/python benchmarks/service.py --smoke     # one round of 4 episodes (CI)
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ async def _rounds(cfg: Any, tasks: list, url: str, args: Any) -> tuple[dict, dic
     rows: dict[str, list[float]] = {"in_process": [], "service": []}
     shapes: dict[str, list[dict[str, float]]] = {"in_process": [], "service": []}
     async with build_serving(cfg) as serving, AsyncRolloutClient(url, api_key=API_KEY) as client:
-        await service_round(client, 8, 1)  # warm both paths once
-        await in_process_round(serving, tasks[:8], 1)
+        warm = min(8, len(tasks))
+        await service_round(client, warm, 1)  # warm both paths once
+        await in_process_round(serving, tasks[:warm], 1)
         for _ in range(args.rounds):
             local, secs = await in_process_round(serving, tasks, args.n)
             rows["in_process"].append(len(local) / secs)
@@ -88,18 +90,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--tasks", type=int, default=64)
     p.add_argument("--n", type=int, default=4)
     p.add_argument("--servers", type=int, default=1)
+    p.add_argument("--smoke", action="store_true", help="1 round of 4 x 1 episodes (plumbing)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.tasks, args.n = 1, 4, 1
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
     from agentrl.inference.handle import free_port
-    from agentrl.training.trainer import build_tasks
+    from agentrl.training.resolve import build_tasks
 
     work = Path(tempfile.mkdtemp(prefix="bench-service-"))
     handles = start_inference_servers(work, args.servers)
     try:
         config = write_config(work, [h.base_url for h in handles])
         cfg = load_config(config)
-        tasks = build_tasks([], cfg, split="train", default_n=512)[: args.tasks]
+        tasks = build_tasks(cfg, split="train")[: args.tasks]
         svc = ServiceProcess(config, free_port(), work / "bench.sqlite", work / "svc.log").start()
         try:
             rows, shapes = asyncio.run(_rounds(cfg, tasks, svc.url, args))

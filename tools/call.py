@@ -10,7 +10,9 @@ What it guarantees:
 
 - the wait ends at the deadline, or at once when the waiting task is cancelled, whatever the
   tool does with its own cancellation;
-- a call the caller stopped waiting for is cancelled; if its task (or a sync tool's thread) is
+- a call the caller stopped waiting for is cancelled, and a sync tool's thread still running it
+  is detached from the pool (:meth:`DaemonThreadPool.detach`), so hung calls never hold the
+  workers healthy calls need; if its task (or a sync tool's thread) is
   still running :data:`ABANDON_GRACE_S` later, it is logged and reported to ``on_abandoned``
   (the ToolSet counts it in ``tools/<name>/abandoned``);
 - a sync tool runs on the pool of the call that runs it (:func:`run_in_tool_thread`), never on
@@ -136,6 +138,7 @@ def _abandon(name: str, call: ToolCall, on_abandoned: Callable[[ToolCall], None]
         call.task.cancel()
     if call.thread is not None:
         call.thread.cancel()  # only stops a call still queued for a thread
+        call.pool.detach(call.thread)  # a running one gives its worker back to healthy calls
 
     def check() -> None:
         """Report the call as abandoned (and warn) if it still runs after the grace time."""

@@ -36,6 +36,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from agentrl.jsonsafe import loads_limited
 from tools.base import Tool, ToolArgumentError, ToolResult
 from tools.call import TIMED_OUT, ToolCall, run_with_deadline
 from tools.executor import DaemonThreadPool
@@ -279,7 +280,7 @@ def _parse_arguments(arguments: dict[str, Any] | str | None) -> dict[str, Any]:
         if not arguments.strip():
             return {}
         try:
-            parsed = json.loads(arguments)
+            parsed = loads_limited(arguments, what="arguments")
         except json.JSONDecodeError as exc:
             raise ToolArgumentError(f"not valid JSON ({exc})") from exc
         arguments = parsed

@@ -9,7 +9,11 @@ hung call would also hang shutdown. This pool:
 - runs at most ``max_workers`` calls at once (more wait in a queue, so a caller's deadline
   covers its wait too);
 - uses daemon threads that are never joined: the process exits even with hung calls;
-- reports ``busy`` (threads running a call now), so the hung ones can be seen in metrics.
+- reports ``busy`` (threads running a call now), so the hung ones can be seen in metrics;
+- :meth:`detach` takes a call its caller abandoned off the worker budget: its thread runs on
+  (it cannot be stopped) and exits when the call returns, and a new thread serves the queue, so
+  hung calls never starve healthy ones. At most ``max_detached`` threads are detached at once
+  (a separate budget; past it an abandoned call keeps its worker).
 
 Example::
 
@@ -31,10 +35,14 @@ __all__ = ["DaemonThreadPool"]
 class DaemonThreadPool(concurrent.futures.Executor):
     """An ``Executor`` of at most ``max_workers`` daemon threads, started on demand."""
 
-    def __init__(self, max_workers: int, *, name: str = "agentrl-worker") -> None:
+    def __init__(
+        self, max_workers: int, *, name: str = "agentrl-worker", max_detached: int | None = None
+    ) -> None:
         if max_workers < 1:
             raise ValueError(f"DaemonThreadPool: max_workers must be >= 1, got {max_workers}")
         self.max_workers = max_workers
+        self.max_detached = 4 * max_workers if max_detached is None else max_detached
+        self._detached: set[concurrent.futures.Future[Any]] = set()
         self.name = name
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -47,7 +55,36 @@ class DaemonThreadPool(concurrent.futures.Executor):
     def busy(self) -> int:
         """Threads running a call right now (hung calls included)."""
         with self._lock:
-            return self._threads - self._idle
+            return self._threads - self._idle + len(self._detached)
+
+    @property
+    def detached(self) -> int:
+        """Threads still running a call that :meth:`detach` took off the worker budget."""
+        with self._lock:
+            return len(self._detached)
+
+    def detach(self, future: concurrent.futures.Future[Any]) -> bool:
+        """Free the worker of the running call ``future`` (abandoned by its caller): its thread
+        exits when the call returns, and a new thread takes queued calls meanwhile. False when
+        the call is not running (queued or done) or ``max_detached`` threads are detached."""
+        with self._lock:
+            if not future.running() or future in self._detached:
+                return False
+            if len(self._detached) >= self.max_detached:
+                return False
+            self._detached.add(future)
+            self._threads -= 1
+            if self._pending > self._idle and self._threads < self.max_workers:
+                self._start_thread()
+        return True
+
+    def _start_thread(self) -> None:
+        """Start one more worker (call with the lock held)."""
+        self._threads += 1
+        self._idle += 1  # it is idle until it takes a call
+        threading.Thread(
+            target=self._work, name=f"{self.name}-{self._threads}", daemon=True
+        ).start()
 
     def submit(
         self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any
@@ -59,11 +96,7 @@ class DaemonThreadPool(concurrent.futures.Executor):
                 raise RuntimeError(f"{self.name}: cannot submit after shutdown")
             self._pending += 1
             if self._pending > self._idle and self._threads < self.max_workers:
-                self._threads += 1
-                self._idle += 1  # it is idle until it takes a call
-                threading.Thread(
-                    target=self._work, name=f"{self.name}-{self._threads}", daemon=True
-                ).start()
+                self._start_thread()
             self._queue.put((future, fn, args, kwargs))
         return future
 
@@ -82,9 +115,12 @@ class DaemonThreadPool(concurrent.futures.Executor):
                     future.set_result(fn(*args, **kwargs))
                 except BaseException as exc:  # handed to the caller through the future
                     future.set_exception(exc)
-            del item, future, fn, args, kwargs
             with self._lock:
+                if future in self._detached:  # its worker was replaced: this thread ends
+                    self._detached.discard(future)
+                    return
                 self._idle += 1
+            del item, future, fn, args, kwargs
 
     def shutdown(self, wait: bool = False, *, cancel_futures: bool = False) -> None:
         """Stop accepting calls; idle threads exit. Never waits for a running call."""

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 
 from agentrl.inference.weights import WeightLoadError
+from agentrl.jsonsafe import loads_limited
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -153,7 +154,7 @@ class LoraSpec:
     def from_json(cls, raw: str, where: str = "LoRA metadata") -> LoraSpec:
         """Parse :meth:`to_json` output (or an ``adapter_config.json`` text)."""
         try:
-            cfg = json.loads(raw)
+            cfg = loads_limited(raw, what=where)
         except ValueError as e:
             raise WeightLoadError(f"{where} is not valid JSON: {e}") from e
         if not isinstance(cfg, dict):

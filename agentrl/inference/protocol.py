@@ -172,7 +172,7 @@ class ErrorResponse(BaseModel):
 
 
 class UpdateWeightsFromPathRequest(_Request):
-    path: str
+    path: str = Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")
     """A directory of ``*.safetensors`` files (or one file)."""
     version: Version | None = None
     """The new weight version; default: current + 1."""

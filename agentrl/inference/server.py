@@ -50,6 +50,7 @@ from typing import Any
 
 from fastapi import FastAPI
 
+from agentrl.http_limits import BodyDeadline, uvicorn_limits
 from agentrl.inference.handle import ServerHandle, free_port
 from agentrl.inference.routes import control, generation, metrics, scoring, weights
 from agentrl.inference.routes.auth import AccessControl, is_loopback
@@ -124,6 +125,7 @@ def create_app(
     app.state.server = st
     install_error_handlers(app)
     app.add_middleware(AccessControl, api_key=st.api_key)
+    app.add_middleware(BodyDeadline)  # outermost: bounds every body read (agentrl.http_limits)
     from agentrl.inference.scoring import ScoringEngine
 
     if isinstance(engine, ScoringEngine):
@@ -295,6 +297,7 @@ def _serve(app: Any, engine: Any, host: str, port: int, log_level: str) -> None:
         log_level=log_level,
         proxy_headers=False,  # the peer address decides what loopback-only routes answer
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        **uvicorn_limits(),
     )
     _Server(config).run()
 

@@ -26,6 +26,7 @@ embedded server reads files written by ``save_file`` the same way.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import itertools
@@ -36,6 +37,7 @@ import secrets
 import socket
 import struct
 import threading
+import time
 import urllib.parse
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -43,8 +45,11 @@ from typing import Any
 
 import torch
 
+from agentrl.jsonsafe import loads_limited
+
 __all__ = [
     "MAX_HEADER_BYTES",
+    "MIN_PULL_RATE",
     "SafetensorsPayload",
     "WeightLoadError",
     "WeightServer",
@@ -82,6 +87,9 @@ _LOSSLESS = {
     (torch.float32, torch.float64),
 }
 """(sent, held) dtype pairs whose cast keeps every value exactly."""
+
+MIN_PULL_RATE = float(1 << 20)
+"""Slowest weight pull served (bytes/s): a pull gets its read timeout plus its size at this rate."""
 
 
 class WeightLoadError(ValueError):
@@ -275,13 +283,22 @@ def local_address_for(url: str) -> str:
 
 # ---- receiver side -------------------------------------------------------------------------
 def fetch_into(
-    url: str, buffer_for: Callable[[int], memoryview], *, max_bytes: int, timeout_s: float = 60.0
+    url: str,
+    buffer_for: Callable[[int], memoryview],
+    *,
+    max_bytes: int,
+    timeout_s: float = 60.0,
+    min_bytes_per_s: float = MIN_PULL_RATE,
 ) -> memoryview:
     """GET ``url`` (plain ``http``) straight into ``buffer_for(content_length)``; returns it.
 
-    The body must declare its length (at most ``max_bytes``) and arrive whole. Errors are
+    The body must declare its length (at most ``max_bytes``) and arrive whole, each read within
+    ``timeout_s`` and the whole pull within ``timeout_s + length / min_bytes_per_s`` (a source
+    that trickles bytes cannot hold the load, and the staging lock, for longer). Errors are
     :class:`WeightLoadError` naming the host (never the URL: it holds the access token).
     """
+    start = time.monotonic()
+    expired = threading.Event()
     parts = urllib.parse.urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise WeightLoadError(
@@ -300,19 +317,40 @@ def fetch_into(
                 f"the weights from {where} have Content-Length {raw[:30]!r}; want 8..{max_bytes}"
             )
         buf = buffer_for(int(raw))
+        allowed_s = timeout_s + len(buf) / min_bytes_per_s - (time.monotonic() - start)
+        # A blocking read fills its whole chunk however slowly bytes come, so the total
+        # deadline is a timer that shuts the socket down, not a check between reads.
+        watchdog = threading.Timer(max(allowed_s, 0.0), _shut, (conn, expired))
+        watchdog.daemon = True
+        watchdog.start()
         offset = 0
         while offset < len(buf):
             n = resp.readinto(buf[offset : offset + (16 << 20)])
             if not n:
-                raise WeightLoadError(
-                    f"the weights from {where} ended after {offset} of {len(buf)} bytes"
-                )
+                break
             offset += n
+        watchdog.cancel()
+        if offset < len(buf):
+            raise OSError(f"the body ended after {offset} of {len(buf)} bytes")
         return buf
-    except (OSError, http.client.HTTPException) as e:
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        if expired.is_set():
+            raise WeightLoadError(
+                f"the weights from {where} did not arrive within "
+                f"{time.monotonic() - start:.0f} s (the source must send at least "
+                f"{min_bytes_per_s:.0f} bytes/s)"
+            ) from None
         raise WeightLoadError(f"could not fetch the weights from {where}: {e}") from e
     finally:
         conn.close()
+
+
+def _shut(conn: http.client.HTTPConnection, expired: threading.Event) -> None:
+    """The pull's deadline passed: end its blocking read by shutting the socket down."""
+    expired.set()
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 def _header_entry(name: Any, entry: Any, data_len: int) -> tuple[torch.dtype, list[int], int, int]:
@@ -365,7 +403,7 @@ def parse_safetensors(buf: bytearray | memoryview) -> dict[str, torch.Tensor]:
             "not a safetensors file (or was cut short)"
         )
     try:
-        header = json.loads(bytes(view[8 : 8 + n]))
+        header = loads_limited(bytes(view[8 : 8 + n]), what="the safetensors header")
     except (ValueError, UnicodeDecodeError) as e:
         raise WeightLoadError(f"the safetensors header is not valid JSON: {e}") from e
     if not isinstance(header, dict):
@@ -404,7 +442,7 @@ def safetensors_metadata(buf: bytearray | memoryview | bytes) -> dict[str, str]:
     if n > MAX_HEADER_BYTES or 8 + n > len(view):
         raise WeightLoadError(f"the safetensors header claims {n} bytes; the body has {len(view)}")
     try:
-        header = json.loads(bytes(view[8 : 8 + n]))
+        header = loads_limited(bytes(view[8 : 8 + n]), what="the safetensors header")
     except (ValueError, UnicodeDecodeError) as e:
         raise WeightLoadError(f"the safetensors header is not valid JSON: {e}") from e
     meta = header.get("__metadata__") if isinstance(header, dict) else None

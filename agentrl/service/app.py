@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl.auth import BearerAuth, BodyLimit
+from agentrl.http_limits import BodyDeadline
 from agentrl.rollout.proxy import ChatCompletionRequest, ProxyError
 from agentrl.service.jobs import JobError, JobManager, resolve_tasks_for
 from agentrl.service.models import (
@@ -452,6 +453,6 @@ def create_app(service: RolloutService) -> Any:
     _add_session_routes(app, service)
     s = service.settings
     limited = BodyLimit(app, default=s.max_body_bytes, limits={"/v1/weights": s.max_weights_bytes})
-    secured = BearerAuth(limited, api_key=s.api_key)
-    secured.state = app.state  # type: ignore[attr-defined]  # tests reach the service here
+    secured = BodyDeadline(BearerAuth(limited, api_key=s.api_key))
+    secured.state = app.state  # tests reach the service here
     return secured

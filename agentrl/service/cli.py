@@ -89,6 +89,7 @@ async def _serve(cfg: Any, settings: Any) -> None:
     import uvicorn
 
     from agentrl.auth import warn_if_exposed
+    from agentrl.http_limits import uvicorn_limits
     from agentrl.service.app import create_app, run_service
 
     warn_if_exposed(settings.host, settings.api_key, "agentrl serve")
@@ -99,6 +100,7 @@ async def _serve(cfg: Any, settings: Any) -> None:
             port=settings.port,
             log_level="warning",
             timeout_graceful_shutdown=5,
+            **uvicorn_limits(),
         )
         server = uvicorn.Server(config)
         task = asyncio.create_task(server.serve())

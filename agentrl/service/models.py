@@ -3,14 +3,23 @@
 These models are the API contract: the OpenAPI document (``/openapi.json``) is generated from
 them, the SDK (:mod:`agentrl.client`) parses responses with them, and every bound on a field
 (``n``, list sizes, string lengths) is enforced here, so a malformed request is a 4xx that
-names the field before any work starts.
+names the field before any work starts. Numbers and booleans of requests are strict: ``"4"``
+or ``true`` where an integer belongs is refused (400 naming the field), never read as 4 or 1.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 
 from agentrl.types import StopReason, Task
 
@@ -32,6 +41,9 @@ __all__ = [
     "WeightsInfo",
 ]
 
+NO_NUL = r"^[^\x00]*$"
+"""A path may hold any character but NUL (which no filesystem call accepts)."""
+
 JobState = Literal["admitted", "running", "finished", "cancelled", "failed"]
 """``admitted``: accepted, waiting to start; ``running``; then one terminal state."""
 TERMINAL_STATES = ("finished", "cancelled", "failed")
@@ -44,13 +56,13 @@ class _Model(BaseModel):
 class SamplingOverrides(_Model):
     """Per-job sampling settings; unset fields keep the service's ``inference`` config."""
 
-    temperature: float | None = Field(default=None, ge=0.0, le=100.0)
+    temperature: StrictFloat | None = Field(default=None, ge=0.0, le=100.0)
     """Softmax temperature (0 = greedy). Verification always uses the config's temperature."""
-    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_p: StrictFloat | None = Field(default=None, gt=0.0, le=1.0)
     """Nucleus mass (1 = off)."""
-    top_k: int | None = Field(default=None, ge=-1, le=1_000_000)
+    top_k: StrictInt | None = Field(default=None, ge=-1, le=1_000_000)
     """Top-k (-1 = off)."""
-    max_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
     """Most tokens per model turn."""
 
 
@@ -62,10 +74,10 @@ class DatasetRef(_Model):
     """
 
     split: Literal["train", "val"] | None = None
-    path: str | None = Field(default=None, max_length=4096)
-    offset: int = Field(default=0, ge=0, le=10**9)
+    path: str | None = Field(default=None, max_length=4096, pattern=NO_NUL)
+    offset: StrictInt = Field(default=0, ge=0, le=10**9)
     """First task (rows wrap around the end, as epochs do)."""
-    limit: int | None = Field(default=None, ge=1, le=10**6)
+    limit: StrictInt | None = Field(default=None, ge=1, le=10**6)
     """How many tasks (default: all of them)."""
 
     @model_validator(mode="after")
@@ -84,13 +96,13 @@ class RolloutRequest(_Model):
     """Tasks from a dataset reference."""
     agent: str | None = Field(default=None, min_length=1, max_length=200)
     """Run every task with this registered agent (default: each task's own ``agent``)."""
-    n: int = Field(default=1, ge=1, le=1024)
+    n: StrictInt = Field(default=1, ge=1, le=1024)
     """Samples per task (the GRPO group size)."""
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
-    max_staleness: int | None = Field(default=None, ge=0, le=10**6)
+    max_staleness: StrictInt | None = Field(default=None, ge=0, le=10**6)
     """Drop (and count) a trajectory whose oldest sampled token is more than this many weight
     versions behind the service's version when it finishes; None = keep all."""
-    group: bool = False
+    group: StrictBool = False
     """Deliver the ``n`` samples of a task together (consecutive cursors), or drop the whole
     group (reason ``group_incomplete``) when one of them is dropped."""
     idempotency_key: str | None = Field(default=None, min_length=1, max_length=200)
@@ -146,7 +158,7 @@ class JobStatus(_Model):
 class AckRequest(_Model):
     """``POST /v1/rollouts/{id}/ack``: everything with ``seq <= cursor`` was processed."""
 
-    cursor: int = Field(ge=0, le=2**62)
+    cursor: StrictInt = Field(ge=0, le=2**62)
 
 
 class AckResponse(_Model):
@@ -158,10 +170,10 @@ class AckResponse(_Model):
 class PathWeightsRequest(_Model):
     """``POST /v1/weights`` (JSON): load a safetensors file/directory from a shared path."""
 
-    path: str = Field(min_length=1, max_length=4096)
+    path: str = Field(min_length=1, max_length=4096, pattern=NO_NUL)
     """A ``.safetensors`` file, or a directory holding ``model.safetensors``, under one of the
     service's ``--weights-dir`` roots."""
-    version: int | None = Field(default=None, ge=0, le=2**62)
+    version: StrictInt | None = Field(default=None, ge=0, le=2**62)
     """The new version (must exceed the current one; default current + 1)."""
 
 
@@ -209,7 +221,7 @@ class SessionOpenRequest(_Model):
     task: Task
     """What the agent works on: scoring uses its ``data_source`` and ``reward_spec``; the
     trajectories carry its ``id``."""
-    ttl_s: float | None = Field(default=None, gt=0, le=7 * 24 * 3600)
+    ttl_s: StrictFloat | None = Field(default=None, gt=0, le=7 * 24 * 3600)
     """Idle time after which the session is evicted (default: the service's)."""
     sampling: SamplingOverrides = Field(default_factory=SamplingOverrides)
 

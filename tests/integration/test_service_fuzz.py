@@ -186,3 +186,54 @@ def test_fuzzing_the_openapi_schema_finds_no_5xx_and_no_hang(fuzz_service, repor
     assert all(t.prompt_ids and "correct" in t.reward_info for t in trajs)
     assert all(s["alive"] for s in status["servers"])
     http.close()
+
+
+# ---- client errors are 4xx, never 5xx (issue 21) ----------------------------------------------
+TASK = {
+    "prompt": "What is 2 + 3?",
+    "data_source": "calculator",
+    "reward_spec": {"ground_truth": "5"},
+}
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tasks": [TASK], "n": "4"}, "n"),
+        ({"tasks": [TASK], "n": True}, "n"),
+        ({"tasks": [TASK], "group": 1}, "group"),
+        ({"tasks": [TASK], "sampling": {"max_tokens": "8"}}, "sampling.max_tokens"),
+        ({"tasks": [TASK], "sampling": {"temperature": "0.5"}}, "sampling.temperature"),
+        ({"dataset": {"path": "a\u0000b"}}, "dataset.path"),
+    ],
+)
+def test_loosely_typed_fields_are_refused_naming_the_field(fuzz_service, body, param):
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    r = httpx.post(fuzz_service.url + "/v1/rollouts", json=body, headers=headers, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_nul_bytes_long_paths_and_deep_json_are_4xx(fuzz_service):
+    headers = {"authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=fuzz_service.url, headers=headers, timeout=60) as http:
+        for path in ("a\u0000b", "w" * 8192, "/" + "x/" * 4000):
+            r = http.post("/v1/weights", json={"path": path})
+            assert 400 <= r.status_code < 500, (path[:20], r.status_code, r.text[:300])
+        for url in ("/v1/rollouts/%00", "/v1/sessions/%00", "/v1/sessions/a%00b/v1/models"):
+            r = http.get(url)
+            assert 400 <= r.status_code < 500, (url, r.status_code, r.text[:300])
+        deep = "[" * 100_000 + "]" * 100_000
+        r = http.post(
+            "/v1/rollouts",
+            content='{"tasks": [{"prompt": "x", "extra_info": ' + deep + "}]}",
+            headers={"content-type": "application/json"},
+        )
+        assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+        r = http.post(
+            "/v1/weights",
+            content='{"path": ' + deep + "}",
+            headers={"content-type": "application/json"},
+        )
+        assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+        assert http.get("/health").status_code == 200

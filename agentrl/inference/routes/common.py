@@ -167,21 +167,31 @@ class ServerState:
     render_timeout_s: float = 10.0
     """Longest a chat template (or a string prompt's tokenization) may take."""
     max_renders: int = 8
-    """Most renders running at once (a render past its timeout keeps its thread until done)."""
+    """Most renders within their deadline at once; a render past its deadline gives its slot
+    back (its thread runs on, counted in :attr:`max_abandoned_renders`)."""
+    max_abandoned_renders: int = 32
+    """Most renders past their deadline whose threads still run (503 for new renders above)."""
     metrics: dict[str, Any] = field(default_factory=dict)
     _renders: int = 0
+    _abandoned: int = 0
     _renders_lock: threading.Lock = field(default_factory=threading.Lock)
 
     async def off_loop(self, fn: Callable[[], T], *, what: str, param: str) -> T:
         """Run ``fn()`` in a daemon thread, never on the event loop, with
-        :attr:`render_timeout_s`; a timeout is a 400 naming ``param``. The thread cannot be
-        killed: it finishes on its own, and being a daemon it never holds up a shutdown."""
+        :attr:`render_timeout_s`; a timeout is a 400 naming ``param`` and frees the render slot
+        at once. The thread cannot be killed: it finishes on its own (counted as abandoned until
+        then), and being a daemon it never holds up a shutdown."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
         with self._renders_lock:
             if self._renders >= self.max_renders:
                 raise APIError(503, f"{self.max_renders} renders are already running; retry later")
+            if self._abandoned >= self.max_abandoned_renders:
+                raise APIError(
+                    503, f"{self._abandoned} renders past their deadline still run; retry later"
+                )
             self._renders += 1
+        slot = {"abandoned": False, "finished": False}
 
         def deliver(result: Any, error: BaseException | None) -> None:
             if fut.done():
@@ -200,7 +210,11 @@ class ServerState:
                 error = e
             finally:
                 with self._renders_lock:
-                    self._renders -= 1
+                    slot["finished"] = True
+                    if slot["abandoned"]:
+                        self._abandoned -= 1
+                    else:
+                        self._renders -= 1
             with contextlib.suppress(RuntimeError):  # the loop is gone (shutdown)
                 loop.call_soon_threadsafe(deliver, result, error)
 
@@ -208,6 +222,11 @@ class ServerState:
         try:
             return await asyncio.wait_for(fut, self.render_timeout_s)
         except TimeoutError as e:
+            with self._renders_lock:
+                if not slot["finished"]:  # still running: free its slot, count it abandoned
+                    slot["abandoned"] = True
+                    self._renders -= 1
+                    self._abandoned += 1
             raise APIError(
                 400, f"{what} took longer than {self.render_timeout_s:g} s; refused", param=param
             ) from e

@@ -35,6 +35,8 @@ from agentrl.types import SamplingParams
 
 __all__ = ["register"]
 
+MAX_CHARS_PER_TOKEN = 64
+"""Longest text one token stands for, as far as the length checks before rendering go."""
 MAX_TEMPLATE_CHARS = 64 * 1024
 """Largest request-supplied chat template accepted (when they are trusted at all)."""
 
@@ -216,6 +218,14 @@ async def _completion_prompt(st: ServerState, req: P.CompletionRequest) -> list[
         prompt = prompt[0]
     if isinstance(prompt, str):
         text = _utf8(prompt, "prompt")
+        max_chars = st.engine.max_model_len * MAX_CHARS_PER_TOKEN
+        if len(text) > max_chars:  # checked before the tokenizer sees it: no token is this long
+            raise APIError(
+                400,
+                f"the prompt has {len(text)} characters; the context holds "
+                f"{st.engine.max_model_len} tokens (at most {max_chars} characters)",
+                param="prompt",
+            )
         ids = await st.off_loop(
             lambda: st.tokenizer.encode(text, add_special_tokens=False),
             what="tokenizing the prompt",
@@ -305,7 +315,7 @@ async def _chat_prompt(
             raise ChatInputError("only tool_choice 'auto' or 'none' is supported", "tool_choice")
     except ChatInputError as e:
         raise APIError(400, str(e), param=e.param) from e
-    max_chars = st.engine.max_model_len * 64
+    max_chars = st.engine.max_model_len * MAX_CHARS_PER_TOKEN
 
     def render() -> list[int]:
         return render_chat(

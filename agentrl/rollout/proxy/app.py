@@ -12,6 +12,8 @@ Guarantees:
   a 400 naming the field;
 - with an API key every route but ``/health`` needs ``Authorization: Bearer <key>`` (the
   ``api_key`` of the OpenAI client); without one only loopback clients are served;
+- a body over :data:`MAX_BODY_BYTES` is a 413 before it is read; a body that does not arrive in
+  time is a 408 (:mod:`agentrl.http_limits`);
 - the recorder stays reachable as ``app.state.recorder`` behind the auth wrapper.
 """
 
@@ -23,12 +25,22 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from agentrl.auth import BearerAuth, resolve_api_key
+from agentrl.auth import BearerAuth, BodyLimit, resolve_api_key
+from agentrl.http_limits import BodyDeadline
 from agentrl.rollout.proxy.protocol import ChatCompletionRequest, ProxyError
 from agentrl.rollout.proxy.recorder import ProxyRecorder
 from agentrl.types import Policy
 
-__all__ = ["add_proxy_error_handlers", "build_app", "create_proxy_app", "with_auth"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "add_proxy_error_handlers",
+    "build_app",
+    "create_proxy_app",
+    "with_auth",
+]
+
+MAX_BODY_BYTES = 32 << 20
+"""Largest chat-completions body the proxy reads (413 past it, before it is buffered)."""
 
 
 def add_proxy_error_handlers(app: FastAPI) -> None:
@@ -97,8 +109,10 @@ def create_proxy_app(
     return with_auth(app, api_key)
 
 
-def with_auth(app: FastAPI, api_key: str | None) -> Any:
-    """``app`` behind bearer auth (``api_key``, default ``$AGENTRL_API_KEY``), keeping its state."""
-    secured = BearerAuth(app, api_key=resolve_api_key(api_key))
-    secured.state = app.state  # type: ignore[attr-defined]  # callers reach the recorder here
+def with_auth(app: FastAPI, api_key: str | None, max_body_bytes: int = MAX_BODY_BYTES) -> Any:
+    """``app`` behind bearer auth (``api_key``, default ``$AGENTRL_API_KEY``), a body limit
+    (413 past ``max_body_bytes``) and a body deadline (408), keeping its state."""
+    limited = BodyLimit(app, default=max_body_bytes)
+    secured = BodyDeadline(BearerAuth(limited, api_key=resolve_api_key(api_key)))
+    secured.state = app.state  # callers reach the recorder here
     return secured

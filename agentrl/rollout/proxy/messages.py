@@ -20,6 +20,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.jsonsafe import MAX_JSON_DEPTH, loads_limited
 from agentrl.rollout.proxy.protocol import ProxyError
 from agentrl.types import Message
 
@@ -54,31 +55,39 @@ def content_text(content: Any) -> str:
 def _arguments_value(arguments: Any) -> Any:
     if isinstance(arguments, str):
         try:
-            return json.loads(arguments) if arguments.strip() else {}
+            return loads_limited(arguments, what="arguments") if arguments.strip() else {}
         except json.JSONDecodeError:
             return arguments
     return arguments
 
 
-def check_text(value: Any, where: str) -> None:
+def check_text(value: Any, where: str, depth: int = 0) -> int:
     """Refuse strings the tokenizer cannot encode (a lone UTF-16 surrogate, e.g. ``"\\ud800"``
-    in JSON) with a 400 naming the field, instead of failing deep inside tokenization."""
+    in JSON) and values nested deeper than :data:`MAX_JSON_DEPTH` with a 400 naming the field,
+    instead of failing deep inside tokenization or the chat template. Returns the number of
+    characters in the strings of ``value`` (keys included), for a length check before rendering."""
+    if depth > MAX_JSON_DEPTH:
+        raise ProxyError(
+            400, f"{where} is nested more than {MAX_JSON_DEPTH} levels deep; flatten it", where
+        )
     if isinstance(value, str):
         try:
             value.encode("utf-8")
+            return len(value)
         except UnicodeEncodeError as exc:
             raise ProxyError(
                 400,
                 f"{where} holds a lone surrogate (position {exc.start}); send valid Unicode text",
                 param=where,
             ) from None
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            check_text(k, where)
-            check_text(v, f"{where}.{k}")
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            check_text(v, f"{where}[{i}]")
+    if isinstance(value, dict):
+        return sum(
+            check_text(k, where, depth + 1) + check_text(v, f"{where}.{k}", depth + 1)
+            for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return sum(check_text(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+    return 0
 
 
 def plain_message(msg: dict[str, Any], index: int) -> Message:

@@ -24,6 +24,7 @@ Invariants (the control-plane rules of DESIGN section 10):
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 import uuid
@@ -38,7 +39,10 @@ from agentrl.rollout.proxy.segment import Segment, end_of_turn_ids
 from agentrl.rollout.proxy.session import Session
 from agentrl.types import Message, Policy, SamplingParams, StopReason, Task, Trajectory
 
-__all__ = ["ProxyRecorder"]
+__all__ = ["MAX_PROMPT_CHARS", "ProxyRecorder"]
+
+MAX_PROMPT_CHARS = 2_000_000
+"""Default bound on the characters of one request's messages and tools (about 500k tokens)."""
 
 
 class ProxyRecorder:
@@ -58,6 +62,8 @@ class ProxyRecorder:
             counted in ``proxy/evicted``); a session with a request in flight is never evicted.
         max_sessions: most open sessions; opening one more first evicts expired sessions,
             then refuses with a 429.
+        max_prompt_chars: most characters in a request's messages and tools (a 400 past it,
+            checked before rendering; rendering and tokenizing run off the event loop).
 
     Sessions are opened by :meth:`open_session`, which issues an unguessable id; requests to
     any other id are refused (404), so no client can create a session by naming it or post
@@ -77,6 +83,7 @@ class ProxyRecorder:
         default_sampling: SamplingParams | None = None,
         session_ttl_s: float = 3600.0,
         max_sessions: int = 10_000,
+        max_prompt_chars: int = MAX_PROMPT_CHARS,
     ) -> None:
         from agents.parsers import get_parser
 
@@ -86,6 +93,7 @@ class ProxyRecorder:
             )
         self.session_ttl_s = session_ttl_s
         self.max_sessions = max_sessions
+        self.max_prompt_chars = max_prompt_chars
 
         self.policy = policy
         self.tokenizer = tokenizer
@@ -233,23 +241,16 @@ class ProxyRecorder:
     # ---- recording --------------------------------------------------------------------------
     async def chat(self, session_id: str, req: ChatCompletionRequest) -> dict[str, Any]:
         """Serve one chat-completions request of ``session_id``; returns the ChatCompletion."""
-        messages, tools = _checked_messages(req)
+        messages, tools = _checked_messages(req, self.max_prompt_chars)
         session = self._session(session_id)
         async with session.lock:
             self._counts["requests"] += 1
             # Work on a draft and commit it only once the generation succeeded: a failed or
             # cancelled request (which the client may retry) leaves the session untouched.
             current = session.segments[-1] if session.segments else None
-            draft = current.draft() if current is not None else None
-            continued = draft is not None and draft.continue_with(messages, tools, self.tokenizer)
-            if draft is None or not continued:
-                draft = Segment.open(
-                    messages,
-                    tools,
-                    self.tokenizer,
-                    max_response_tokens=self.max_response_tokens,
-                    max_context_tokens=self.max_context_tokens,
-                )
+            # Rendering and tokenizing run in a worker thread: a long prompt never stalls the
+            # event loop (every other session and route keeps being served meanwhile).
+            draft, continued = await asyncio.to_thread(self._render, current, messages, tools)
             completion = await self._generate(session, draft, messages, req)
             if continued:
                 session.segments[-1] = draft
@@ -261,6 +262,22 @@ class ProxyRecorder:
                 self._counts["segments"] += 1
             session.last_used = time.monotonic()
             return completion
+
+    def _render(
+        self, current: Segment | None, messages: list[Message], tools: list | None
+    ) -> tuple[Segment, bool]:
+        """A draft of ``current`` extended by ``messages`` (True), or a new segment (False)."""
+        draft = current.draft() if current is not None else None
+        if draft is not None and draft.continue_with(messages, tools, self.tokenizer):
+            return draft, True
+        segment = Segment.open(
+            messages,
+            tools,
+            self.tokenizer,
+            max_response_tokens=self.max_response_tokens,
+            max_context_tokens=self.max_context_tokens,
+        )
+        return segment, False
 
     async def _generate(
         self, session: Session, seg: Segment, messages: list[Message], req: ChatCompletionRequest
@@ -360,9 +377,12 @@ class ProxyRecorder:
         return (base or self.default_sampling).model_copy(update=update)
 
 
-def _checked_messages(req: ChatCompletionRequest) -> tuple[list[Message], list | None]:
+def _checked_messages(
+    req: ChatCompletionRequest, max_chars: int
+) -> tuple[list[Message], list | None]:
     """The request's messages and tools as the chat template takes them; a 400 for what the
-    proxy cannot serve (``stream``, ``n > 1``, ``stop`` strings, no messages, bad text)."""
+    proxy cannot serve (``stream``, ``n > 1``, ``stop`` strings, no messages, bad text, more
+    than ``max_chars`` characters: checked before anything is rendered or tokenized)."""
     if req.stream:
         raise ProxyError(400, "stream=true is not supported by the recording proxy", "stream")
     if req.n not in (None, 1):
@@ -376,7 +396,13 @@ def _checked_messages(req: ChatCompletionRequest) -> tuple[list[Message], list |
     if not req.messages:
         raise ProxyError(400, "messages is empty; send at least one message", "messages")
     check_text(req.model, "model")
-    check_text(req.messages, "messages")
-    check_text(req.tools, "tools")
+    chars = check_text(req.messages, "messages") + check_text(req.tools, "tools")
+    if chars > max_chars:
+        raise ProxyError(
+            400,
+            f"messages and tools hold {chars} characters, more than this proxy renders "
+            f"({max_chars}); shorten the conversation",
+            "messages",
+        )
     messages = [plain_message(m, i) for i, m in enumerate(req.messages)]
     return messages, (list(req.tools) if req.tools else None)

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from agentrl.auth import resolve_api_key, warn_if_exposed
+from agentrl.http_limits import uvicorn_limits
 from agentrl.rollout.proxy.app import build_app, with_auth
 from agentrl.rollout.proxy.recorder import ProxyRecorder
 from agentrl.types import Policy, Task, Trajectory
@@ -93,7 +94,12 @@ class RecordingProxy:
             self.port = _free_port(self.host)
         warn_if_exposed(self.host, self.api_key, "the recording proxy")
         config = uvicorn.Config(
-            self.app, host=self.host, port=self.port, log_level="warning", lifespan="off"
+            self.app,
+            host=self.host,
+            port=self.port,
+            log_level="warning",
+            lifespan="off",
+            **uvicorn_limits(),
         )
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve())

@@ -125,6 +125,8 @@ class RewardExecutor:
             raise
         if not done:
             work.cancel()
+            if thread is not None and self._threads is not None:
+                self._threads.detach(thread)  # its worker goes back to healthy calls
             self._check_abandoned(task.data_source, work, thread)
             return None, True
         out = work.result()

@@ -331,3 +331,43 @@ def test_metadata_is_read_from_the_header() -> None:
     assert safetensors_metadata(save(_state())) == {}
     with pytest.raises(WeightLoadError, match="not valid JSON"):
         safetensors_metadata(struct.pack("<Q", 2) + b"{x")
+
+
+def test_a_source_that_trickles_bytes_is_cut_off_by_the_total_deadline() -> None:
+    """Issue 21: each byte arrives well within the read timeout, the whole never does; the pull
+    ends with an error instead of holding the load (and the staging lock) for ~10,000 s."""
+    import socket
+    import threading
+
+    from agentrl.inference.weights import WeightLoadError, fetch_into
+
+    stop = threading.Event()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def trickle() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n")
+            while not stop.wait(0.02):  # a byte every 20 ms, until the test ends
+                try:
+                    conn.sendall(b"x")
+                except OSError:
+                    return
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(WeightLoadError, match="did not arrive within"):
+            fetch_into(
+                f"http://127.0.0.1:{port}/w",
+                lambda n: memoryview(bytearray(n)),
+                max_bytes=1 << 20,
+                timeout_s=0.5,
+                min_bytes_per_s=1e6,
+            )
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(30)

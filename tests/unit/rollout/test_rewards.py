@@ -634,3 +634,34 @@ def test_a_reward_function_of_the_wrong_arity_is_refused_when_resolved() -> None
         ):
             RewardManager(sources={"s": fn})
     assert RewardManager(sources={"s": fine}).reward_fn_for("s") is fine
+
+
+async def test_four_hung_thread_rewards_do_not_drop_the_next_eight_healthy_episodes():
+    """Issue 21: hung calls are detached from the reward pool, healthy ones get fresh workers."""
+    release = threading.Event()
+
+    def hung(traj, task):
+        release.wait()  # until the test ends: only the deadline ends the call
+        return 1.0
+
+    def healthy(traj, task):
+        return 1.0
+
+    mgr = RewardManager(
+        sources={"hung": hung, "healthy": healthy}, executor="thread", timeout_s=3.0, max_workers=4
+    )
+    try:
+        hung_scores = [mgr.score(make_traj("x"), make_task(data_source="hung")) for _ in range(4)]
+        outcomes = await within(
+            asyncio.gather(*hung_scores, return_exceptions=True), "the deadline never fired"
+        )
+        assert all(isinstance(o, RewardTimeoutError) for o in outcomes), outcomes
+        healthy_scores = [
+            mgr.score(make_traj("x"), make_task(data_source="healthy")) for _ in range(8)
+        ]
+        scored = await within(asyncio.gather(*healthy_scores), "the healthy rewards hung")
+        assert len(scored) == 8
+        assert mgr.metrics()["reward/healthy/timeouts"] == 0
+    finally:
+        release.set()
+        mgr.close()
