@@ -1,5 +1,6 @@
 """One training step as plain functions: π_old -> correction -> reference -> rewards -> values ->
-advantages -> (OPSM) -> update. The staleness-aware corrections (:mod:`agentrl.training.offpolicy`)
+advantages -> (OPSM) -> update; with ``mask_truncated`` the rows of length-cut episodes are masked
+first. The staleness-aware corrections (:mod:`agentrl.training.offpolicy`)
 read the trainer's ``version``.
 
 When the update is one optimizer step on the batch and nothing needs π_old before it
@@ -57,6 +58,7 @@ __all__ = [
     "compute_advantages",
     "compute_rewards",
     "fuses_old_log_probs",
+    "mask_truncated",
     "run_correction",
     "train_step",
     "trajectory_metrics",
@@ -118,6 +120,17 @@ async def anchor_log_probs(
     )
     m["timing_s/old_log_prob"] = time.perf_counter() - t0
     return train_lp
+
+
+def mask_truncated(batch: TensorDict, trajs: Sequence[Trajectory], m: dict[str, float]) -> None:
+    """Zero the ``response_mask`` rows of episodes cut by a length budget (``stop_reason``
+    ``length``): they train nothing, but their scores stay in the batch, so they still count in
+    their group's statistics (TRL's ``mask_truncated_completions``). Logs
+    ``actor/masked_truncated_frac`` (share of rows masked)."""
+    cut = torch.tensor([t.stop_reason is StopReason.LENGTH for t in trajs], dtype=torch.bool)
+    mask = batch["response_mask"]
+    batch["response_mask"] = mask * (~cut).to(mask.dtype).unsqueeze(1)
+    m["actor/masked_truncated_frac"] = float(cut.float().mean())
 
 
 def run_correction(
@@ -241,6 +254,8 @@ async def train_step(
     the version of the weights being trained (needed by the staleness-aware corrections)."""
     m: dict[str, float] = {}
     batch = trajectories_to_batch(list(trajs), pad_token_id=pad_token_id)
+    if plan.mask_truncated:
+        mask_truncated(batch, trajs, m)
     mask_before = batch["response_mask"].clone()
     corr = plan.correction
     loglinear = corr.proximal is correction.ProximalMethod.LOGLINEAR

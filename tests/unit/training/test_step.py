@@ -218,3 +218,22 @@ async def test_gdpo_reads_reward_components_from_reward_info() -> None:
     plan = plan_of("algorithm.advantage={name: gdpo, gdpo_reward_keys: [fmt, acc]}")
     out = await train_step(trajs, Policies(actor), plan, pad_token_id=0)
     assert out.batch["advantages"].abs().sum() > 0
+
+
+async def test_mask_truncated_drops_the_loss_of_length_cut_rows_but_keeps_their_score() -> None:
+    from agentrl.types import StopReason
+
+    trajs = random_trajectories(4)
+    trajs[1] = trajs[1].model_copy(update={"stop_reason": StopReason.LENGTH})
+    for overrides, masked in (((), False), (("algorithm.mask_truncated=true",), True)):
+        actor = FakeActor()
+        plan = plan_of("algorithm.advantage=grpo", *overrides)
+        out = await train_step(trajs, Policies(actor), plan, pad_token_id=0)
+        b = actor.updated
+        assert b is not None
+        assert bool(b["response_mask"][1].any()) is not masked
+        for row in (0, 2, 3):
+            assert b["response_mask"][row].sum() == sum(trajs[row].loss_mask)
+        # group g0 = rows 0 (reward 0) and 1 (reward 1, cut): row 0's advantage still sees row 1
+        assert float(b["advantages"][0][0]) < 0
+        assert out.metrics.get("actor/masked_truncated_frac") == (0.25 if masked else None)
