@@ -174,8 +174,8 @@ class Generation(BaseModel):
     """What an inference server returned for one request.
 
     ``logprobs[i]`` is the log-probability of ``token_ids[i]`` after temperature (and after
-    top-k/top-p masking when those are on); ``weight_version`` is the version of the weights
-    that produced the tokens (a server never changes weights in the middle of a request).
+    top-k/top-p masking when those are on); :meth:`versions` is the version of the weights that
+    produced each token (a ``keep``-mode push may change them in the middle of a request).
     """
 
     token_ids: list[int]
@@ -183,8 +183,12 @@ class Generation(BaseModel):
     finish_reason: Literal["stop", "length", "abort"]
     """``stop``: EOS or a stop token; ``length``: max_tokens; ``abort``: aborted by the server."""
     weight_version: int
+    """The oldest version among the tokens (all of them when ``token_versions`` is None)."""
     server: str = ""
     """Which server answered (its base URL), for routing diagnostics."""
+    token_versions: list[int] | None = None
+    """The version that sampled each token, when the server says (the embedded server does: a
+    request carried across a weight push spans two); None = ``weight_version`` for every token."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Generation:
@@ -192,7 +196,18 @@ class Generation(BaseModel):
             raise ValueError(
                 f"generation has {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.token_ids):
+            raise ValueError(
+                f"generation has {len(self.token_ids)} token_ids but "
+                f"{len(self.token_versions)} token_versions"
+            )
         return self
+
+    def versions(self) -> list[int]:
+        """The weight version of each token (``token_versions``, else ``weight_version``)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * len(self.token_ids)
 
 
 @runtime_checkable

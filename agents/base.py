@@ -248,8 +248,9 @@ class AgentContext:
                 token_ids=gen.token_ids + more.token_ids,
                 logprobs=gen.logprobs + more.logprobs,
                 finish_reason=more.finish_reason,
-                weight_version=more.weight_version,
+                weight_version=min(gen.weight_version, more.weight_version),
                 server=more.server,
+                token_versions=gen.versions() + more.versions(),
             )
         self.timings["generate"] = self.timings.get("generate", 0.0) + time.perf_counter() - start
         return gen

@@ -60,6 +60,7 @@ __all__ = [
     "fuses_old_log_probs",
     "mask_truncated",
     "run_correction",
+    "token_version_metrics",
     "train_step",
     "trajectory_metrics",
 ]
@@ -315,6 +316,20 @@ def is_correct(t: Trajectory) -> bool:
     return bool(correct) if correct is not None else t.reward > 0.5
 
 
+def token_version_metrics(trajs: Sequence[Trajectory], version: int) -> dict[str, float]:
+    """Per-token staleness: ``async/token_staleness_mean`` (``version`` − each sampled token's
+    own ``policy_version``, averaged over the sampled tokens) and
+    ``async/mixed_version_episodes`` (episodes whose sampled tokens span several versions: a
+    partial rollout resumed, or kept, across a weight push)."""
+    sampled = [[v for v, m in zip(t.policy_version, t.loss_mask, strict=True) if m] for t in trajs]
+    ages = [version - v for vs in sampled for v in vs]
+    mixed = sum(len(set(vs)) > 1 for vs in sampled)
+    return {
+        "async/token_staleness_mean": _mean([float(a) for a in ages]),
+        "async/mixed_version_episodes": float(mixed),
+    }
+
+
 def trajectory_metrics(
     trajs: Sequence[Trajectory], version: int, batch: TensorDict | None = None
 ) -> dict[str, float]:
@@ -328,6 +343,7 @@ def trajectory_metrics(
         "reward/accuracy": _mean([float(is_correct(t)) for t in trajs]),
         "async/staleness_mean": _mean([float(s) for s in staleness]),
         "async/staleness_max": float(max(staleness)),
+        **token_version_metrics(trajs, version),
         "rollout/response_length_mean": _mean([float(len(t.response_ids)) for t in trajs]),
         "rollout/num_turns_mean": _mean([float(t.num_turns) for t in trajs]),
         "rollout/tool_calls_mean": _mean([float(sum(t.tool_calls.values())) for t in trajs]),

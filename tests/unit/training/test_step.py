@@ -237,3 +237,32 @@ async def test_mask_truncated_drops_the_loss_of_length_cut_rows_but_keeps_their_
         # group g0 = rows 0 (reward 0) and 1 (reward 1, cut): row 0's advantage still sees row 1
         assert float(b["advantages"][0][0]) < 0
         assert out.metrics.get("actor/masked_truncated_frac") == (0.25 if masked else None)
+
+
+def test_token_version_metrics_age_each_sampled_token() -> None:
+    from agentrl.training.step import token_version_metrics
+
+    a, b = random_trajectories(2)
+    mask = [1, 1, 0, 1]
+    a = a.model_copy(
+        update={
+            "response_ids": [5] * 4,
+            "loss_mask": mask,
+            "rollout_logprobs": [-1.0, -1.0, 0.0, -1.0],
+            "policy_version": [2, 3, -1, 3],
+        }
+    )
+    b = b.model_copy(
+        update={
+            "response_ids": [5] * 2,
+            "loss_mask": [1, 1],
+            "rollout_logprobs": [-1.0, -1.0],
+            "policy_version": [4, 4],
+        }
+    )
+    m = token_version_metrics([a, b], version=4)
+    # ages 2, 1, 1 (a) and 0, 0 (b): mean 4/5; only a spans two versions
+    assert m == {
+        "async/token_staleness_mean": pytest.approx(0.8),
+        "async/mixed_version_episodes": 1.0,
+    }
