@@ -285,11 +285,12 @@ class AgentContext:
     # ---- tools ---------------------------------------------------------------------------
     @contextlib.asynccontextmanager
     async def tool_episode(self, tools: Sequence[Tool] | None = None) -> AsyncIterator[ToolEpisode]:
-        """The episode's tool calls: ``ctx.tools`` (or a ToolSet of ``tools``), released at exit."""
+        """The episode's tool calls: ``ctx.tools`` (or a ToolSet of ``tools``), released at exit;
+        a ``max_output_tokens`` budget counts tokens of the episode's (the policy's) tokenizer."""
         toolset = ToolSet(tools) if tools is not None else (self.tools or ToolSet())
         if tools is not None:
             self.tools = toolset
-        async with toolset.episode() as ep:
+        async with toolset.episode(tokenizer=self.tokenizer) as ep:
             yield ep
 
     async def call_tools(
