@@ -56,6 +56,7 @@ __all__ = [
     "Task",
     "Trajectory",
     "TrajectoryError",
+    "TurnSample",
 ]
 
 
@@ -224,6 +225,17 @@ class Policy(Protocol):
         ...
 
 
+class TurnSample(BaseModel):
+    """One model turn as its own training sample (``agent.history: per_turn``): the prompt the
+    server was sent for that turn, rendered by the chat template from the conversation so far
+    (a Qwen3-style template strips earlier turns' thinking), and the tokens it sampled."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+
 class Trajectory(BaseModel):
     """One finished episode, token-exact, with everything the trainer needs.
 
@@ -274,6 +286,9 @@ class Trajectory(BaseModel):
     """Agent-reported numbers, aggregated into ``rollout/`` metrics."""
     messages: list[Message] = Field(default_factory=list)
     """The conversation, for display only; never used for training."""
+    turn_samples: list[TurnSample] = Field(default_factory=list)
+    """With ``agent.history: per_turn``: each model turn as the server saw it; the trainer
+    trains these (:meth:`per_turn_samples`) instead of the concatenated response."""
 
     @model_validator(mode="after")
     def _check_invariants(self) -> Trajectory:
@@ -364,6 +379,33 @@ class Trajectory(BaseModel):
         """Newest weight version among sampled tokens (None if nothing was sampled)."""
         versions = [v for v, m in zip(self.policy_version, self.loss_mask, strict=True) if m]
         return max(versions) if versions else None
+
+    def per_turn_samples(self) -> list[Trajectory]:
+        """The trajectories the trainer trains on: ``[self]`` (exact concatenation), or one per
+        :attr:`turn_samples` entry, each the turn's prompt and sampled tokens, sharing this
+        episode's ``reward``, ``uid`` (group) and ``index`` (turn ``k`` adds ``turn_rewards[k]``
+        when there are turn rewards)."""
+        if not self.turn_samples:
+            return [self]
+        out = []
+        for k, s in enumerate(self.turn_samples):
+            extra = self.turn_rewards[k] if k < len(self.turn_rewards) else 0.0
+            out.append(
+                self.model_copy(
+                    update={
+                        "prompt_ids": list(s.prompt_ids),
+                        "response_ids": list(s.token_ids),
+                        "loss_mask": [1] * len(s.token_ids),
+                        "rollout_logprobs": list(s.logprobs),
+                        "policy_version": list(s.versions),
+                        "reward": self.reward + extra,
+                        "turn_rewards": [],
+                        "turn_samples": [],
+                        "num_turns": 1,
+                    }
+                )
+            )
+        return out
 
     def staleness(self, current_version: int) -> int:
         """``current_version - min(policy_version over sampled tokens)``; 0 if nothing sampled."""

@@ -100,6 +100,8 @@ class WorkerConfig:
     """The sample index that runs greedily (temperature 0): ReMax's baseline sample."""
     base_dir: str | None = None
     """Folder that ``module:attr`` / path specs (agents) resolve against."""
+    history: str = _AGENT_DEFAULTS.history
+    """``concat`` or ``per_turn`` (``agent.history``; an agent class's ``history`` wins)."""
     overlong: OverlongPenalty | None = None
     """DAPO's soft overlong punishment added to each scored episode's reward (None = off)."""
 
@@ -145,6 +147,7 @@ class WorkerConfig:
             greedy_sample_index=greedy_sample_index,
             base_dir=base_dir,
             overlong=overlong,
+            history=agent.history,
         )
 
 
@@ -216,6 +219,7 @@ class AgentLoopWorker:
             agent_name=agent_name,
             system_prompt=cfg.system_prompt,
             max_abort_resumes=cfg.max_abort_resumes,
+            history=cfg.history,
             logger=logging.LoggerAdapter(logger, {"uid": uid, "index": index}),
         )
 
@@ -259,6 +263,8 @@ class AgentLoopWorker:
             agent = get_agent_class(agent_name, key="agent", base_dir=cfg.base_dir)(
                 **cfg.agent_kwargs.get(agent_name, {})
             )
+            if agent.history is not None:  # the agent's own choice wins over agent.history
+                ctx.history = agent.history
             traj = await asyncio.wait_for(agent.run(task, ctx), timeout)
             if not isinstance(traj, Trajectory):
                 raise TypeError(

@@ -57,6 +57,7 @@ __all__ = [
     "anchor_log_probs",
     "compute_advantages",
     "compute_rewards",
+    "expand_turn_samples",
     "fuses_old_log_probs",
     "mask_truncated",
     "run_correction",
@@ -121,6 +122,25 @@ async def anchor_log_probs(
     )
     m["timing_s/old_log_prob"] = time.perf_counter() - t0
     return train_lp
+
+
+def expand_turn_samples(
+    trajs: Sequence[Trajectory], reward_baselines: torch.Tensor | None, m: dict[str, float]
+) -> list[Trajectory]:
+    """The rows to train: each episode as it is, or (``agent.history: per_turn``) one row per
+    model turn, with the turn's own prompt, sharing the episode's reward, ``uid`` (its group for
+    advantages) and stop reason. Logs ``rollout/turn_samples`` (rows made from per-turn
+    episodes)."""
+    rows = [row for t in trajs for row in t.per_turn_samples()]
+    if any(t.turn_samples for t in trajs):
+        if reward_baselines is not None:
+            raise ValueError(
+                "agent.history: per_turn trains one row per model turn, but ReMax's greedy "
+                "baselines are one per episode; use another advantage estimator or "
+                "agent.history: concat"
+            )
+        m["rollout/turn_samples"] = float(sum(len(t.turn_samples) for t in trajs))
+    return rows
 
 
 def mask_truncated(batch: TensorDict, trajs: Sequence[Trajectory], m: dict[str, float]) -> None:
@@ -254,6 +274,7 @@ async def train_step(
     """One optimizer step on ``trajs`` (see the module docstring for the stages); ``version`` is
     the version of the weights being trained (needed by the staleness-aware corrections)."""
     m: dict[str, float] = {}
+    trajs = expand_turn_samples(trajs, reward_baselines, m)
     batch = trajectories_to_batch(list(trajs), pad_token_id=pad_token_id)
     if plan.mask_truncated:
         mask_truncated(batch, trajs, m)
