@@ -6,6 +6,7 @@ the run's MLflow store.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,3 +76,18 @@ def test_overlong_penalty_and_mask_truncated_through_agentrl_train(tmp_path: Pat
     assert len(metrics["actor/masked_truncated_frac"]) == 2
     assert all(frac > 0 for frac in metrics["actor/masked_truncated_frac"])
     assert min(metrics["reward/min"]) <= -1.0 + 1e-6  # at the budget: the full penalty
+
+
+def test_per_turn_history_and_a_token_budget_for_tools_through_agentrl_train(
+    tmp_path: Path,
+) -> None:
+    metrics = train(
+        tmp_path / "run",
+        "agent.history=per_turn",
+        "tools.max_output_tokens=32",
+        "inference.max_tokens_per_turn=16",
+    )
+    # every episode has at least one model turn, each trained as its own row (2 x 2 episodes)
+    assert len(metrics["rollout/turn_samples"]) == 2
+    assert all(n >= 4 for n in metrics["rollout/turn_samples"])
+    assert all(math.isfinite(x) for x in metrics["actor/pg_loss"])
