@@ -235,6 +235,16 @@ class TurnSample(BaseModel):
     logprobs: list[float]
     versions: list[int]
 
+    @model_validator(mode="after")
+    def _aligned(self) -> TurnSample:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"turn sample has {n} token_ids, {len(self.logprobs)} logprobs and "
+                f"{len(self.versions)} versions; they must be equal"
+            )
+        return self
+
 
 class Trajectory(BaseModel):
     """One finished episode, token-exact, with everything the trainer needs.

@@ -292,3 +292,11 @@ def test_generation_per_token_versions():
             weight_version=3,
             token_versions=[3],
         )
+
+
+def test_turn_sample_lists_are_aligned():
+    from agentrl.types import TurnSample
+
+    TurnSample(prompt_ids=[1], token_ids=[2, 3], logprobs=[-1.0, -1.0], versions=[0, 1])
+    with pytest.raises(ValueError, match="2 token_ids, 1 logprobs"):
+        TurnSample(prompt_ids=[1], token_ids=[2, 3], logprobs=[-1.0], versions=[0, 1])
