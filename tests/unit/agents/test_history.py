@@ -105,3 +105,30 @@ async def test_per_turn_trains_each_turn_as_the_template_renders_it(tok) -> None
         import torch
 
         expand_turn_samples([traj], torch.zeros(1), {})
+
+
+async def test_per_turn_resumes_an_aborted_turn_from_its_own_prompt(tok) -> None:
+    from agentrl.types import Generation
+
+    ids = [*tok.encode("It is 5.", add_special_tokens=False), tok.eos_token_id]
+    first = Generation(
+        token_ids=ids[:3], logprobs=[-0.1] * 3, finish_reason="abort", weight_version=1
+    )
+    rest = Generation(
+        token_ids=ids[3:], logprobs=[-0.2] * (len(ids) - 3), finish_reason="stop", weight_version=2
+    )
+    ctx = AgentContext(
+        policy=ScriptedPolicy(tok, [first, rest]),
+        tokenizer=tok,
+        sampling=SamplingParams(max_tokens=64),
+        session_id="s0",
+        uid="g0",
+        history="per_turn",
+    )
+    ctx.start_episode([{"role": "user", "content": "2 + 3?"}])
+    await ctx.generate()
+    (p1, _, _), (p2, _, _) = ctx.policy.requests  # type: ignore[attr-defined]  # ScriptedPolicy
+    assert p2 == p1 + ids[:3]
+    (sample,) = ctx.turn_samples
+    assert sample.prompt_ids == p1 and sample.token_ids == ids
+    assert sample.versions == [1] * 3 + [2] * (len(ids) - 3)
