@@ -19,6 +19,8 @@ setup: setup-sandbox $(VENV)/.installed
 
 # The python tool runs model code under bubblewrap (docs/tools.md), from the system's package
 # manager: installed here when missing and we are root (a fresh CI machine), else explained.
+# Its per-call cgroups (sysfs) and seccomp filter (built in Python, installed with prctl through
+# ctypes) need nothing more; without a writable cgroup the tool warns and uses rlimits only.
 setup-sandbox:
 	@command -v bwrap >/dev/null && exit 0; \
 	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

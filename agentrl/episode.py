@@ -48,11 +48,12 @@ Example::
 from __future__ import annotations
 
 import json
+import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from agentrl.types import Generation, Message, Trajectory
+from agentrl.types import Generation, Message, Trajectory, TurnRecord
 
 __all__ = [
     "ChatTemplateError",
@@ -448,6 +449,7 @@ class EpisodeRecorder:
         end_of_turn_token: the token that ends an assistant turn (default: the tokenizer's EOS).
         tools_key: ``json.dumps(tools, sort_keys=True)`` if the caller already has it (it keys
             the renderer's caches); computed when ``None``.
+        clock: wall clock for :attr:`turns` (``time.time``; injected by tests).
     """
 
     def __init__(
@@ -460,6 +462,7 @@ class EpisodeRecorder:
         max_context_tokens: int | None = None,
         end_of_turn_token: str | None = None,
         tools_key: str | None = None,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         if not prompt_ids:
             raise ValueError("EpisodeRecorder needs a non-empty prompt_ids")
@@ -481,6 +484,10 @@ class EpisodeRecorder:
         """True once a budget cut the response (the episode should stop with ``length``)."""
         self._turn_open = False
         self._turn_has_tokens = False
+        self.clock = clock
+        self.turns: list[TurnRecord] = []
+        """Each model turn and environment answer as it happened (for traces)."""
+        self._mark = clock()
 
     @classmethod
     def from_messages(
@@ -549,26 +556,59 @@ class EpisodeRecorder:
                 f"{sorted(set(versions))}); sampled tokens need the version (>= 0) of the "
                 "weights that produced them"
             )
-        n = len(gen.token_ids)
+        n, before = len(gen.token_ids), len(self.response_ids)
         self.response_ids.extend(gen.token_ids)
         self.loss_mask.extend([1] * n)
         self.rollout_logprobs.extend(gen.logprobs)  # floats: Generation validated them
         self.policy_version.extend(versions)
         if n and not (continue_turn and self._turn_has_tokens):
             self.num_turns += 1
-        self._turn_has_tokens = bool(n) or (continue_turn and self._turn_has_tokens)
+        merge = continue_turn and self._turn_has_tokens
+        self._turn_has_tokens = bool(n) or merge
         eot = self._eot_ids()
         self._turn_open = eot is None or list(gen.token_ids[-len(eot) :]) != eot
         self._enforce_budget()
+        if n:
+            kept = max(len(self.response_ids) - before, 0)
+            self._note("model", kept, merge, gen.weight_version, gen.finish_reason)
+
+    def _note(
+        self,
+        kind: str,
+        n: int,
+        merge: bool,
+        version: int = -1,
+        finish_reason: str | None = None,
+    ) -> None:
+        """Record a step in :attr:`turns` (or extend the last one when ``merge``)."""
+        now = self.clock()
+        last = self.turns[-1] if self.turns else None
+        if merge and last is not None and last.kind == kind:
+            last.end, last.tokens = now, last.tokens + n
+            last.version, last.finish_reason = version, finish_reason
+        else:
+            self.turns.append(
+                TurnRecord(
+                    kind=kind,  # type: ignore[arg-type]  # "model" | "environment"
+                    start=self._mark,
+                    end=now,
+                    tokens=n,
+                    version=version,
+                    finish_reason=finish_reason,
+                )
+            )
+        self._mark = now
 
     def add_environment_tokens(self, token_ids: Sequence[int]) -> None:
         """Append tokens the policy did not sample (mask 0, logprob 0.0, version -1)."""
-        n = len(token_ids)
+        n, before = len(token_ids), len(self.response_ids)
         self.response_ids.extend(token_ids)
         self.loss_mask.extend([0] * n)
         self.rollout_logprobs.extend([0.0] * n)
         self.policy_version.extend([-1] * n)
         self._enforce_budget()
+        if n:
+            self._note("environment", max(len(self.response_ids) - before, 0), merge=True)
 
     def close_turn(self) -> list[int]:
         """End an open model turn with the end-of-turn token (mask 0); returns what was added."""
@@ -631,6 +671,7 @@ class EpisodeRecorder:
     def to_trajectory(self, **meta: Any) -> Trajectory:
         """Freeze the record into a :class:`Trajectory`; ``meta`` sets the other fields."""
         meta.setdefault("num_turns", self.num_turns)
+        meta.setdefault("turns", self.turns)
         # Validation builds new lists, so the trajectory never aliases the recorder's.
         return Trajectory(
             prompt_ids=self.prompt_ids,

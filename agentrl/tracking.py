@@ -72,6 +72,11 @@ class Tracker(ABC):
             parent = str(Path(artifact_file).parent)
             self.log_artifact(path, None if parent == "." else parent)
 
+    def log_traces(self, trajs: list[Any], step: int | None = None, **tags: str) -> int:
+        """Record episodes as traces (:mod:`agentrl.traces`); returns how many were written.
+        Trackers without tracing write none."""
+        return 0
+
     @abstractmethod
     def finish(self, status: str = "FINISHED") -> None:
         """End the run with ``status`` (``FINISHED`` or ``FAILED``); later calls do nothing."""
@@ -176,10 +181,25 @@ class MlflowTracker(Tracker):
         else:
             self._mlflow.log_artifact(str(p), artifact_path=artifact_path)
 
+    def log_traces(self, trajs: list[Any], step: int | None = None, **tags: str) -> int:
+        """One MLflow trace per episode in this run's experiment, linked to the run."""
+        from agentrl.traces import log_episode_traces
+
+        return len(
+            log_episode_traces(
+                trajs,
+                experiment_id=self._run.info.experiment_id,
+                run_id=self.run_id,
+                step=step,
+                tags=tags,
+            )
+        )
+
     def finish(self, status: str = "FINISHED") -> None:
         """End the MLflow run with ``status`` (once)."""
         if not self._finished:
             self._finished = True
+            self._mlflow.flush_trace_async_logging()  # traces are exported in the background
             self._mlflow.end_run(status=status)
 
     @property
@@ -275,7 +295,8 @@ class MetricsReporter(Reporter):
 
 
 class SampleReporter(Reporter):
-    """A table of ``n`` sample trajectories at step 1 and every ``total_steps // 5`` steps."""
+    """``n`` sample trajectories at step 1 and every ``total_steps // 5`` steps: a JSON table and
+    one MLflow trace per episode (:mod:`agentrl.traces`)."""
 
     def __init__(self, tracker: Tracker, n: int, total_steps: int) -> None:
         self.tracker = tracker
@@ -298,6 +319,7 @@ class SampleReporter(Reporter):
             for t in trajs[: self.n]
         ]
         self.tracker.log_dict(rows, f"trajectories/step_{step:05d}.json")
+        self.tracker.log_traces(trajs[: self.n], step=step, **{"agentrl.phase": "train"})
 
 
 class ProgressReporter(Reporter):

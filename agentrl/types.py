@@ -56,6 +56,7 @@ __all__ = [
     "Task",
     "Trajectory",
     "TrajectoryError",
+    "TurnRecord",
     "TurnSample",
 ]
 
@@ -246,6 +247,26 @@ class TurnSample(BaseModel):
         return self
 
 
+class TurnRecord(BaseModel):
+    """One step of an episode as it happened: a model turn or the environment's answer (tool
+    results, a user or game message). For traces and display only; never trained on."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["model", "environment"]
+    """``model``: tokens the policy sampled; ``environment``: tokens appended for it."""
+    start: float
+    """Wall-clock time (``time.time()``) the step began: when the previous one ended."""
+    end: float
+    """Wall-clock time its tokens were recorded."""
+    tokens: int
+    """Tokens it added to the response (after any budget cut)."""
+    version: int = -1
+    """Weight version of the model turn's last generation; -1 for the environment."""
+    finish_reason: str | None = None
+    """The server's ``finish_reason`` of a model turn's last generation."""
+
+
 class Trajectory(BaseModel):
     """One finished episode, token-exact, with everything the trainer needs.
 
@@ -299,6 +320,9 @@ class Trajectory(BaseModel):
     turn_samples: list[TurnSample] = Field(default_factory=list)
     """With ``agent.history: per_turn``: each model turn as the server saw it; the trainer
     trains these (:meth:`per_turn_samples`) instead of the concatenated response."""
+    turns: list[TurnRecord] = Field(default_factory=list)
+    """Each model turn and environment answer with its timing, tokens and weight version
+    (MLflow traces are built from it); display only."""
 
     @model_validator(mode="after")
     def _check_invariants(self) -> Trajectory:

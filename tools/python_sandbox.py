@@ -19,9 +19,18 @@ Guarantees of a sandboxed call (each checked by tests/integration/test_sandbox_e
   when the call ends, every process the code started is killed; at most ``max_processes``
   processes at once (RLIMIT_NPROC, counted per sandbox: a per-call user id when run as root,
   a per-call user namespace otherwise);
-- **memory and CPU**: RLIMIT_AS (``memory_mb``) and RLIMIT_CPU (``cpu_time_s``) per process,
+- **memory and processes per call** (cgroups, :mod:`tools.sandbox.cgroup`, v2 or v1): every
+  process of the call, with its files, memfds and shared memory, shares ``memory_mb +
+  disk_mb`` MiB (no swap) and ``max_processes`` (plus the sandbox's two); without a writable
+  cgroup, a loud warning and rlimits only (``cgroups="required"`` refuses instead);
+- **memory and CPU per process**: RLIMIT_AS (``memory_mb``) and RLIMIT_CPU (``cpu_time_s``),
   RLIMIT_FSIZE (``max_file_mb``), no core files; a wall-clock deadline (``wall_time_s``)
-  enforced inside by the supervisor and outside by the parent (which SIGKILLs bwrap);
+  enforced inside by the supervisor and, from the code's start, outside by the parent (which
+  kills the call's cgroup and bwrap ``wall_time_s`` + 1 s after the code started);
+- **system calls** (:mod:`tools.sandbox.seccomp`): a seccomp filter, installed before the
+  code runs, denies namespaces, ``io_uring``, ``userfaultfd``, ``ptrace``, ``bpf``, the key
+  ring, mounts, ``perf_event_open``, ``kexec`` and signals to the supervisor, which the code
+  therefore cannot trace, stop or kill;
 - **no inherited environment**: the environment is built from nothing (``PATH``, ``HOME``,
   ``TMPDIR``, a UTF-8 locale, one BLAS thread); no capabilities, ``no_new_privs``, a new
   session (no terminal), IPC/UTS/cgroup namespaces;
@@ -62,6 +71,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tools.base import Tool, ToolResult
 from tools.limits import truncate
+from tools.sandbox.cgroup import CgroupSetup, detect
 from tools.sandbox.command import bwrap_command, sandbox_env, supervisor_argv
 from tools.sandbox.config import (
     SUPERVISOR_FILE,
@@ -71,6 +81,7 @@ from tools.sandbox.config import (
     supervisor_config,
 )
 from tools.sandbox.probe import (
+    CGROUP_HINT,
     INSTALL_HINT,
     SandboxUnavailableError,
     check_python_sandbox_available,
@@ -93,6 +104,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+CGROUP_MODES = ("auto", "required", "off")
+_WARNED: set[str] = set()
 
 
 class _Args(BaseModel):
@@ -122,12 +136,15 @@ class PythonTool(Tool):
 
     Args:
         wall_time_s: Wall-clock seconds the code may run; then every process is killed.
-        memory_mb: Address-space limit (RLIMIT_AS) of each process, in MiB.
+        memory_mb: Address-space limit (RLIMIT_AS) of each process, in MiB; with a cgroup,
+            also the memory of all the call's processes together (plus ``disk_mb`` for its
+            files; memfds and shared memory count).
         max_output_chars: Most characters of output returned (head and tail kept, the middle
             cut with a marker); the marker is counted, so the result never exceeds it.
         cpu_time_s: CPU seconds per process (RLIMIT_CPU); default ``ceil(wall_time_s) + 1``.
         max_file_mb: Largest file the code may write (RLIMIT_FSIZE), in MiB.
-        max_processes: Most processes the code may have at once, itself included.
+        max_processes: Most processes (and threads) the code may have at once, itself
+            included (RLIMIT_NPROC, and the call's cgroup ``pids.max``).
         disk_mb: Size of the sandbox's tmpfs (working directory, ``/tmp``, ``/dev/shm``).
         allow_unsandboxed: Run without OS isolation when bwrap is unavailable (only the audit
             hook and resource limits then; fork disabled). Unsafe; off by default, when the
@@ -136,6 +153,11 @@ class PythonTool(Tool):
         bwrap: Path of the ``bwrap`` executable (default: found on ``PATH``).
         base_dir: Where per-episode host directories are created (default: the system
             temporary directory).
+        cgroups: Per-call cgroup limits: ``"auto"`` (used where this process can create
+            cgroups, v2 or v1; otherwise a loud warning and rlimits only), ``"required"``
+            (refuse to start without them), ``"off"`` (rlimits only).
+        cgroup_parent: A cgroup v2 directory to create the calls' cgroups under (a delegated
+            cgroup with the memory and pids controllers), instead of this process's own.
         audit_hook: Install the in-interpreter audit hook (defence in depth).
         site_packages: Let the code import the packages installed next to the interpreter
             (numpy, sympy, ...). ``.pth`` files are not processed (editable installs are not
@@ -144,7 +166,9 @@ class PythonTool(Tool):
 
     Raises:
         SandboxUnavailableError: bwrap cannot isolate code here and ``allow_unsandboxed`` is
-            False (checked once per process, when the tool is built).
+            False, or ``cgroups="required"`` and no per-call cgroup can be made (checked once
+            per process, when the tool is built).
+        ValueError: ``cgroups`` is not one of ``auto``, ``required``, ``off``.
     """
 
     name = "python"
@@ -169,6 +193,8 @@ class PythonTool(Tool):
         python_executable: str | None = None,
         bwrap: str | None = None,
         base_dir: str | Path | None = None,
+        cgroups: str = "auto",
+        cgroup_parent: str | None = None,
         audit_hook: bool = True,
         site_packages: bool = True,
         name: str = "python",
@@ -189,6 +215,13 @@ class PythonTool(Tool):
         self.base_dir = str(base_dir) if base_dir is not None else None
         self.audit_hook = audit_hook
         self.site_packages = site_packages
+        if cgroups not in CGROUP_MODES:
+            raise ValueError(
+                f"PythonTool: cgroups={cgroups!r} is not one of {', '.join(CGROUP_MODES)}; use "
+                "'auto' (cgroups where possible), 'required' or 'off'"
+            )
+        self.cgroups = cgroups
+        self.cgroup_parent = cgroup_parent
         # The parent kills bwrap at ``limits.hard_deadline_s``, past the supervisor's own
         # deadline; the ToolSet timeout is only a backstop behind both.
         self.timeout_s = self.limits.hard_deadline_s + 5.0
@@ -205,6 +238,7 @@ class PythonTool(Tool):
                 "python tool: running model code WITHOUT OS isolation (allow_unsandboxed=True): %s",
                 iso,
             )
+        self._cgroup_setup()
 
     # ---- the limits, one by one (read-only) ----
     @property
@@ -271,6 +305,33 @@ class PythonTool(Tool):
         finally:
             await self.release(state)
 
+    def _cgroup_setup(self) -> CgroupSetup | None:
+        """Where this call's cgroup goes (None: rlimits only); refuses or warns as configured.
+
+        Raises:
+            SandboxUnavailableError: ``cgroups="required"`` and no cgroup can be made here.
+        """
+        if self.cgroups == "off":
+            return None
+        found = detect(self.cgroup_parent)
+        if isinstance(found, CgroupSetup):
+            return found
+        if self.cgroups == "required":
+            raise SandboxUnavailableError(
+                f"python tool: cgroups='required', but no per-call cgroup can be made here: "
+                f"{found}. Fix: {CGROUP_HINT}."
+            )
+        if found not in _WARNED:
+            _WARNED.add(found)
+            logger.warning(
+                "python tool: NO PER-CALL CGROUP (%s): memory_mb and max_processes are "
+                "per-process rlimits only, so memfds, shared memory and several processes "
+                "can use more. Fix: %s.",
+                found,
+                CGROUP_HINT,
+            )
+        return None
+
     async def _isolation(self) -> Isolation | None:
         """The isolation to use; None = unsandboxed (only when allowed)."""
         if is_probed(self.python_executable, self.bwrap):
@@ -308,6 +369,7 @@ class PythonTool(Tool):
     async def run_raw(self, code: str, episode_dir: Path) -> SandboxRun:
         """Run ``code`` for the episode in ``episode_dir``; never leaves a process behind."""
         iso = await self._isolation()
+        cgroups = self._cgroup_setup()
         return await run_supervised(
             lambda status_fd: self._command(iso, episode_dir, status_fd),
             env={} if iso is not None else sandbox_env(str(episode_dir), str(episode_dir)),
@@ -315,6 +377,7 @@ class PythonTool(Tool):
             code=code,
             limits=self.limits,
             sandboxed=iso is not None,
+            cgroups=cgroups,
         )
 
     def _to_result(self, run: SandboxRun) -> ToolResult:
@@ -361,12 +424,25 @@ class PythonTool(Tool):
         return ToolResult(
             content=text,
             error=error,
-            metrics={
-                "exit_code": float(run.exit_code if run.exit_code is not None else -1),
-                "wall_s": run.wall_s,
-                "timed_out": float(run.timed_out),
-            },
+            metrics=_metrics(run),
         )
+
+
+def _metrics(run: SandboxRun) -> dict[str, float]:
+    """The call's numbers: exit code, wall time, timeout and, with a cgroup, peak memory (MiB),
+    peak processes and out-of-memory kills."""
+    metrics = {
+        "exit_code": float(run.exit_code if run.exit_code is not None else -1),
+        "wall_s": run.wall_s,
+        "timed_out": float(run.timed_out),
+    }
+    if run.usage is not None:
+        metrics["oom_kills"] = float(run.usage.oom_kills)
+        if run.usage.memory_peak_bytes is not None:
+            metrics["memory_peak_mb"] = run.usage.memory_peak_bytes / (1 << 20)
+        if run.usage.pids_peak is not None:
+            metrics["pids_peak"] = float(run.usage.pids_peak)
+    return metrics
 
 
 _SIGNAL_HINTS: dict[int, str] = {

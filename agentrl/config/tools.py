@@ -17,7 +17,7 @@ class PythonToolConfig(Section):
     wall_time_s: float = Field(default=5.0, gt=0)
     """Wall-clock limit of one python call."""
     memory_mb: int = Field(default=512, ge=32)
-    """Address-space limit of each sandboxed process, in MiB."""
+    """Per-process address-space limit, MiB; with a cgroup also the whole call's (+ disk_mb)."""
     cpu_time_s: float | None = Field(default=None, gt=0)
     """CPU seconds per sandboxed process; None = wall_time_s rounded up, plus 1."""
     max_processes: int = Field(default=16, ge=1)
@@ -26,6 +26,10 @@ class PythonToolConfig(Section):
     """Size of the sandbox's private tmpfs (working directory, /tmp, /dev/shm), in MiB."""
     allow_unsandboxed: bool = False
     """Run model code without OS isolation when bubblewrap is unavailable (unsafe; else refuse)."""
+    cgroups: Literal["auto", "required", "off"] = "auto"
+    """Per-call cgroup limits: auto (else rlimits and a warning), required (else refuse), off."""
+    cgroup_parent: str | None = None
+    """A delegated cgroup v2 directory for the calls' cgroups; None = this process's cgroup."""
 
 
 class SearchToolConfig(Section):

@@ -27,4 +27,5 @@ class TrackingConfig(Section):
     log_every: int = Field(default=1, ge=1)
     """Log metrics every N steps."""
     num_sample_trajectories: int = Field(default=4, ge=0)
-    """Trajectories logged as a sample table per logged step."""
+    """Sample episodes logged at step 1 and every ``total_steps // 5`` steps, as a table and as
+    MLflow traces (one span per model turn, tool call and reward)."""

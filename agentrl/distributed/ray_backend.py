@@ -155,6 +155,7 @@ class InferenceServerActor:
         api_key: str | None = None,
         device: str = "cpu",
         dtype: str = "float32",
+        startup_timeout_s: float = 300.0,
     ) -> None:
         if backend not in ("embedded", "vllm"):
             raise ValueError(
@@ -173,6 +174,7 @@ class InferenceServerActor:
         self.api_key = api_key
         """The servers' bearer token (the run's; never logged)."""
         self.device, self.dtype = device, dtype
+        self.startup_timeout_s = startup_timeout_s
         """Added to the server's environment (its share of the run's thread plan)."""
         self._handle: ServerHandle | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
@@ -241,6 +243,7 @@ class InferenceServerActor:
                 ],
                 env=self.env,
                 api_key=self.api_key,
+                startup_timeout_s=self.startup_timeout_s,
             )
         else:
             from agentrl.inference.vllm_backend import launch_vllm_server
@@ -253,6 +256,7 @@ class InferenceServerActor:
                 seed=self.seed,
                 extra_args=["--max-num-seqs", str(self.max_batch_size), *self.vllm_extra_args],
                 api_key=self.api_key,
+                startup_timeout_s=self.startup_timeout_s,
             )
         self._handle = handle
         self._launches += 1
@@ -1053,10 +1057,11 @@ def _place_servers(
             api_key=inf.api_key,
             device=device,
             dtype=dtype,
+            startup_timeout_s=inf.startup_timeout_s,
         )
         servers.append(a)
         actors.append(a)
-    urls = ray.get([a.start.remote() for a in servers], timeout=600)
+    urls = ray.get([a.start.remote() for a in servers], timeout=inf.startup_timeout_s + 300)
     return servers, urls
 
 

@@ -318,6 +318,7 @@ async def evaluate(
     n_bootstrap: int = 1000,
     seed: int = 0,
     prefix: str = "val",
+    keep: list[Trajectory] | None = None,
 ) -> EvalReport:
     """Run every task ``n`` times and compute the report (metrics keys in docs/tracking.md).
 
@@ -330,6 +331,7 @@ async def evaluate(
             AgentLoopManager's workers (a mismatch is an error), recorded in the report.
         ks: pass@k sizes (default 1, 2, 4, ..., n); n_bootstrap, seed: the bootstrap's.
         prefix: first segment of every metric key.
+        keep: when given, the scored trajectories are appended to it (e.g. for traces).
     """
     if n < 1:
         raise ValueError(f"evaluate: n (samples per task) must be >= 1, got {n}")
@@ -343,6 +345,8 @@ async def evaluate(
     else:
         trajs = await runner(tasks, n)
     elapsed = time.perf_counter() - start
+    if keep is not None:
+        keep.extend(trajs)
     counts = Counter(t.stop_reason.value for t in trajs)
     logger.info(
         "evaluated %d tasks x %d samples in %.1f s (%s)", len(tasks), n, elapsed, dict(counts)

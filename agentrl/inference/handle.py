@@ -91,7 +91,7 @@ class ServerHandle:
                 self.kill()
                 raise ServerStartError(
                     f"server at {self.base_url} was not healthy after {timeout_s:.0f} s "
-                    f"(raise startup_timeout_s if it is just slow); log {self.log_path}:\n"
+                    f"(raise inference.startup_timeout_s if it is just slow); log {self.log_path}:\n"
                     f"{self.log_tail()}"
                 )
             time.sleep(poll_s)

@@ -488,6 +488,7 @@ def model_server_launch(
             "model_dir": path,
             "api_key": api_key,
             "log_path": logs / f"reward-{name}-{i}.log",
+            "startup_timeout_s": cfg.inference.startup_timeout_s,
             "env": env,
             "extra_args": [
                 *("--task", task, "--max-batch-size", str(cfg.inference.max_batch_size)),
@@ -502,6 +503,7 @@ def model_server_launch(
         "api_key": api_key,
         "python": cfg.inference.vllm_python,
         "log_path": logs / f"reward-{name}-vllm-{i}.log",
+        "startup_timeout_s": cfg.inference.startup_timeout_s,
         "seed": int(seed),
         "extra_args": [*runner, *spec.vllm_extra_args],
     }

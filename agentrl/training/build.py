@@ -198,6 +198,7 @@ def server_launch(
             "model_dir": path,
             "api_key": api_key,
             "log_path": logs / f"server-{i}.log",
+            "startup_timeout_s": inf.startup_timeout_s,
             "env": plan.servers[i].env() if i < len(plan.servers) else None,
             "extra_args": [
                 *("--max-batch-size", str(inf.max_batch_size), "--seed", str(seed)),
@@ -216,6 +217,7 @@ def server_launch(
         "api_key": api_key,
         "python": inf.vllm_python,
         "log_path": logs / f"vllm-{i}.log",
+        "startup_timeout_s": inf.startup_timeout_s,
         "threads": plan.servers[i] if i < len(plan.servers) else None,
         "seed": seed,
         "extra_args": ["--max-num-seqs", str(inf.max_batch_size), *trust, *inf.vllm_extra_args],

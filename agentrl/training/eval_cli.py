@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 from pathlib import Path
+from typing import Any
 
 from agentrl.training.train_cli import configure_logging, load_and_resolve
 
@@ -24,7 +25,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--checkpoint", required=True, help="a Hugging Face model directory (e.g. final_model)"
     )
-    parser.add_argument("--report", default=None, help="write the full JSON report here")
+    parser.add_argument(
+        "--report",
+        default=None,
+        help="write the full JSON report here, and log the evaluation as an MLflow run "
+        "(metrics, report, one trace per episode) unless tracking.enabled=false",
+    )
+    parser.add_argument(
+        "--max-traces",
+        type=int,
+        default=100,
+        help="episodes written as MLflow traces with --report (default 100; 0 = none)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,8 +47,36 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_and_resolve(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
     if cfg is None:
         return 2
-    report = asyncio.run(evaluate_checkpoint(cfg))
+    trajs: list[Any] = []
+    report = asyncio.run(evaluate_checkpoint(cfg, keep=trajs))
     if args.report:
         Path(args.report).write_text(report.to_json())
+        _track(cfg, args.checkpoint, report, trajs[: max(args.max_traces, 0)])
     print(json.dumps(report.metrics, indent=2))
     return 0
+
+
+def _track(cfg: Any, checkpoint: str, report: Any, trajs: list[Any]) -> None:
+    """Log the evaluation as its own MLflow run: metrics, the report and episode traces."""
+    from agentrl.tracking import make_tracker
+
+    t = cfg.tracking
+    tracker = make_tracker(
+        enabled=t.enabled,
+        backend=t.backend,
+        tracking_uri=t.tracking_uri,
+        experiment=t.experiment,
+        run_name=f"eval {Path(checkpoint).name}",
+        run_id=None,
+        local_dir=Path(cfg.trainer.output_dir) / "mlruns",
+    )
+    try:
+        tracker.log_params({"eval.checkpoint": str(Path(checkpoint).resolve())})
+        report.log(tracker, step=0)
+        n = tracker.log_traces(trajs, step=0, **{"agentrl.phase": "eval"})
+        tracker.finish()
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    if tracker.location:
+        print(f"evaluation logged to {tracker.location} ({n} episode traces)")

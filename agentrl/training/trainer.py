@@ -218,9 +218,10 @@ class Trainer:
         tracker.log_artifact(final, "final_model")
 
 
-async def evaluate_checkpoint(cfg: ExperimentConfig) -> Any:
+async def evaluate_checkpoint(cfg: ExperimentConfig, keep: list[Any] | None = None) -> Any:
     """Serve ``cfg.model.path`` with the configured backend and evaluate it on the held-out
-    tasks, as periodic validation does (``trainer.val_*``); returns the ``EvalReport``."""
+    tasks, as periodic validation does (``trainer.val_*``); returns the ``EvalReport`` (and
+    appends the scored trajectories to ``keep`` when given)."""
     from agentrl.evaluation import evaluate
 
     if not cfg.model.path:
@@ -238,4 +239,5 @@ async def evaluate_checkpoint(cfg: ExperimentConfig) -> Any:
             ks=t.val_k,
             n_bootstrap=t.val_bootstrap_samples,
             seed=t.val_seed,
+            keep=keep,
         )

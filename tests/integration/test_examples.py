@@ -58,3 +58,40 @@ def test_example_trains_on_ray(example: str, tmp_path: Path, ray_cluster: str) -
             f"distributed.ray_address={ray_cluster}",
         )
     )
+
+
+def test_eval_report_writes_the_report_and_episode_traces(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``agentrl eval --report`` (public CLI, another cwd): the JSON report, and the evaluation
+    as an MLflow run of its own with one trace per episode."""
+    import mlflow
+
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "MLFLOW_TRACKING_URI")}
+    env["OMP_NUM_THREADS"] = "1"
+    report = tmp_path / "report.json"
+    args = [
+        str(AGENTRL),
+        "eval",
+        str(ROOT / "examples" / "units" / "config.yaml"),
+        "--checkpoint",
+        str(tiny_model_dir),
+        "--report",
+        str(report),
+        "--max-traces",
+        "3",
+        f"trainer.output_dir={tmp_path / 'out'}",
+        "tracking.enabled=true",
+        "tracking.experiment=units-eval",
+    ]
+    out = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert json.loads(report.read_text())["metrics"]["val/num_tasks"] > 0
+    assert "3 episode traces" in out.stdout, out.stdout[-2000:]
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'out' / 'mlruns' / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("units-eval")
+    (run,) = client.search_runs([exp.experiment_id])
+    assert run.info.run_name == "eval tiny-qwen2" and run.info.status == "FINISHED"
+    traces = client.search_traces(locations=[exp.experiment_id], run_id=run.info.run_id)
+    assert len(traces) == 3 and all(t.info.tags["agentrl.phase"] == "eval" for t in traces)
+    assert all(t.data.spans[0].name == "episode" for t in traces)

@@ -14,9 +14,16 @@ Each attack runs three ways:
 - without the sandbox and without the hook (the control): it must succeed, which proves the
   attack and its check are real (a check that cannot see an escape would pass vacuously).
 
+Issue 21's attacks on the limits: 96 x 16 MB memfds under ``memory_mb=256``, a fork bomb
+across processes (children forking grandchildren), memory spread over several processes,
+nested user namespaces, io_uring, userfaultfd, ptrace of the supervisor, and SIGSTOP of the
+supervisor to outlive the wall limit. The per-call limits are a cgroup (v1 on this machine),
+the system calls are refused by the seccomp filter; the control runs with ``cgroups="off"``.
+
 Success is judged on the host, never by the attacker's word alone: a planted secret found in
 the output, a connection reaching a loopback listener, a file appearing in the host's /tmp or
-/dev/shm, a host process killed, or more processes/bytes than the limits allow.
+/dev/shm, a host process killed, more processes/bytes than the limits allow (also the peak
+memory and processes the call's cgroup counted), or a call running past its wall limit.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ import asyncio
 import contextlib
 import glob
 import os
+import platform
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -36,13 +45,24 @@ from pathlib import Path
 
 import pytest
 
+from tests.waiting import until
 from tools import ToolResult
-from tools.python_sandbox import PythonTool, SandboxUnavailableError
+from tools.python_sandbox import SUPERVISOR_MARKER, PythonTool, SandboxUnavailableError
 
 pytestmark = pytest.mark.integration
 
 MAX_PROCESSES = 8
 DISK_MB = 64
+MEMORY_MB = 256
+CALL_MEMORY_MB = MEMORY_MB + DISK_MB
+"""What a call's processes and files may use together (its cgroup's limit)."""
+SANDBOX_PIDS = 3
+"""bwrap (outside and its init) and the supervisor: in the call's cgroup besides the code."""
+WALL_S = 8.0
+SHORT_WALL_S = 3.0
+"""The wall limit of the attacks on the clock (the supervisor stopped)."""
+OUTSIDE_GRACE_S = 1.0
+USERFAULTFD = {"x86_64": 323, "aarch64": 282}.get(platform.machine(), -1)
 
 
 @dataclass
@@ -76,6 +96,7 @@ class Target:
             victim=self.victim.pid,
             shm=self.host_shm_path,
             max_processes=MAX_PROCESSES,
+            userfaultfd=USERFAULTFD,
         )
 
 
@@ -125,19 +146,26 @@ async def target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> AsyncIterat
                 os.remove(path)
 
 
-def sandboxed(audit_hook: bool) -> PythonTool:
+def sandboxed(audit_hook: bool, wall_time_s: float = WALL_S) -> PythonTool:
     return PythonTool(
-        wall_time_s=8, max_processes=MAX_PROCESSES, disk_mb=DISK_MB, audit_hook=audit_hook
+        wall_time_s=wall_time_s,
+        memory_mb=MEMORY_MB,
+        max_processes=MAX_PROCESSES,
+        disk_mb=DISK_MB,
+        audit_hook=audit_hook,
+        cgroups="required",  # this machine has them (root, cgroup v1); users mostly v2
     )
 
 
-def unprotected() -> PythonTool:
-    """The control: no isolation, no audit hook (what the code could do on the bare host)."""
+def unprotected(wall_time_s: float = WALL_S) -> PythonTool:
+    """The control: no isolation, no cgroup, no audit hook (the code on the bare host)."""
     return PythonTool(
-        wall_time_s=8,
+        wall_time_s=wall_time_s,
+        memory_mb=MEMORY_MB,
         bwrap="/nonexistent/bwrap",
         allow_unsandboxed=True,
         audit_hook=False,
+        cgroups="off",
     )
 
 
@@ -150,10 +178,21 @@ def last_int(r: ToolResult) -> int:
     return int(lines[-1]) if lines else 0
 
 
+def over_memory(r: ToolResult, claimed_mb: int) -> bool:
+    """More memory than a call may have: claimed by the code, or counted by its cgroup."""
+    return claimed_mb > CALL_MEMORY_MB or r.metrics.get("memory_peak_mb", 0) > CALL_MEMORY_MB
+
+
+def over_processes(r: ToolResult, claimed: int) -> bool:
+    """More processes than a call may have: claimed by the code, or counted by its cgroup."""
+    return claimed > MAX_PROCESSES or r.metrics.get("pids_peak", 0) > MAX_PROCESSES + SANDBOX_PIDS
+
+
 @dataclass
 class Attack:
     code: str
     succeeded: Callable[[Target, ToolResult], bool]
+    wall_time_s: float = WALL_S
 
 
 HOOK_SWITCH_OFF = """
@@ -354,6 +393,140 @@ except Exception as e:
 """
 
 
+MEMFD = """
+import os
+filled = 0
+try:
+    fds = []
+    for i in range(96):
+        fd = os.memfd_create(f"m{{i}}")
+        os.write(fd, b"x" * (16 << 20))
+        fds.append(fd)
+        filled += 1
+        print(filled * 16, flush=True)
+except OSError as e:
+    print(type(e).__name__, e.strerror)
+print(filled * 16)
+"""
+
+FORK_TREE = """
+import os, time
+r, w = os.pipe()
+
+def spawn(depth):
+    for _ in range(3):
+        try:
+            pid = os.fork()
+        except OSError:
+            return
+        if pid == 0:
+            os.write(w, b"x")
+            if depth < 3:
+                spawn(depth + 1)
+            time.sleep(3)
+            os._exit(0)
+
+spawn(0)
+time.sleep(1.5)
+os.set_blocking(r, False)
+try:
+    print(1 + len(os.read(r, 1 << 16)))
+except BlockingIOError:
+    print(1)
+"""
+
+MEMORY_ACROSS_PROCESSES = """
+import os, time
+r, w = os.pipe()
+for i in range(4):
+    if os.fork() == 0:
+        try:
+            block = b"x" * (100 << 20)  # written: every page is charged
+            os.write(w, b"x")
+            time.sleep(3)
+        finally:
+            os._exit(0)
+time.sleep(2)
+os.set_blocking(r, False)
+try:
+    print(100 * len(os.read(r, 100)))
+except BlockingIOError:
+    print(0)
+"""
+
+LIBC = """
+import ctypes, errno, os
+libc = ctypes.CDLL(None, use_errno=True)
+
+def result(value):
+    return "ok" if value >= 0 else errno.errorcode.get(ctypes.get_errno(), "?")
+"""
+
+USER_NAMESPACE = (
+    LIBC
+    + """
+print("unshare(user):", result(libc.unshare(0x10000000)))
+print("unshare(user|net|mount):", result(libc.unshare(0x10000000 | 0x40000000 | 0x20000)))
+"""
+)
+
+IO_URING = (
+    LIBC
+    + """
+params = ctypes.create_string_buffer(120)
+print("io_uring_setup:", result(libc.syscall(425, 8, params)))
+"""
+)
+
+USERFAULTFD_ATTACK = (
+    LIBC
+    + """
+for flags in (0o2000000, 0o2000000 | 1):  # O_CLOEXEC, then UFFD_USER_MODE_ONLY
+    print("userfaultfd:", result(libc.syscall({userfaultfd}, flags)))
+"""
+)
+
+PTRACE_PARENT = (
+    LIBC
+    + """
+import time
+parent = os.getppid()
+attached = libc.ptrace(16, parent, 0, 0)  # PTRACE_ATTACH the supervisor
+print("ptrace(attach):", result(attached))
+if attached == 0:
+    os.waitpid(parent, 0x40000000)  # __WALL: its attach-stop
+    print("ptrace(detach):", result(libc.ptrace(17, parent, 0, 0)))
+print("process_vm_readv:", result(libc.process_vm_readv(parent, 0, 0, 0, 0, 0)))
+"""
+)
+
+STOP_SUPERVISOR = """
+import os, signal, time
+start = time.monotonic()
+targets = [("supervisor", os.kill, os.getppid())]
+if os.getppid() == 2:  # in the sandbox's PID namespace (on a host, pid 2 is kthreadd)
+    targets += [("init", os.kill, 1), ("everyone", os.kill, -1), ("its group", os.killpg, 2)]
+stopped = False
+for name, send, target in targets:
+    try:
+        send(target, signal.SIGSTOP)
+        print("stopped", name, flush=True)
+        stopped = True
+    except OSError as e:
+        print("refused", name, e.strerror, flush=True)
+# Run far past the wall limit; once the supervisor is stopped (the control), just long enough
+# to show it, and then end (the unsandboxed parent waits for the code's output to close).
+while time.monotonic() - start < (6 if stopped else 14):
+    time.sleep(0.25)
+    print(int(time.monotonic() - start), flush=True)
+"""
+
+
+def ran_past_the_wall(r: ToolResult, wall_s: float) -> bool:
+    """Whole seconds the code counted beyond its wall limit and the parent's grace."""
+    return last_int(r) > wall_s + OUTSIDE_GRACE_S
+
+
 def _victim_killed(t: Target, r: ToolResult) -> bool:
     for _ in range(20):
         if t.victim.poll() is not None:
@@ -384,6 +557,20 @@ ATTACKS: dict[str, Attack] = {
     "symlinks-out": Attack(SYMLINKS, lambda t, r: leaked(t, r) or "root:x:0" in r.content),
     "disk-fill": Attack(DISK_FILL, lambda t, r: last_int(r) > DISK_MB),
     "kill-a-host-process": Attack(KILL_HOST_PROCESS, _victim_killed),
+    "memfd-past-memory-mb": Attack(MEMFD, lambda t, r: over_memory(r, last_int(r))),
+    "fork-bomb-across-processes": Attack(FORK_TREE, lambda t, r: over_processes(r, last_int(r))),
+    "memory-across-processes": Attack(
+        MEMORY_ACROSS_PROCESSES, lambda t, r: over_memory(r, last_int(r))
+    ),
+    "user-namespace": Attack(USER_NAMESPACE, lambda t, r: ": ok" in r.content),
+    "io-uring": Attack(IO_URING, lambda t, r: ": ok" in r.content),
+    "userfaultfd": Attack(USERFAULTFD_ATTACK, lambda t, r: ": ok" in r.content),
+    "ptrace-the-supervisor": Attack(PTRACE_PARENT, lambda t, r: "ptrace(attach): ok" in r.content),
+    "sigstop-the-supervisor": Attack(
+        STOP_SUPERVISOR,
+        lambda t, r: "stopped" in r.content or ran_past_the_wall(r, SHORT_WALL_S),
+        wall_time_s=SHORT_WALL_S,
+    ),
 }
 
 
@@ -391,14 +578,14 @@ ATTACKS: dict[str, Attack] = {
 @pytest.mark.parametrize("name", list(ATTACKS))
 async def test_attack_fails_in_the_sandbox(name: str, audit_hook: bool, target: Target):
     attack = ATTACKS[name]
-    r = await sandboxed(audit_hook).run(target.fill(attack.code))
-    assert not attack.succeeded(target, r), f"{name} escaped:\n{r.content}"
+    r = await sandboxed(audit_hook, attack.wall_time_s).run(target.fill(attack.code))
+    assert not attack.succeeded(target, r), f"{name} escaped:\n{r.content}\n{r.metrics}"
 
 
 @pytest.mark.parametrize("name", list(ATTACKS))
 async def test_control_attack_succeeds_without_the_sandbox(name: str, target: Target):
     attack = ATTACKS[name]
-    r = await unprotected().run(target.fill(attack.code))
+    r = await unprotected(attack.wall_time_s).run(target.fill(attack.code))
     assert attack.succeeded(target, r), f"{name} did not work even unprotected:\n{r.content}"
 
 
@@ -407,6 +594,82 @@ async def test_the_hook_is_not_switched_off_by_a_class_property():
     r = await sandboxed(audit_hook=True).run(HOOK_SWITCH_OFF.format(secret="/nonexistent"))
     assert "switch-off failed" not in r.content  # the property never ran
     assert "/etc/passwd PermissionError" in r.content, r.content  # the hook still holds
+
+
+def _argv(pid: int | str) -> list[bytes]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return [b""]
+
+
+def _parent(pid: int | str) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = _parent(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
+def my_supervisors() -> list[int]:
+    """Pids of the sandbox supervisors this test process started (other sessions on this host
+    run theirs): interpreters with the supervisor's marker whose parent is bwrap (the code's
+    processes share the command line, but their parent is the supervisor; bwrap's own command
+    line holds the marker too)."""
+    marker = SUPERVISOR_MARKER.encode()
+    return [
+        int(p)
+        for p in os.listdir("/proc")
+        if p.isdigit()
+        and marker in _argv(p)
+        and os.path.basename(_argv(p)[0]) != b"bwrap"
+        and os.path.basename(_argv(_parent(p))[0]) == b"bwrap"
+        and _descends_from(int(p), os.getpid())
+    ]
+
+
+def children(pid: int) -> list[int]:
+    """Pids whose parent is ``pid``."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(c) for c in f.read().split()]
+    except OSError:
+        return []
+
+
+async def test_the_wall_limit_holds_from_outside_when_the_supervisor_is_stopped():
+    """The parent's clock. The code cannot stop its supervisor (seccomp: see the attack
+    above), so the host does it here, standing in for any way a supervisor could hang: the
+    call still ends at the wall limit plus the parent's grace, and nothing of it is left."""
+    assert not my_supervisors()
+    task = asyncio.ensure_future(
+        sandboxed(audit_hook=False, wall_time_s=SHORT_WALL_S).run(
+            "import time\nprint('running', flush=True)\nwhile True:\n    time.sleep(0.05)"
+        )
+    )
+    await until(lambda: bool(my_supervisors()), "the supervisor to start", poll_s=0.02)
+    (supervisor,) = my_supervisors()
+    # Once the code runs (the supervisor's child): the parent's clock starts with the code.
+    await until(lambda: bool(children(supervisor)), "the code to start", poll_s=0.02)
+    code_seen = time.monotonic()
+    os.kill(supervisor, signal.SIGSTOP)
+    r = await task
+    ran_s = time.monotonic() - code_seen
+    assert r.error and r.metrics["timed_out"] == 1.0, r.content
+    assert "timed out after 3 s" in r.content, r.content
+    # The wall limit plus the parent's grace (plus slack for a loaded machine); a stopped
+    # supervisor used to leave the call running to the hard deadline (wall + 5 s + disk/50 s).
+    assert ran_s < SHORT_WALL_S + OUTSIDE_GRACE_S + 2.0, (ran_s, r.metrics)
+    assert not my_supervisors(), "the call left its supervisor behind"
 
 
 DAEMON = """
@@ -467,6 +730,7 @@ def test_unprivileged_users_get_a_user_namespace_sandbox(tmp_path: Path):
     from tools.sandbox import config as sc
     from tools.sandbox.command import bwrap_command, supervisor_argv
     from tools.sandbox.probe import python_paths
+    from tools.sandbox.seccomp import filter_hex
 
     exe = "/usr/bin/python3"
     if not os.path.exists(exe):
@@ -492,6 +756,8 @@ def test_unprivileged_users_get_a_user_namespace_sandbox(tmp_path: Path):
         "max_forks": 0,
         "site_dirs": [],
         "read_roots": [],
+        "seccomp": filter_hex(sc.PROTECTED_PIDS),
+        "protect_pids": list(sc.PROTECTED_PIDS),
     }
     argv = supervisor_argv(exe, cfg, sandboxed=True)
     cmd = bwrap_command(iso, state, argv, disk_mb=8)
@@ -503,6 +769,8 @@ def test_unprivileged_users_get_a_user_namespace_sandbox(tmp_path: Path):
         + f"for p in ['{secret}', '/etc/passwd']:\n"
         + "    try:\n        print(open(p).read())\n"
         + "    except OSError as e:\n        print(p, type(e).__name__)\n"
+        + "import signal\ntry:\n    os.kill(os.getppid(), signal.SIGSTOP)\n    print('stopped')\n"
+        + "except OSError as e:\n    print('stop', type(e).__name__)\n"
     )
     out = subprocess.run(
         ["setpriv", "--reuid=4242", "--regid=4242", "--clear-groups", *cmd],
@@ -522,3 +790,4 @@ def test_unprivileged_users_get_a_user_namespace_sandbox(tmp_path: Path):
     assert str(MAX_PROCESSES) in lines
     assert "USER-SECRET" not in out.stdout and "root:x:0" not in out.stdout
     assert f"{secret} FileNotFoundError" in lines and "/etc/passwd FileNotFoundError" in lines
+    assert "stop PermissionError" in lines  # the seccomp filter, in a user namespace too

@@ -89,3 +89,52 @@ def test_disabled_tracking_and_plots(tmp_path: Path) -> None:
             run_id=None,
             local_dir=tmp_path,
         )
+
+
+def test_episodes_become_traces_linked_to_the_run(tmp_path: Path, monkeypatch) -> None:
+    """Sample episodes are MLflow traces of the run: a span per model turn, tool call and
+    reward, with tokens, latency and weight version (what the UI shows)."""
+    import mlflow
+
+    from agentrl.episode import EpisodeRecorder
+    from agentrl.tracking import SampleReporter
+    from agentrl.types import Generation
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    tracker = MlflowTracker(
+        tracking_uri=None, experiment="traces", run_name="t", local_dir=tmp_path / "mlruns"
+    )
+    rec = EpisodeRecorder([1, 2])
+    rec.add_generation(
+        Generation(token_ids=[3, 4], logprobs=[-0.5, -0.5], finish_reason="stop", weight_version=2)
+    )
+    rec.add_environment_tokens([5])
+    rec.add_generation(
+        Generation(token_ids=[6], logprobs=[-0.1], finish_reason="stop", weight_version=2)
+    )
+    messages = [
+        {"role": "user", "content": "probe 7"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "probe", "arguments": "{}"}}],
+        },
+        {"role": "tool", "content": "higher"},
+        {"role": "assistant", "content": "<answer>9</answer>"},
+    ]
+    traj = rec.to_trajectory(uid="g0", reward=0.5, messages=messages, tool_calls={"probe": 1})
+    SampleReporter(tracker, n=1, total_steps=5).on_step(1, 2, {}, [traj, traj])
+    run_id = tracker.run_id
+    tracker.finish()
+
+    traces = mlflow.search_traces(run_id=run_id, return_type="list")
+    assert len(traces) == 1  # n=1 of the two episodes
+    spans = {s.name: s for s in traces[0].data.spans}
+    assert set(spans) == {"episode", "model turn 1", "tool: probe", "model turn 2", "reward"}
+    assert spans["model turn 1"].attributes["weight_version"] == 2
+    assert spans["model turn 1"].attributes["tokens"] == 2
+    assert spans["tool: probe"].outputs == [{"role": "tool", "content": "higher"}]
+    assert spans["episode"].attributes["reward"] == 0.5
+    assert spans["episode"].attributes["step"] == 1
+    assert traces[0].info.tags["agentrl.phase"] == "train"
+    assert all(s.parent_id == spans["episode"].span_id for n, s in spans.items() if n != "episode")

@@ -251,6 +251,14 @@ def test_mlflow_run_has_params_metrics_and_artifacts(resumed_run: dict[str, Any]
         ).read_text()
     )
     assert rows and {"uid", "reward", "messages"} <= set(rows[0])
+    # ... and the same sample episodes as traces of the run: a span per model turn and reward.
+    traces = client.search_traces(locations=[run.info.experiment_id], run_id=run_id)
+    assert traces, "no episode traces in the run"
+    for trace in traces:
+        names = [s.name for s in trace.data.spans]
+        assert names[0] == "episode" and "model turn 1" in names and "reward" in names, names
+        turn = next(s for s in trace.data.spans if s.name == "model turn 1")
+        assert turn.attributes["tokens"] > 0 and turn.attributes["weight_version"] >= 0
 
 
 # ---- a failed push ---------------------------------------------------------------------------

@@ -7,6 +7,9 @@ One noun per module, in the order a call uses them:
   the sandbox, :class:`Isolation`, and the supervisor's configuration;
 - :mod:`tools.sandbox.probe`: which isolation this machine offers (asked once per process) and
   the refusal (:class:`SandboxUnavailableError`) when there is none;
+- :mod:`tools.sandbox.cgroup`: where per-call cgroups can be made (v2 or v1), and one call's
+  cgroup (limits, kill, usage, removal);
+- :mod:`tools.sandbox.seccomp`: the seccomp filter (a classic-BPF program) the code runs under;
 - :mod:`tools.sandbox.command`: the bwrap command line, stage by stage (namespaces,
   environment, file system, privileges);
 - :mod:`tools.sandbox.supervisor`: the program run by path inside the sandbox (stdlib only):

@@ -14,10 +14,11 @@ each can be read, tested and extended alone:
    ``no_new_privs`` (``setpriv``), so RLIMIT_NPROC is per call and calls cannot signal each
    other.
 
-Planned (issue 21, not here yet): a seccomp filter is one more option group next to the
-namespaces (``--seccomp FD``, the compiled filter on a file descriptor the caller passes to the
-process), and per-call cgroup limits (v2, with a v1 fallback) are a prefix that starts bwrap in
-a fresh cgroup; neither changes the stages above.
+Around these stages: per-call cgroup limits (:mod:`tools.sandbox.cgroup`) are a prefix,
+:func:`cgroup_prefix`, that moves itself into the call's cgroups and then execs bwrap; the
+seccomp filter (:mod:`tools.sandbox.seccomp`) travels in the supervisor's configuration and is
+installed by the code's own process just before the code runs (the supervisor needs ``kill``
+of every process, which the filter denies the code).
 
 What it guarantees: the command is a pure function of its arguments and of the host's system
 directories (which of ``/bin``, ``/lib``... exist and are links); nothing is started here.
@@ -48,6 +49,7 @@ __all__ = [
     "SYSTEM_DIRS",
     "ancestors",
     "bwrap_command",
+    "cgroup_prefix",
     "check_argv",
     "sandbox_env",
     "supervisor_argv",
@@ -69,9 +71,22 @@ def supervisor_argv(
     return [python_executable, "-I", "-S", supervisor, MARKER, json.dumps(config)]
 
 
-def check_argv(python_executable: str) -> list[str]:
-    """The interpreter running the supervisor's self-check (prints ``CHECK_OK``), sandboxed."""
-    return [python_executable, "-I", "-S", SUPERVISOR_IN_SANDBOX, CHECK]
+def check_argv(python_executable: str, seccomp_hex: str = "") -> list[str]:
+    """The interpreter running the supervisor's self-check (installs the seccomp program
+    ``seccomp_hex`` when given, then prints ``CHECK_OK``), sandboxed."""
+    extra = [seccomp_hex] if seccomp_hex else []
+    return [python_executable, "-I", "-S", SUPERVISOR_IN_SANDBOX, CHECK, *extra]
+
+
+_JOIN_CGROUPS = 'while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift; exec "$@"'
+
+
+def cgroup_prefix(procs_files: list[str]) -> list[str]:
+    """The command prefix that joins the cgroups whose ``cgroup.procs`` are ``procs_files``, then
+    execs the rest of the command line (exit 125 if it cannot join); [] when there are none."""
+    if not procs_files:
+        return []
+    return ["/bin/sh", "-c", _JOIN_CGROUPS, "agentrl-cgroup", *procs_files, "--"]
 
 
 def sandbox_env(home: str, tmpdir: str) -> dict[str, str]:

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from tools.sandbox import supervisor
+from tools.sandbox import seccomp, supervisor
 
 __all__ = [
+    "PROTECTED_PIDS",
     "SCRATCH",
     "SHMDIR",
     "STATE_FILE",
@@ -55,6 +56,14 @@ SUPERVISOR_FILE = Path(supervisor.__file__).resolve()
 SUPERVISOR_IN_SANDBOX = "/.agentrl/supervisor.py"
 """Where :data:`SUPERVISOR_FILE` is bound (read-only) in the sandbox."""
 
+PROTECTED_PIDS = (1, 2)
+"""The pids (and process groups) the code may not signal, inside the sandbox's PID namespace:
+bwrap's init (1) and the supervisor (2, its only child, a session leader). The supervisor
+checks that it is one of them before it applies the seccomp filter that protects them."""
+SANDBOX_OVERHEAD_PIDS = 3
+"""Processes of a sandboxed call besides the code's: bwrap outside and its init inside the
+PID namespace, and the supervisor (unsandboxed: the supervisor only)."""
+
 IsolationMode = Literal["root", "userns"]
 
 
@@ -80,7 +89,8 @@ class SandboxLimits:
     wall_time_s: float = 5.0
     """Wall-clock seconds the code may run; then every process is killed."""
     memory_mb: int = 256
-    """Address-space limit (RLIMIT_AS) of each process, in MiB."""
+    """Address-space limit (RLIMIT_AS) of each process, in MiB; with a cgroup, the memory of
+    the call's processes together (:attr:`cgroup_memory_bytes`)."""
     output_chars: int = 4000
     """Most characters of output returned, marker included."""
     cpu_time_s: float = 6.0
@@ -111,6 +121,17 @@ class SandboxLimits:
         """When the parent SIGKILLs bwrap: past the code's deadline, the supervisor needs a
         moment to archive the files (tmpfs reads)."""
         return self.wall_time_s + 5.0 + self.disk_mb / 50.0
+
+    @property
+    def cgroup_memory_bytes(self) -> int:
+        """The call's cgroup memory limit: ``memory_mb`` for its processes plus ``disk_mb`` for
+        its files (tmpfs pages are memory, charged to the cgroup like memfds and shm)."""
+        return (self.memory_mb + self.disk_mb) * 1024 * 1024
+
+    def cgroup_pids(self, sandboxed: bool) -> int:
+        """The call's cgroup pids limit (tasks, threads included): ``max_processes`` plus
+        bwrap's two processes and the supervisor (unsandboxed: the supervisor)."""
+        return self.max_processes + (SANDBOX_OVERHEAD_PIDS if sandboxed else 1)
 
     @property
     def stream_cap_bytes(self) -> int:
@@ -172,4 +193,6 @@ def supervisor_config(
         "max_forks": limits.max_processes - 1 if sandboxed else 0,
         "site_dirs": site_dirs,
         "read_roots": read_roots,
+        "seccomp": seccomp.filter_hex(PROTECTED_PIDS) if sandboxed else "",
+        "protect_pids": list(PROTECTED_PIDS),
     }

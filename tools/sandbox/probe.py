@@ -23,11 +23,14 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from tools.sandbox import seccomp
+from tools.sandbox.cgroup import detect
 from tools.sandbox.command import SYSTEM_DIRS, ancestors, bwrap_command, check_argv
-from tools.sandbox.config import Isolation
+from tools.sandbox.config import PROTECTED_PIDS, Isolation
 from tools.sandbox.supervisor import CHECK_OK
 
 __all__ = [
+    "CGROUP_HINT",
     "INSTALL_HINT",
     "SandboxUnavailableError",
     "check_python_sandbox_available",
@@ -43,6 +46,14 @@ INSTALL_HINT = (
     "(unsafe: the code can reach the network, the files and the secrets of this machine)"
 )
 """The fix, quoted by every refusal."""
+CGROUP_HINT = (
+    "on cgroup v2, give the trainer a delegated cgroup with the memory and pids controllers "
+    "(`systemd-run --user --scope -p Delegate=yes ...`, or as root a cgroup it does not live "
+    "in) and name it in `tools.python.cgroup_parent`; on cgroup v1, run as root with the memory "
+    "and pids hierarchies mounted; or set `tools.python.cgroups: auto` (rlimits only where no "
+    "cgroup can be made)"
+)
+"""The fix, quoted when per-call cgroups are required but unavailable."""
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -141,6 +152,10 @@ def _probe_isolation(exe: str, bwrap: str | None) -> Isolation | str:
     if root and not setpriv:
         return "`setpriv` (util-linux) was not found; running as root it drops the user id"
     try:
+        program = seccomp.filter_hex(PROTECTED_PIDS)
+    except ValueError as exc:
+        return f"no seccomp filter for this machine ({exc})"
+    try:
         binds = python_paths(exe)
     except (OSError, subprocess.SubprocessError, ValueError) as exc:
         return f"cannot ask the interpreter {exe!r} where it lives: {exc}"
@@ -149,7 +164,7 @@ def _probe_isolation(exe: str, bwrap: str | None) -> Isolation | str:
     )
     workdir = tempfile.mkdtemp(prefix="agentrl-probe-")
     try:
-        cmd = bwrap_command(iso, Path(workdir), check_argv(exe), disk_mb=8)
+        cmd = bwrap_command(iso, Path(workdir), check_argv(exe, program), disk_mb=8)
         proc = subprocess.run(
             cmd, capture_output=True, timeout=60, check=False, cwd=workdir, env={}
         )
@@ -172,7 +187,8 @@ def check_python_sandbox_available(section: Any = None) -> None:
     """Raise :class:`SandboxUnavailableError` (naming the fix) if the python tool cannot run.
 
     ``section`` is the ``tools.python`` config section (or a dict, or None for the defaults);
-    its ``allow_unsandboxed``, ``python_executable`` and ``bwrap`` are read when present. Call
+    its ``allow_unsandboxed``, ``python_executable``, ``bwrap``, ``cgroups`` and ``cgroup_parent``
+    are read when present. Call
     it before starting any server when ``python`` is among ``tools.enabled``. Cached per
     process: costs one sandboxed ``pass`` (~0.1 s) the first time.
     """
@@ -185,6 +201,13 @@ def check_python_sandbox_available(section: Any = None) -> None:
             return section.get(key)
         return getattr(section, key, None)
 
+    if get("cgroups") == "required":
+        found = detect(get("cgroup_parent"))
+        if isinstance(found, str):
+            raise SandboxUnavailableError(
+                f"tools.python.cgroups: 'required', but no per-call cgroup can be made here: "
+                f"{found}. Fix: {CGROUP_HINT}."
+            )
     if get("allow_unsandboxed"):
         return
     iso = isolation(get("python_executable"), get("bwrap"))

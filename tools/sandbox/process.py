@@ -7,9 +7,15 @@ stdout, stderr and the supervisor's status pipe concurrently, and enforces the h
 
 What it guarantees:
 
+- the wall limit holds from outside the sandbox: once the supervisor says the code started,
+  the parent gives it ``wall_time_s`` + :data:`OUTSIDE_GRACE_S` to report the code's end, then
+  kills the call itself (its cgroup and bwrap), whatever the code did to its supervisor;
 - when :func:`run_supervised` returns or raises (the hard deadline, a cancellation), the
   process group has been SIGKILLed (bwrap's ``--die-with-parent`` and PID namespace take every
-  process of the code with it);
+  process of the code with it) and, with cgroups, every process of the call's cgroup too, and
+  the cgroup is removed;
+- with cgroups, the run says whether the call hit its memory limit (an OOM kill) and how much
+  memory and how many processes it used at most, as the kernel counted them;
 - stdout and stderr cost bounded memory: the first and the last ``stream_cap_bytes // 2``
   bytes are kept, the middle is replaced by a ``...[truncated N bytes]...`` marker;
 - the archive of the working directory (sandboxed runs) is streamed into
@@ -32,9 +38,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tools.sandbox.cgroup import CallCgroup, CgroupSetup, CgroupUsage
+from tools.sandbox.command import cgroup_prefix
 from tools.sandbox.config import STATE_FILE, SandboxLimits
+from tools.sandbox.supervisor import STARTED_LINE
 
-__all__ = ["SandboxRun", "run_supervised"]
+__all__ = ["OUTSIDE_GRACE_S", "SandboxRun", "run_supervised"]
+
+OUTSIDE_GRACE_S = 1.0
+"""Seconds past ``wall_time_s`` (counted from the code's start) before the parent kills a call
+whose supervisor has not reported: the supervisor's own kill and report take milliseconds."""
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +69,8 @@ class SandboxRun:
     """Sandboxed runs: whether this call's files were kept for the next call."""
     note: str = ""
     """A sandbox-side problem worth telling the model (files not restored or not saved)."""
+    usage: CgroupUsage | None = None
+    """What the call's cgroup counted (None without cgroups)."""
 
 
 async def run_supervised(
@@ -66,14 +81,41 @@ async def run_supervised(
     code: str,
     limits: SandboxLimits,
     sandboxed: bool,
+    cgroups: CgroupSetup | None = None,
 ) -> SandboxRun:
-    """Run ``command(status_fd)`` (the supervisor, in bwrap when ``sandboxed``) on ``code``.
+    """Run ``command(status_fd)`` (the supervisor, in bwrap when ``sandboxed``) on ``code``,
+    in a fresh cgroup of ``cgroups`` when given.
 
     ``status_fd`` is the write end of the status pipe, passed to the process and closed here.
+
+    Raises:
+        OSError: the call's cgroup could not be created.
     """
+    cgroup = None
+    if cgroups is not None:
+        cgroup = await asyncio.to_thread(
+            CallCgroup.create, cgroups, limits.cgroup_memory_bytes, limits.cgroup_pids(sandboxed)
+        )
+    try:
+        return await _run(command, env, episode_dir, code, limits, sandboxed, cgroup)
+    finally:
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.remove)
+
+
+async def _run(
+    command: Callable[[int], list[str]],
+    env: dict[str, str],
+    episode_dir: Path,
+    code: str,
+    limits: SandboxLimits,
+    sandboxed: bool,
+    cgroup: CallCgroup | None,
+) -> SandboxRun:
+    """Start the command (joining ``cgroup``) and collect it."""
     read_fd, write_fd = os.pipe()
     try:
-        argv = command(write_fd)
+        argv = cgroup_prefix(cgroup.procs_files() if cgroup else []) + command(write_fd)
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
             *argv,
@@ -90,7 +132,7 @@ async def run_supervised(
         raise
     finally:
         os.close(write_fd)
-    return await _collect(proc, code, read_fd, episode_dir, sandboxed, start, limits)
+    return await _collect(proc, code, read_fd, episode_dir, sandboxed, start, limits, cgroup)
 
 
 async def _collect(
@@ -101,15 +143,34 @@ async def _collect(
     sandboxed: bool,
     start: float,
     limits: SandboxLimits,
+    cgroup: CallCgroup | None,
 ) -> SandboxRun:
-    """Feed the code, read the outputs and the status pipe, enforce the hard deadline."""
+    """Feed the code, read the outputs and the status pipe, enforce the wall limit from
+    outside and the hard deadline."""
     cap = limits.stream_cap_bytes
     assert proc.stdout is not None and proc.stderr is not None
     out_task = asyncio.ensure_future(_read_capped(proc.stdout, cap))
     err_task = asyncio.ensure_future(_read_capped(proc.stderr, cap))
     partial = episode_dir / (STATE_FILE + ".partial")
+    started, reported = asyncio.Event(), asyncio.Event()
     status_task = asyncio.ensure_future(
-        _read_status(status_fd, partial if sandboxed else None, limits.archive_cap_bytes)
+        _read_status(
+            status_fd,
+            partial if sandboxed else None,
+            limits.archive_cap_bytes,
+            (started, reported),
+        )
+    )
+
+    def kill_call() -> None:
+        """SIGKILL every process of the call (the cgroup, then bwrap's process group)."""
+        if cgroup is not None:
+            cgroup.kill()
+        _killpg(proc.pid)
+
+    fired = asyncio.Event()
+    watchdog = asyncio.ensure_future(
+        _watchdog((started, reported, fired), limits.wall_time_s, kill_call)
     )
     killed = False
     finished = False  # False while a cancellation propagates: no archive is kept then
@@ -121,6 +182,10 @@ async def _collect(
         finished = True
     finally:
         # Always: kill what is left, on the deadline, on cancellation and after a normal exit.
+        watchdog.cancel()  # its kill may still run in a thread: ``fired`` says it started
+        killed = killed or fired.is_set()
+        if cgroup is not None:
+            await asyncio.to_thread(cgroup.kill)
         done = await _reap(proc, (out_task, err_task, status_task))
         if status_task not in done or not finished:
             with contextlib.suppress(OSError):
@@ -138,14 +203,43 @@ async def _collect(
         stderr_dropped=err_dropped,
         files_saved=not sandboxed,
         note=note,
+        usage=cgroup.usage() if cgroup is not None else None,
     )
     if head.get("restore_error"):
         run.note = (
             f"note: the files of earlier calls could not be restored ({head['restore_error']})"
         )
+    if run.usage is not None and run.usage.oom_kills:
+        oom = (
+            f"error: out of memory: the call's processes and files may use {limits.memory_mb} + "
+            f"{limits.disk_mb} MiB in all; processes were killed"
+        )
+        run.note = f"{oom}\n{run.note}" if run.note else oom
     if sandboxed:
         run.files_saved = _keep_archive(partial, archive_ok and proc.returncode == 0)
     return run
+
+
+async def _watchdog(
+    events: tuple[asyncio.Event, asyncio.Event, asyncio.Event],
+    wall_time_s: float,
+    kill: Callable[[], None],
+) -> None:
+    """Kill the call (``kill``) when its code started more than ``wall_time_s`` +
+    :data:`OUTSIDE_GRACE_S` ago and the supervisor has not reported. ``events``: (the code
+    started, the supervisor reported, set here before killing).
+
+    The supervisor is inside the sandbox, and the code must not be able to extend its own
+    time by stopping it: this clock runs in the parent. A supervisor that never says the code
+    started is covered by the hard deadline.
+    """
+    started, reported, fired = events
+    await started.wait()
+    try:
+        await asyncio.wait_for(reported.wait(), wall_time_s + OUTSIDE_GRACE_S)
+    except TimeoutError:
+        fired.set()
+        await asyncio.to_thread(kill)
 
 
 async def _feed_and_wait(proc: asyncio.subprocess.Process, code: str) -> None:
@@ -194,12 +288,17 @@ def _killpg(pgid: int) -> None:
         os.killpg(pgid, signal.SIGKILL)
 
 
-async def _read_status(fd: int, archive: Path | None, cap: int) -> tuple[dict[str, Any], bool, str]:
+async def _read_status(
+    fd: int, archive: Path | None, cap: int, events: tuple[asyncio.Event, asyncio.Event]
+) -> tuple[dict[str, Any], bool, str]:
     """Read the supervisor's status pipe: (status line, archive complete, note).
 
-    The archive (sandboxed runs) is streamed into ``archive`` unread and unparsed: only the
-    next sandbox unpacks it. Past ``cap`` bytes it is dropped (the note says so).
+    ``events`` are set when the supervisor says the code started, then when its status line
+    (the code's end) arrives. The archive (sandboxed runs) is streamed into ``archive`` unread
+    and unparsed: only the next sandbox unpacks it. Past ``cap`` bytes it is dropped (the
+    note says so).
     """
+    started, reported = events
     loop = asyncio.get_running_loop()
     reader = asyncio.StreamReader(limit=1 << 16)
     pipe = os.fdopen(fd, "rb", buffering=0)
@@ -207,9 +306,14 @@ async def _read_status(fd: int, archive: Path | None, cap: int) -> tuple[dict[st
     try:
         try:
             line = await reader.readline()
+            if line == STARTED_LINE:
+                started.set()
+                line = await reader.readline()
             head = json.loads(line) if line.endswith(b"\n") else {}
         except (ValueError, asyncio.LimitOverrunError):
             return {}, False, ""
+        if isinstance(head, dict) and head:
+            reported.set()
         if not isinstance(head, dict) or archive is None:
             return (head if isinstance(head, dict) else {}), False, ""
         size = 0

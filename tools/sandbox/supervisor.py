@@ -17,9 +17,14 @@ What it guarantees:
 
 - it imports the standard library only (the sandbox holds nothing else), and importing it
   does nothing: tests import it like any module;
-- the status pipe carries one JSON line ``{"exit_code", "timed_out", "restore_error"}``
-  (``exit_code`` negative = killed by that signal), then, sandboxed, a tar stream of the
-  working directory written after every process of the code is dead;
+- the status pipe carries ``{"started": true}`` when the code is about to start (the parent
+  times the wall limit from it, outside the sandbox), then one JSON line ``{"exit_code",
+  "timed_out", "restore_error"}`` (``exit_code`` negative = killed by that signal), then,
+  sandboxed, a tar stream of the working directory written after every process of the code
+  is dead;
+- with a ``seccomp`` program in the configuration, the code's process installs it (and
+  ``no_new_privs``) before the code runs, and the code does not start if that fails; the
+  supervisor first checks that it and its parent are the pids the filter protects;
 - the code runs as ``__main__`` with the globals ``__name__`` and ``__builtins__`` only,
   compiled as ``<code>``: its tracebacks name ``<code>``, and the supervisor's own frames
   (this file) are hidden from it by the audit hook and cut from stderr by the parent;
@@ -31,7 +36,7 @@ The configuration (JSON, built by :func:`tools.sandbox.config.supervisor_config`
 ``rlimits`` ({RLIMIT_* name: value}), ``cwd``, ``write_root``, ``restore`` (archive to unpack,
 or ""), ``archive`` (write one), ``sandboxed``, ``status_fd``, ``wall_time_s``, ``audit``,
 ``max_forks``, ``site_dirs`` (appended to ``sys.path``), ``read_roots`` (readable under the
-hook).
+hook), ``seccomp`` (a BPF program as hex, or "") and ``protect_pids`` (the pids it protects).
 """
 
 from __future__ import annotations
@@ -51,8 +56,11 @@ if TYPE_CHECKING:
 MARKER = "agentrl-sandbox-supervisor"
 """The supervisor's first argument: in the command line of every sandboxed process."""
 CHECK = "--check"
-"""The only argument of a probe run: print :data:`CHECK_OK` and exit."""
+"""The first argument of a probe run: install the seccomp program given as the second (hex),
+if any, print :data:`CHECK_OK` and exit."""
 CHECK_OK = "agentrl-sandbox-ok"
+STARTED_LINE = b'{"started": true}\n'
+"""The status pipe's first line: the code is about to start (the parent's wall clock starts)."""
 
 # The audit hook's policy, by event name (https://docs.python.org/3/library/audit_events.html).
 READ_EVENTS = frozenset(
@@ -91,7 +99,9 @@ def main(argv: list[str]) -> None:
     Only the child returns from here, after the code ran; the supervisor exits in
     :func:`supervise`.
     """
-    if argv[1:] == [CHECK]:
+    if argv[1:2] == [CHECK]:
+        if len(argv) > 2:
+            install_seccomp(argv[2])
         print(CHECK_OK)
         return
     if len(argv) != 3 or argv[1] != MARKER:
@@ -107,11 +117,23 @@ def main(argv: list[str]) -> None:
     for path in cfg["site_dirs"]:
         if path not in sys.path:
             sys.path.append(path)
+    if cfg["seccomp"] and sorted({os.getpid(), os.getppid()}) != sorted(cfg["protect_pids"]):
+        raise SystemExit(
+            f"sandbox: the supervisor is pid {os.getpid()} (parent {os.getppid()}), not one of "
+            f"{cfg['protect_pids']} that the seccomp filter protects"
+        )
+    os.write(cfg["status_fd"], STARTED_LINE)
     child = os.fork()
     if child:
         supervise(child, cfg, restore_error)
     os.setsid()
     os.close(cfg["status_fd"])
+    if cfg["seccomp"]:
+        try:
+            install_seccomp(cfg["seccomp"])
+        except OSError as e:
+            os.write(2, f"sandbox: the seccomp filter could not be installed: {e}\n".encode())
+            os._exit(126)
     if cfg["audit"]:
         install_audit_hook(
             os.path.realpath(cfg["write_root"]),
@@ -120,6 +142,39 @@ def main(argv: list[str]) -> None:
             cfg["sandboxed"],
         )
     run_code(code)
+
+
+def install_seccomp(program_hex: str) -> None:
+    """Install the classic-BPF seccomp program ``program_hex`` on this process (and its future
+    children), after ``no_new_privs``; then forget ``ctypes`` (the code's import of it goes
+    through the audit hook again).
+
+    Raises:
+        OSError: the kernel refused (no seccomp, or a malformed program).
+    """
+    import ctypes
+
+    program = bytes.fromhex(program_hex)
+    buffer = ctypes.create_string_buffer(program, len(program))
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    fprog = SockFprog(len(program) // 8, ctypes.addressof(buffer))
+    libc = ctypes.CDLL(None, use_errno=True)
+    ulong = ctypes.c_ulong
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    if libc.prctl(pr_set_no_new_privs, ulong(1), ulong(0), ulong(0), ulong(0)) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_NO_NEW_PRIVS): {os.strerror(err)}")
+    pointer = ctypes.cast(ctypes.pointer(fprog), ctypes.c_void_p).value
+    if libc.prctl(
+        pr_set_seccomp, ulong(seccomp_mode_filter), ulong(pointer or 0), ulong(0), ulong(0)
+    ):
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_SECCOMP): {os.strerror(err)}")
+    for name in [m for m in sys.modules if m == "ctypes" or m.startswith(("ctypes.", "_ctypes"))]:
+        del sys.modules[name]
 
 
 def limit_pair(name: str, value: int, hard: int, infinity: int) -> tuple[int, int]:

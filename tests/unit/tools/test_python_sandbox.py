@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -89,8 +90,7 @@ async def test_exceptions_show_the_users_traceback_only():
 async def test_the_supervisors_frames_and_source_lines_are_cut(sandboxed):
     """Without the audit hook the interpreter can read the supervisor's file and shows its
     source lines; the model still sees its own frames only."""
-    kw = {"audit_hook": False}
-    tool = PythonTool(**kw) if sandboxed else unsandboxed(**kw)
+    tool = PythonTool(audit_hook=False) if sandboxed else unsandboxed(audit_hook=False)
     r = await tool.run("def f():\n    return 1 / 0\nf()")
     assert r.content == (
         "Traceback (most recent call last):\n"
@@ -323,6 +323,49 @@ async def test_allow_unsandboxed_runs_with_a_loud_warning(caplog):
     assert "WITHOUT OS isolation" in caplog.text
     r = await tool.run("print(6 * 7)")
     assert r.content == "42\n"
+
+
+NOT_V2 = "is not a cgroup v2 directory|no cgroup v2 hierarchy is mounted"
+
+
+def test_the_cgroups_knob_is_checked():
+    with pytest.raises(ValueError, match="cgroups='always' is not one of auto, required, off"):
+        PythonTool(cgroups="always")
+
+
+async def test_without_a_writable_cgroup_it_warns_and_falls_back_to_rlimits(tmp_path, caplog):
+    """A ``cgroup_parent`` that is no cgroup: nothing else is tried (it is what was asked)."""
+    with caplog.at_level(logging.WARNING, logger="tools.python_sandbox"):
+        tool = PythonTool(cgroup_parent=str(tmp_path))
+    assert "NO PER-CALL CGROUP" in caplog.text
+    assert re.search(NOT_V2, caplog.text), caplog.text
+    assert "tools.python.cgroup_parent" in caplog.text  # the fix
+    r = await tool.run("print(6 * 7)")
+    assert r.content == "42\n" and "memory_peak_mb" not in r.metrics  # rlimits only
+    r = await tool.run("x = bytearray(400 << 20)")  # RLIMIT_AS still holds per process
+    assert r.error and "MemoryError" in r.content
+
+
+def test_cgroups_required_refuses_to_start_without_one(tmp_path):
+    with pytest.raises(SandboxUnavailableError, match="cgroups='required'") as info:
+        PythonTool(cgroups="required", cgroup_parent=str(tmp_path))
+    assert re.search(NOT_V2, str(info.value)), info.value
+    assert "tools.python.cgroup_parent" in str(info.value)
+    with pytest.raises(SandboxUnavailableError, match=r"tools\.python\.cgroups: 'required'"):
+        check_python_sandbox_available({"cgroups": "required", "cgroup_parent": str(tmp_path)})
+
+
+async def test_a_call_runs_in_its_own_cgroup_where_this_machine_allows_it():
+    """Here (root, cgroup v1 or a writable v2): the kernel's numbers come back per call."""
+    from tools.sandbox.cgroup import CgroupSetup, detect
+
+    if not isinstance(detect(), CgroupSetup):
+        pytest.skip(f"no per-call cgroup on this machine: {detect()}")
+    tool = PythonTool(cgroups="required")
+    r = await tool.run("x = b'x' * (40 << 20)\nprint(len(x) >> 20)")
+    assert r.content == "40\n"
+    assert 40 <= r.metrics["memory_peak_mb"] <= tool.memory_mb + tool.disk_mb
+    assert r.metrics["oom_kills"] == 0
 
 
 async def test_unsandboxed_fork_is_refused():

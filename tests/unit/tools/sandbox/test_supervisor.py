@@ -18,6 +18,7 @@ import pytest
 from tools.sandbox import supervisor
 from tools.sandbox.command import supervisor_argv
 from tools.sandbox.config import SUPERVISOR_FILE
+from tools.sandbox.supervisor import STARTED_LINE
 
 
 def run(
@@ -40,6 +41,8 @@ def run(
         "max_forks": 0,
         "site_dirs": [],
         "read_roots": [],
+        "seccomp": "",
+        "protect_pids": [1, 2],
         **overrides,
     }
     try:
@@ -56,8 +59,10 @@ def run(
     finally:
         os.close(write_fd)
     with os.fdopen(read_fd, "rb") as status:
+        started = status.readline()
         line = status.readline()
         rest = status.read()
+    assert started == STARTED_LINE, started
     return proc, json.loads(line), rest
 
 
