@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from agentrl.config.reasoning_gym import ReasoningGymConfig
 from agentrl.config.section import Section
 
 __all__ = ["DataConfig", "SFTDataConfig"]
@@ -20,9 +21,11 @@ class DataConfig(Section):
     val_files: list[str] = Field(default_factory=list)
     """Held-out task files; empty = `generator_val_size` generated tasks (0 or no generator = no validation)."""
     generator: str | None = "calculator"
-    """Built-in task generator used when `train_files` is empty (e.g. `calculator`); None = off."""
+    """Built-in task generator used when `train_files` is empty (`calculator`, `reasoning_gym`); None = off."""
     generator_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task generator (e.g. `{max_digits: 4}`)."""
+    reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
+    """The reasoning-gym tasks of `generator: reasoning_gym` (see docs/environments.md)."""
     generator_train_size: int = Field(default=512, ge=1)
     """Training tasks the generator makes (seeded by `seed`)."""
     generator_val_size: int = Field(default=64, ge=0)

@@ -35,8 +35,7 @@ class InferenceConfig(Section):
     max_batch_size: int = Field(default=32, ge=1)
     """Most sequences a server decodes at once (embedded: batch slots; vLLM: --max-num-seqs)."""
     startup_timeout_s: float = Field(default=300.0, gt=0)
-    """Seconds a server this run launches may take to answer `/health` (a server that exits
-    fails at once); raise it for a large model or a loaded machine."""
+    """Seconds a launched server may take to answer `/health` (raise it on a loaded machine)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the embedded servers (auto = cuda when available); their dtype is `model.dtype`."""
     api_key: str | None = Field(default=None, exclude=True, repr=False)

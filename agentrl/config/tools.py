@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from agentrl.config.mcp import MCPServerConfig
 from agentrl.config.section import Section
 
 __all__ = ["PythonToolConfig", "SearchToolConfig", "ToolsConfig"]
@@ -56,3 +57,5 @@ class ToolsConfig(Section):
     """The python sandbox tool."""
     search: SearchToolConfig = Field(default_factory=SearchToolConfig)
     """The search tool."""
+    mcp: list[MCPServerConfig] = Field(default_factory=list)
+    """MCP tool servers whose tools the agent also gets (`{name, command | url, tools, ...}`; see docs/environments.md)."""

@@ -27,5 +27,4 @@ class TrackingConfig(Section):
     log_every: int = Field(default=1, ge=1)
     """Log metrics every N steps."""
     num_sample_trajectories: int = Field(default=4, ge=0)
-    """Sample episodes logged at step 1 and every ``total_steps // 5`` steps, as a table and as
-    MLflow traces (one span per model turn, tool call and reward)."""
+    """Sample episodes logged at step 1 and every total_steps // 5 steps (a table and traces)."""

@@ -66,7 +66,8 @@ def base_dir(cfg: ExperimentConfig) -> str | None:
 
 
 def build_toolset(cfg: ExperimentConfig) -> Any:
-    """The ``tools`` section as a ToolSet (settings of disabled tools are ignored)."""
+    """The ``tools`` section as a ToolSet (settings of disabled tools are ignored), with the
+    tools of the ``tools.mcp`` servers."""
     from tools import ToolSet
 
     search = cfg.tools.search.model_dump()
@@ -76,8 +77,14 @@ def build_toolset(cfg: ExperimentConfig) -> Any:
         search["corpus_path"] = str(
             resolve_user_path(search["corpus_path"], cfg.base_dir, key="tools.search.corpus_path")
         )
+    extra = []
+    if cfg.tools.mcp:  # listed once per process; a server that will not start fails here
+        from tools.mcp import mcp_tools_from_config
+
+        extra = mcp_tools_from_config(cfg.tools.mcp, cfg.base_dir)
     return ToolSet.from_names(
         cfg.tools.enabled,
+        extra=extra,
         options={
             "python": cfg.tools.python.model_dump(),
             **({"search": search} if search.get("corpus_path") else {}),
@@ -117,10 +124,14 @@ def build_tasks(cfg: ExperimentConfig, *, split: str) -> list[Task]:
 
 
 def _generate(cfg: ExperimentConfig, n: int, *, seed: int) -> list[Task]:
+    if cfg.data.generator == "reasoning_gym":
+        from agentrl.rollout.reasoning_gym import generate_reasoning_gym_tasks
+
+        return generate_reasoning_gym_tasks(cfg.data.reasoning_gym, n, seed=seed)
     if cfg.data.generator != "calculator":
         raise RegistryError(
-            f"data.generator: unknown generator {cfg.data.generator!r}; the built-in is "
-            "'calculator' (or give data.train_files)"
+            f"data.generator: unknown generator {cfg.data.generator!r}; the built-ins are "
+            "'calculator' and 'reasoning_gym' (or give data.train_files)"
         )
     from agentrl.rollout.calculator_task import generate_calculator_tasks
 
@@ -172,6 +183,7 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
     agents = _agents(cfg, [*train, *val], problems)
     if rewards is not None:
         _check_sources(rewards, [*train, *val], problems)
+        _check_reasoning_gym_rewards(cfg, rewards, problems)
     _check(problems, lambda: _transport(cfg))
     _check(problems, lambda: _lora(cfg))
     _check(problems, lambda: _sandbox(cfg))
@@ -214,6 +226,26 @@ def _check_sources(rewards: Any, tasks: list[Task], problems: list[str]) -> None
             rewards.reward_fn_for(source)
         except RewardConfigError as exc:
             problems.append(f"reward: {exc}")
+
+
+def _check_reasoning_gym_rewards(cfg: ExperimentConfig, rewards: Any, problems: list[str]) -> None:
+    """Tasks of ``data.generator: reasoning_gym`` must be scored by its scorer, not by a default
+    that would silently compare strings."""
+    if cfg.data.generator != "reasoning_gym" or cfg.data.train_files:
+        return
+    from agentrl.rollout.reasoning_gym import reasoning_gym_reward
+
+    for spec in cfg.data.reasoning_gym.tasks:
+        try:
+            fn = rewards.reward_fn_for(spec.name)
+        except Exception:  # reported by _check_sources
+            continue
+        if fn is not reasoning_gym_reward:
+            problems.append(
+                f"reward: data source {spec.name!r} (a reasoning-gym task) is not scored by the "
+                "`reasoning_gym` reward; set reward.default: reasoning_gym (or "
+                f"reward.sources.{spec.name}: reasoning_gym)"
+            )
 
 
 def _agents(cfg: ExperimentConfig, tasks: list[Task], problems: list[str]) -> list[str]:

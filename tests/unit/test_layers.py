@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
         "agentrl.config",
         "agentrl.auth",
         "agentrl.tracking",
+        "agentrl.traces",
     ),
     # 1: the tool contract, the episode recorder, batches, the RL math
     ("tools", "agentrl.episode", "agentrl.batch", "agentrl.algos"),

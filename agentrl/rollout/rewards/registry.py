@@ -49,7 +49,14 @@ REWARDS.add("exact_match", exact_match)
 REWARDS.add("numeric_match", numeric_match)
 REWARDS.add("calculator", calculator_reward)
 REWARDS.add("tool_format", tool_format)
-BUILTIN_REWARDS = ("exact_match", "numeric_match", "calculator", "tool_format")
+REWARDS.add_lazy("reasoning_gym", "agentrl.rollout.reasoning_gym:reasoning_gym_reward")
+BUILTIN_REWARDS = (
+    "exact_match",
+    "numeric_match",
+    "calculator",
+    "tool_format",
+    "reasoning_gym",
+)
 """Names of the built-in reward functions."""
 
 
