@@ -542,23 +542,25 @@ class EpisodeRecorder:
 
     # ---- appending ------------------------------------------------------------------------
     def add_generation(self, gen: Generation, *, continue_turn: bool = False) -> None:
-        """Append a model turn: mask 1, the server's logprobs, its weight version.
+        """Append a model turn: mask 1, the server's logprobs, each token's weight version.
 
         ``continue_turn=True`` appends to the current (open) model turn instead of starting a
         new one, e.g. when a request aborted by a weight push is resumed with the new weights;
         each token keeps the version that produced it. Tokens past the budget are cut (and
         :attr:`truncated` is set).
         """
-        if gen.token_ids and gen.weight_version < 0:
+        versions = gen.versions()
+        if versions and min(versions) < 0:
             raise ValueError(
-                f"generation weight_version={gen.weight_version}; sampled tokens need the "
-                "version (>= 0) of the weights that produced them"
+                f"generation weight_version={gen.weight_version} (token versions "
+                f"{sorted(set(versions))}); sampled tokens need the version (>= 0) of the "
+                "weights that produced them"
             )
         n, before = len(gen.token_ids), len(self.response_ids)
         self.response_ids.extend(gen.token_ids)
         self.loss_mask.extend([1] * n)
         self.rollout_logprobs.extend(gen.logprobs)  # floats: Generation validated them
-        self.policy_version.extend([gen.weight_version] * n)
+        self.policy_version.extend(versions)
         if n and not (continue_turn and self._turn_has_tokens):
             self.num_turns += 1
         merge = continue_turn and self._turn_has_tokens

@@ -57,6 +57,7 @@ __all__ = [
     "Trajectory",
     "TrajectoryError",
     "TurnRecord",
+    "TurnSample",
 ]
 
 
@@ -175,8 +176,8 @@ class Generation(BaseModel):
     """What an inference server returned for one request.
 
     ``logprobs[i]`` is the log-probability of ``token_ids[i]`` after temperature (and after
-    top-k/top-p masking when those are on); ``weight_version`` is the version of the weights
-    that produced the tokens (a server never changes weights in the middle of a request).
+    top-k/top-p masking when those are on); :meth:`versions` is the version of the weights that
+    produced each token (a ``keep``-mode push may change them in the middle of a request).
     """
 
     token_ids: list[int]
@@ -184,8 +185,12 @@ class Generation(BaseModel):
     finish_reason: Literal["stop", "length", "abort"]
     """``stop``: EOS or a stop token; ``length``: max_tokens; ``abort``: aborted by the server."""
     weight_version: int
+    """The oldest version among the tokens (all of them when ``token_versions`` is None)."""
     server: str = ""
     """Which server answered (its base URL), for routing diagnostics."""
+    token_versions: list[int] | None = None
+    """The version that sampled each token, when the server says (the embedded server does: a
+    request carried across a weight push spans two); None = ``weight_version`` for every token."""
 
     @model_validator(mode="after")
     def _aligned(self) -> Generation:
@@ -193,7 +198,18 @@ class Generation(BaseModel):
             raise ValueError(
                 f"generation has {len(self.token_ids)} token_ids but {len(self.logprobs)} logprobs"
             )
+        if self.token_versions is not None and len(self.token_versions) != len(self.token_ids):
+            raise ValueError(
+                f"generation has {len(self.token_ids)} token_ids but "
+                f"{len(self.token_versions)} token_versions"
+            )
         return self
+
+    def versions(self) -> list[int]:
+        """The weight version of each token (``token_versions``, else ``weight_version``)."""
+        if self.token_versions is not None:
+            return list(self.token_versions)
+        return [self.weight_version] * len(self.token_ids)
 
 
 @runtime_checkable
@@ -208,6 +224,27 @@ class Policy(Protocol):
     ) -> Generation:
         """Sample a continuation of ``prompt_ids`` (``session_id``: one episode, one server)."""
         ...
+
+
+class TurnSample(BaseModel):
+    """One model turn as its own training sample (``agent.history: per_turn``): the prompt the
+    server was sent for that turn, rendered by the chat template from the conversation so far
+    (a Qwen3-style template strips earlier turns' thinking), and the tokens it sampled."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TurnSample:
+        n = len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            raise ValueError(
+                f"turn sample has {n} token_ids, {len(self.logprobs)} logprobs and "
+                f"{len(self.versions)} versions; they must be equal"
+            )
+        return self
 
 
 class TurnRecord(BaseModel):
@@ -285,6 +322,9 @@ class Trajectory(BaseModel):
     """Agent-reported numbers, aggregated into ``rollout/`` metrics."""
     messages: list[Message] = Field(default_factory=list)
     """The conversation, for display only; never used for training."""
+    turn_samples: list[TurnSample] = Field(default_factory=list)
+    """With ``agent.history: per_turn``: each model turn as the server saw it; the trainer
+    trains these (:meth:`per_turn_samples`) instead of the concatenated response."""
     turns: list[TurnRecord] = Field(default_factory=list)
     """Each model turn and environment answer with its timing, tokens and weight version
     (MLflow traces are built from it); display only."""
@@ -378,6 +418,33 @@ class Trajectory(BaseModel):
         """Newest weight version among sampled tokens (None if nothing was sampled)."""
         versions = [v for v, m in zip(self.policy_version, self.loss_mask, strict=True) if m]
         return max(versions) if versions else None
+
+    def per_turn_samples(self) -> list[Trajectory]:
+        """The trajectories the trainer trains on: ``[self]`` (exact concatenation), or one per
+        :attr:`turn_samples` entry, each the turn's prompt and sampled tokens, sharing this
+        episode's ``reward``, ``uid`` (group) and ``index`` (turn ``k`` adds ``turn_rewards[k]``
+        when there are turn rewards)."""
+        if not self.turn_samples:
+            return [self]
+        out = []
+        for k, s in enumerate(self.turn_samples):
+            extra = self.turn_rewards[k] if k < len(self.turn_rewards) else 0.0
+            out.append(
+                self.model_copy(
+                    update={
+                        "prompt_ids": list(s.prompt_ids),
+                        "response_ids": list(s.token_ids),
+                        "loss_mask": [1] * len(s.token_ids),
+                        "rollout_logprobs": list(s.logprobs),
+                        "policy_version": list(s.versions),
+                        "reward": self.reward + extra,
+                        "turn_rewards": [],
+                        "turn_samples": [],
+                        "num_turns": 1,
+                    }
+                )
+            )
+        return out
 
     def staleness(self, current_version: int) -> int:
         """``current_version - min(policy_version over sampled tokens)``; 0 if nothing sampled."""

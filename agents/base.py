@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
 from agentrl.config import AgentConfig, DataConfig
-from agentrl.episode import EpisodeRecorder, get_delta_renderer
+from agentrl.episode import EpisodeRecorder, get_delta_renderer, render_prompt_ids
 from agentrl.registry import Registry
 from agentrl.types import (
     EpisodeDropped,
@@ -71,6 +71,7 @@ from agentrl.types import (
     StopReason,
     Task,
     Trajectory,
+    TurnSample,
 )
 from agents.parsers import ParseResult, ToolCallParser, get_parser
 from tools import Tool, ToolEpisode, ToolResult, ToolSet
@@ -164,7 +165,16 @@ class AgentContext:
     system_prompt: str | None = None
     max_abort_resumes: int = 3
     """How often one turn aborted by the server is resumed before the episode ends ``aborted``."""
+    history: str = "concat"
+    """``concat``: every request's prompt is the previous one plus exact token deltas (one
+    trained sequence); ``per_turn``: each request's prompt is the conversation re-rendered by the
+    chat template (a Qwen3-style template strips earlier thinking), and each model turn becomes
+    its own training sample (``Trajectory.turn_samples``)."""
     logger: logging.Logger | logging.LoggerAdapter = logger
+    tool_schemas: list[dict[str, Any]] | None = None
+    """The tools the prompt was rendered with (set by :meth:`start_episode`)."""
+    turn_samples: list[TurnSample] = field(default_factory=list)
+    """The per-turn samples recorded so far (``history: per_turn``)."""
 
     # ---- the running record (read by the manager for partial trajectories) ----------------
     recorder: EpisodeRecorder | None = None
@@ -188,7 +198,10 @@ class AgentContext:
         """Render the first prompt and start recording. ``tools`` defaults to ``ctx.tools``."""
         if tools is None and self.tools is not None and len(self.tools):
             tools = self.tools.schemas()
+        if self.history not in ("concat", "per_turn"):
+            raise ValueError(f"agent.history={self.history!r}; use 'concat' or 'per_turn'")
         self.messages = [dict(m) for m in messages]
+        self.tool_schemas = list(tools) if tools else None
         self.recorder = EpisodeRecorder.from_messages(
             self.messages,
             self.tokenizer,
@@ -235,7 +248,14 @@ class AgentContext:
         else:  # the common case: the shared parameters as they are (no copy per turn)
             sampling = base
         start = time.perf_counter()
-        gen = await self.policy.generate(rec.context_ids(), sampling, self.session_id)
+        per_turn = self.history == "per_turn"
+        prompt = (
+            render_prompt_ids(self.tokenizer, self.messages, self.tool_schemas)
+            if per_turn
+            else rec.context_ids()
+        )
+        before = len(rec.response_ids)
+        gen = await self.policy.generate(prompt, sampling, self.session_id)
         rec.add_generation(gen)
         resumes = 0
         while gen.finish_reason == "abort" and resumes < self.max_abort_resumes:
@@ -245,19 +265,37 @@ class AgentContext:
                 break
             resumes += 1
             self._count("abort_resumes")
+            context = prompt + gen.token_ids if per_turn else rec.context_ids()
             more = await self.policy.generate(
-                rec.context_ids(), sampling.model_copy(update={"max_tokens": left}), self.session_id
+                context, sampling.model_copy(update={"max_tokens": left}), self.session_id
             )
             rec.add_generation(more, continue_turn=True)
             gen = Generation(
                 token_ids=gen.token_ids + more.token_ids,
                 logprobs=gen.logprobs + more.logprobs,
                 finish_reason=more.finish_reason,
-                weight_version=more.weight_version,
+                weight_version=min(gen.weight_version, more.weight_version),
                 server=more.server,
+                token_versions=gen.versions() + more.versions(),
             )
+        if per_turn:
+            self._record_turn_sample(prompt, gen, len(rec.response_ids) - before)
         self.timings["generate"] = self.timings.get("generate", 0.0) + time.perf_counter() - start
         return gen
+
+    def _record_turn_sample(self, prompt: list[int], gen: Generation, kept: int) -> None:
+        """Keep the turn as the server saw it: its prompt and the ``kept`` tokens (a budget cut
+        drops the tail, as in the concatenated record)."""
+        if kept <= 0:
+            return
+        self.turn_samples.append(
+            TurnSample(
+                prompt_ids=list(prompt),
+                token_ids=list(gen.token_ids[:kept]),
+                logprobs=list(gen.logprobs[:kept]),
+                versions=gen.versions()[:kept],
+            )
+        )
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of generated tokens, special tool tags kept, a trailing end-of-turn token dropped."""
@@ -290,13 +328,14 @@ class AgentContext:
     @contextlib.asynccontextmanager
     async def tool_episode(self, tools: Sequence[Tool] | None = None) -> AsyncIterator[ToolEpisode]:
         """The episode's tool calls: ``ctx.tools``, or ``tools`` instead (run under ``ctx.tools``'
-        limits, thread pool and counters, i.e. the config's ``tools:`` section); released at exit."""
+        limits, thread pool and counters, i.e. the config's ``tools:`` section); released at exit.
+        A ``max_output_tokens`` budget counts tokens of the episode's (the policy's) tokenizer."""
         if tools is None:
             toolset = self.tools or ToolSet()
         else:  # the agent's own tools, under the run's limits and counters (config `tools:`)
             toolset = self.tools.with_tools(tools) if self.tools is not None else ToolSet(tools)
             self.tools = toolset
-        async with toolset.episode() as ep:
+        async with toolset.episode(tokenizer=self.tokenizer) as ep:
             yield ep
 
     async def call_tools(
@@ -472,6 +511,7 @@ class AgentContext:
             "timings": dict(self.timings),
             "metrics": dict(self.metrics),
             "messages": list(self.messages),
+            "turn_samples": list(self.turn_samples),
             # One entry per model turn (0.0 for turns whose tools gave no step reward); empty
             # when no tool gave one, so a reward function's own turn_rewards take over.
             "turn_rewards": [self.step_rewards.get(k, 0.0) for k in range(1, rec.num_turns + 1)]
@@ -489,6 +529,10 @@ class AgentLoop(ABC):
     manager). ``run`` should end with ``ctx.finish(stop_reason)``; if it raises, the manager
     turns what was recorded into a trajectory with ``stop_reason=error``.
     """
+
+    history: ClassVar[str | None] = None
+    """``concat`` or ``per_turn`` for this agent's episodes (None = the config's
+    ``agent.history``); see :attr:`AgentContext.history`."""
 
     name: ClassVar[str] = ""
 

@@ -11,7 +11,8 @@ Guarantees of :meth:`ToolEpisode.call`:
   a :class:`~tools.base.ToolResult` with ``error=True`` and a message starting with ``error:``
   that the model can read and react to;
 - the content is at most ``max_output_chars`` characters plus a ``...[truncated N chars]``
-  marker;
+  marker, then (with ``max_output_tokens`` and the policy's tokenizer) at most that many tokens,
+  a ``...[truncated N tokens]`` marker included;
 - a tool's state is created lazily on its first call in an episode (parallel calls share one
   ``create``) and released exactly once when the episode ends, normally, by exception or by
   cancellation; a ``release`` that raises is logged and counted
@@ -40,7 +41,7 @@ from agentrl.jsonsafe import loads_limited
 from tools.base import Tool, ToolArgumentError, ToolResult
 from tools.call import TIMED_OUT, ToolCall, run_with_deadline
 from tools.executor import DaemonThreadPool
-from tools.limits import ToolLimits, truncate
+from tools.limits import TextTokenizer, ToolLimits, truncate, truncate_tokens
 from tools.metrics import ToolMetrics
 from tools.schema import format_validation_error
 
@@ -62,6 +63,8 @@ class ToolEpisode:
         metrics: Where calls, errors, timeouts and releases are counted.
         pool: Returns the thread pool that runs sync tools (created on first use).
         clock: Where call latencies are read from (seconds; tests inject a fake clock).
+        tokenizer: The policy's tokenizer, which ``limits.max_output_tokens`` counts in
+            (required when that limit is set).
     """
 
     def __init__(
@@ -71,7 +74,15 @@ class ToolEpisode:
         metrics: ToolMetrics,
         pool: Callable[[], DaemonThreadPool],
         clock: Callable[[], float] = time.perf_counter,
+        tokenizer: TextTokenizer | None = None,
     ) -> None:
+        if limits.max_output_tokens is not None and tokenizer is None:
+            raise ValueError(
+                f"tools.max_output_tokens={limits.max_output_tokens} counts tokens of the "
+                "policy's tokenizer: pass it, ToolSet.episode(tokenizer=...), or set "
+                "max_output_tokens to null"
+            )
+        self.tokenizer = tokenizer
         self.clock = clock
         self.tools = tools
         self.limits = limits
@@ -118,6 +129,11 @@ class ToolEpisode:
         latency = self.clock() - start
         limit = self.limits.output_chars_of(t.max_output_chars)
         content, dropped = truncate(result.content, limit, self.limits.truncate_side)
+        if self.tokenizer is not None:
+            content, cut = truncate_tokens(
+                content, self.limits.max_output_tokens, self.limits.truncate_side, self.tokenizer
+            )
+            dropped += cut
         if dropped:
             result = result.model_copy(update={"content": content})
         self.metrics.record_call(

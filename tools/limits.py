@@ -3,25 +3,28 @@
 Why it exists: the limits are one value (:class:`ToolLimits`) rather than loose attributes of a
 :class:`~tools.toolset.ToolSet`, so that everything that runs tool calls for an episode applies
 the same ones (the ``tools:`` section of a config: ``timeout_s``, ``max_output_chars``,
-``truncate_side``), and a set of tools built for one episode can be given the limits of the
+``max_output_tokens``, ``truncate_side``), and a set of tools built for one episode can be given the limits of the
 run instead of the class defaults.
 
 What it guarantees: a :class:`ToolLimits` is validated when built (a bad value raises a
 ``ValueError`` naming the field and the accepted values) and never changes afterwards;
-:func:`truncate` never returns more than ``max_chars`` characters plus its marker.
+:func:`truncate` never returns more than ``max_chars`` characters plus its marker;
+:func:`truncate_tokens` never returns text that the tokenizer encodes (alone) to more than
+``max_tokens`` tokens, its marker included, when the budget can hold the marker at all.
 
 Example::
 
     limits = ToolLimits(timeout_s=5.0, max_output_chars=2000, truncate_side="middle")
     truncate("x" * 10, 4, "right")   # ("xxxx...[truncated 6 chars]", 6)
+    truncate_tokens(text, 256, "right", tokenizer)   # at most 256 tokens of the policy's tokenizer
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
-__all__ = ["ToolLimits", "TruncateSide", "truncate"]
+__all__ = ["TextTokenizer", "ToolLimits", "TruncateSide", "truncate", "truncate_tokens"]
 
 TruncateSide = Literal["left", "right", "middle"]
 _SIDES = ("left", "right", "middle")
@@ -39,6 +42,9 @@ class ToolLimits:
     """Seconds one call may take; then it returns a ``timed out`` error."""
     max_output_chars: int | None = 4000
     """Most characters of a tool message; longer output is cut (:func:`truncate`)."""
+    max_output_tokens: int | None = None
+    """Most tokens (of the policy's tokenizer) of a tool message, marker included; applied after
+    the character cap (:func:`truncate_tokens`). ``None`` = no token budget."""
     truncate_side: TruncateSide = "right"
     """Which side of a long output is cut (``right`` keeps the head)."""
     release_timeout_s: float = 10.0
@@ -47,6 +53,10 @@ class ToolLimits:
     """Most sync ``@tool`` functions running at once (threads of the ToolSet's own pool)."""
 
     def __post_init__(self) -> None:
+        if self.max_output_tokens is not None and self.max_output_tokens < 1:
+            raise ValueError(
+                f"tools.max_output_tokens must be >= 1 or null, got {self.max_output_tokens}"
+            )
         if self.sync_workers < 1:
             raise ValueError(f"sync_workers must be >= 1, got {self.sync_workers}")
         if self.truncate_side not in _SIDES:
@@ -86,3 +96,57 @@ def truncate(text: str, max_chars: int | None, side: TruncateSide = "right") -> 
         tail = max_chars // 2
         return text[:head] + marker + (text[len(text) - tail :] if tail else ""), dropped
     raise ValueError(f"truncate_side must be 'left', 'right' or 'middle', got {side!r}")
+
+
+class TextTokenizer(Protocol):
+    """What :func:`truncate_tokens` needs of a tokenizer (a Hugging Face tokenizer has it)."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+
+def _token_marker(dropped: int) -> str:
+    return f"...[truncated {dropped} tokens]"
+
+
+def truncate_tokens(
+    text: str, max_tokens: int | None, side: TruncateSide, tokenizer: TextTokenizer
+) -> tuple[str, int]:
+    """Keep at most ``max_tokens`` tokens of ``text`` (as ``tokenizer`` encodes it alone, without
+    special tokens), the marker ``...[truncated N tokens]`` counted in the budget; return (text,
+    tokens dropped). ``side`` is cut as in :func:`truncate`. A budget too small for the marker
+    keeps only the marker. ``max_tokens=None`` disables truncation.
+    """
+    if side not in _SIDES:
+        raise ValueError(f"truncate_side must be 'left', 'right' or 'middle', got {side!r}")
+    if max_tokens is None:
+        return text, 0
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    if len(ids) <= max_tokens:
+        return text, 0
+
+    def cut(keep: int) -> str:
+        marker = _token_marker(len(ids) - keep)
+        if side == "right":
+            return tokenizer.decode(ids[:keep]) + marker
+        if side == "left":
+            return marker + tokenizer.decode(ids[len(ids) - keep :])
+        head, tail = keep - keep // 2, keep // 2
+        return (
+            tokenizer.decode(ids[:head])
+            + marker
+            + (tokenizer.decode(ids[len(ids) - tail :]) if tail else "")
+        )
+
+    def length(out: str) -> int:
+        return len(tokenizer.encode(out, add_special_tokens=False))
+
+    # Re-encoding can differ from the kept ids (a split multi-byte character, merges with the
+    # marker), so the result itself is measured until it fits.
+    keep = max(0, max_tokens - length(_token_marker(len(ids) - max_tokens)))
+    out = cut(keep)
+    while keep > 0 and length(out) > max_tokens:
+        keep -= 1
+        out = cut(keep)
+    return out, len(ids) - keep

@@ -29,7 +29,7 @@ from typing import Any
 from tools.base import Tool
 from tools.episode import ToolEpisode
 from tools.executor import DaemonThreadPool
-from tools.limits import ToolLimits, TruncateSide
+from tools.limits import TextTokenizer, ToolLimits, TruncateSide
 from tools.metrics import ToolMetrics
 from tools.registry import get_tool, registered_tools
 
@@ -45,6 +45,9 @@ class ToolSet:
             ``timeout_s`` overrides it.
         max_output_chars: Most characters of a tool message (``None`` = no limit); a tool's
             own ``max_output_chars`` overrides it.
+        max_output_tokens: Most tokens of a tool message, counted in the tokenizer that each
+            episode is given (``episode(tokenizer=...)``: the policy's); ``None`` = no token
+            budget. Applied after the character cap.
         truncate_side: Which side of a long output is cut (``right`` keeps the head).
         release_timeout_s: Seconds one ``release`` may take before it is abandoned (counted
             as a release error).
@@ -63,6 +66,7 @@ class ToolSet:
         *,
         timeout_s: float | None = 10.0,
         max_output_chars: int | None = 4000,
+        max_output_tokens: int | None = None,
         truncate_side: TruncateSide = "right",
         release_timeout_s: float = 10.0,
         sync_workers: int = 16,
@@ -73,6 +77,7 @@ class ToolSet:
         self.limits = ToolLimits(
             timeout_s=timeout_s,
             max_output_chars=max_output_chars,
+            max_output_tokens=max_output_tokens,
             truncate_side=truncate_side,
             release_timeout_s=release_timeout_s,
             sync_workers=sync_workers,
@@ -127,7 +132,8 @@ class ToolSet:
         ``options[name]`` are that tool's constructor arguments (options of known tools that
         are not in ``names`` are ignored, so a config may hold settings of disabled tools; a
         name no tool has is an error); ``extra`` are Tool objects added as they are; ``limits``
-        go to the constructor (``timeout_s``, ``max_output_chars``, ``truncate_side``,
+        go to the constructor (``timeout_s``, ``max_output_chars``, ``max_output_tokens``,
+        ``truncate_side``,
         ``release_timeout_s``)::
 
             ToolSet.from_names(["calculator", "python"], options={"python": {"wall_time_s": 2}},
@@ -210,9 +216,12 @@ class ToolSet:
     def __len__(self) -> int:
         return len(self._tools)
 
-    def episode(self) -> ToolEpisode:
-        """A new episode: ``async with toolset.episode() as ep: await ep.call(...)``."""
-        return ToolEpisode(self._tools, self.limits, self._metrics, self._sync_pool, self.clock)
+    def episode(self, tokenizer: TextTokenizer | None = None) -> ToolEpisode:
+        """A new episode: ``async with toolset.episode() as ep: await ep.call(...)``;
+        ``tokenizer`` (the policy's) is what ``max_output_tokens`` counts in (needed with it)."""
+        return ToolEpisode(
+            self._tools, self.limits, self._metrics, self._sync_pool, self.clock, tokenizer
+        )
 
     # -- metrics --
     def metrics(self, reset: bool = False) -> dict[str, float]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -28,5 +28,7 @@ class AgentConfig(Section):
     """System prompt prepended to every task that has none; None = the agent's own default."""
     kwargs: dict[str, dict[str, Any]] = Field(default_factory=dict)
     """Agent name -> keyword arguments of its constructor (e.g. `{my_agent: {hint: true}}`)."""
+    history: Literal["concat", "per_turn"] = "concat"
+    """`concat`: one trained sequence of exact token deltas; `per_turn`: each model turn trained as its own sample, its prompt re-rendered by the chat template (earlier thinking stripped by Qwen3-style templates), sharing the episode's reward and group."""
     episode_timeout_s: float = Field(default=300.0, gt=0)
     """Wall-clock limit of one episode; past it the episode stops as `aborted`."""

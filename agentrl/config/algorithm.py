@@ -239,3 +239,5 @@ class AlgorithmConfig(Section):
     """Controller of the in-reward KL coefficient."""
     correction: CorrectionSection = Field(default_factory=CorrectionSection)
     """Off-policy correction (IS weights, RS masks, bypass)."""
+    mask_truncated: bool = False
+    """Drop the loss of episodes cut by a length budget (`stop_reason: length`); their rewards still count in their group (TRL's `mask_truncated_completions`)."""

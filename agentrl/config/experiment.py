@@ -85,6 +85,12 @@ class ExperimentConfig(Section):
             raise ValueError(
                 f"trainer.val_k={t.val_k}: every k must be in 1..trainer.val_n ({t.val_n})"
             )
+        buf, budget = self.reward.overlong_buffer_len, self.agent.max_response_tokens
+        if buf > budget:
+            raise ValueError(
+                f"reward.overlong_buffer_len={buf} is over agent.max_response_tokens={budget}; "
+                "the penalty starts at max_response_tokens - overlong_buffer_len: lower it"
+            )
         mini = self.trainer.mini_batch_size  # None follows data.batch_size
         if mini is not None and self.data.batch_size % mini != 0:
             raise ValueError(

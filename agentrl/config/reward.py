@@ -172,6 +172,10 @@ class RewardConfig(Section):
     """Deadline of one reward call; past it the call is abandoned (or its worker killed) and counted."""
     format_weight: float = 0.0
     """Weight of the tool-format reward added to the task reward (0 = off)."""
+    overlong_buffer_len: int = Field(default=0, ge=0)
+    """DAPO soft overlong penalty: 0 up to `agent.max_response_tokens` minus this many tokens, then linear to -`overlong_penalty_factor` at the budget (0 = off)."""
+    overlong_penalty_factor: float = Field(default=1.0, ge=0.0)
+    """The overlong penalty at the response budget is minus this (with `overlong_buffer_len` > 0)."""
 
     @model_validator(mode="after")
     def _models_used(self) -> RewardConfig:

@@ -49,6 +49,8 @@ class ToolsConfig(Section):
     """Wall-clock limit of one tool call; a timeout becomes an error message to the model."""
     max_output_chars: int = Field(default=2000, ge=1)
     """Longest tool output shown to the model; longer output is truncated with a marker."""
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    """Token budget of one tool message in the policy's tokenizer, marker included, applied after `max_output_chars` (null = characters only)."""
     truncate_side: Literal["left", "right", "middle"] = "right"
     """Which part of an over-long tool output is cut."""
     python: PythonToolConfig = Field(default_factory=PythonToolConfig)

@@ -6,7 +6,9 @@ updates, versions). Both servers speak the same subset of vLLM's OpenAI-compatib
 (DESIGN section 3), so the only backend-specific parts are small and live here:
 
 - **Weight version of a generation.** The embedded server puts ``weight_version`` in every
-  completion body. vLLM 0.32's ``/v1/completions`` does not (its per-token
+  completion body and the version of each token in its choice's ``token_versions`` (a request
+  that a ``keep`` pause carried across a push spans two; :attr:`Generation.token_versions`
+  keeps them). vLLM 0.32's ``/v1/completions`` does not (its per-token
   ``weight_versions`` spans only exist on the separate ``--enable-scale-out``
   ``/inference/v1/generate`` endpoint). For vLLM the client reads ``GET /weight_info`` right
   before and right after the request. Guarantee: if both reads agree (the normal case: weights
@@ -54,6 +56,7 @@ __all__ = [
     "PauseMode",
     "PolicyClient",
     "parse_completion",
+    "parse_token_versions",
     "parse_weight_version",
 ]
 
@@ -119,6 +122,19 @@ def _error_message(response: httpx.Response) -> str:
         if "message" in body:
             return str(body["message"])
     return str(body)[:2000]
+
+
+def parse_token_versions(body: dict[str, Any], n_tokens: int, url: str = "") -> list[int] | None:
+    """The per-token ``token_versions`` of a ``/v1/completions`` body's first choice (the
+    embedded server's extension), or None when the server sent none (vLLM)."""
+    raw = body["choices"][0].get("token_versions")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or len(raw) != n_tokens:
+        raise InferenceError(
+            f"{url}: completion has {n_tokens} tokens but token_versions {str(raw)[:200]}"
+        )
+    return [parse_weight_version(v, url) for v in raw]
 
 
 def parse_weight_version(value: Any, url: str = "") -> int:
@@ -400,12 +416,16 @@ class PolicyClient:
                 f"{self.base_url}/v1/completions returned no weight_version; pass "
                 "backend='vllm' to read it from /weight_info instead"
             )
+        token_versions = parse_token_versions(body, len(token_ids), self.base_url)
+        if token_versions:
+            version = min(token_versions)
         return Generation(
             token_ids=token_ids,
             logprobs=logprobs,
             finish_reason=finish,
             weight_version=version,
             server=self.base_url,
+            token_versions=token_versions,
         )
 
     # ---- control ------------------------------------------------------------------------

@@ -5,7 +5,9 @@ format lives in one place. Requests are validated here (negative ``max_tokens``,
 temperatures ... become 400 errors naming the field); unknown fields are ignored, as vLLM does.
 
 Every response that carries tokens has a top-level ``weight_version`` (the oldest weight version
-that produced any of its tokens) and the server echoes it in the ``x-weight-version`` header.
+that produced any of its tokens) and the server echoes it in the ``x-weight-version`` header;
+a ``/v1/completions`` choice also lists ``token_versions``, the version of each of its tokens (an
+agentrl extension: a request that a ``keep`` pause carried across a weight push spans two).
 Numbers that no engine can use are refused here, naming the field: non-finite floats, seeds
 outside int64, versions outside ``[0, 2**63 - 1]`` or not integers (``"3"``, ``3.0``, ``true``).
 """
@@ -95,6 +97,8 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     prompt_token_ids: list[int] | None = None
     token_ids: list[int] | None = None
+    token_versions: list[int] | None = None
+    """The weight version that sampled each token (agentrl's extension; vLLM sends none)."""
 
 
 class Usage(BaseModel):

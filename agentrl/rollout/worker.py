@@ -18,7 +18,8 @@ Invariants of :meth:`AgentLoopWorker.run_episode` (what is always true):
   counted ``timeouts``;
 - a trajectory is returned only after it is scored (when a scorer is given); a scorer that
   raises, or reports ``reward_info["error"]``, drops the episode (``EpisodeDropped
-  ("reward_error")``, counted ``reward_errors``);
+  ("reward_error")``, counted ``reward_errors``); with ``WorkerConfig.overlong`` set, DAPO's
+  soft overlong penalty is added to the score (:mod:`agentrl.rollout.rewards.overlong`);
 - every turn of an episode uses the session id ``"{uid}/{index}"`` (sticky routing to one
   server's prefix cache); sample ``greedy_sample_index`` runs at temperature 0.
 
@@ -38,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from agentrl.config import AgentConfig
 from agentrl.episode import EpisodeRecorder
+from agentrl.rollout.rewards.overlong import OverlongPenalty
 from agentrl.types import EpisodeDropped, Policy, SamplingParams, StopReason, Task, Trajectory
 from agents import AgentContext, AgentLimits, get_agent_class, get_parser
 from tools import ToolSet
@@ -98,6 +100,10 @@ class WorkerConfig:
     """The sample index that runs greedily (temperature 0): ReMax's baseline sample."""
     base_dir: str | None = None
     """Folder that ``module:attr`` / path specs (agents) resolve against."""
+    history: str = _AGENT_DEFAULTS.history
+    """``concat`` or ``per_turn`` (``agent.history``; an agent class's ``history`` wins)."""
+    overlong: OverlongPenalty | None = None
+    """DAPO's soft overlong punishment added to each scored episode's reward (None = off)."""
 
     @classmethod
     def from_config(
@@ -111,10 +117,18 @@ class WorkerConfig:
         overlong_prompts: str = "drop",
         greedy_sample_index: int | None = None,
         base_dir: str | None = None,
+        overlong_buffer_len: int = 0,
+        overlong_penalty_factor: float = 1.0,
     ) -> WorkerConfig:
         """From the ``agent`` config section (``agentrl.config.AgentConfig``, or any object
         with its fields: ``default``, ``max_turns``, ``max_response_tokens``,
-        ``max_parallel_calls``, ``tool_call_format``, ``system_prompt``, ``episode_timeout_s``)."""
+        ``max_parallel_calls``, ``tool_call_format``, ``system_prompt``, ``episode_timeout_s``);
+        ``overlong_buffer_len`` > 0 turns on the overlong penalty (``reward.overlong_*``)."""
+        overlong = (
+            OverlongPenalty(agent.max_response_tokens, overlong_buffer_len, overlong_penalty_factor)
+            if overlong_buffer_len > 0
+            else None
+        )
         return cls(
             sampling=sampling or SamplingParams(),
             limits=AgentLimits(
@@ -132,6 +146,8 @@ class WorkerConfig:
             default_agent=agent.default,
             greedy_sample_index=greedy_sample_index,
             base_dir=base_dir,
+            overlong=overlong,
+            history=agent.history,
         )
 
 
@@ -203,6 +219,7 @@ class AgentLoopWorker:
             agent_name=agent_name,
             system_prompt=cfg.system_prompt,
             max_abort_resumes=cfg.max_abort_resumes,
+            history=cfg.history,
             logger=logging.LoggerAdapter(logger, {"uid": uid, "index": index}),
         )
 
@@ -233,6 +250,8 @@ class AgentLoopWorker:
         )
         if self.reward is not None:
             traj = await self._score(traj, task)
+            if self.config.overlong is not None:
+                traj = self.config.overlong.apply(traj)
         return traj
 
     async def _run_agent(self, task: Task, agent_name: str, ctx: AgentContext) -> Trajectory | None:
@@ -244,6 +263,8 @@ class AgentLoopWorker:
             agent = get_agent_class(agent_name, key="agent", base_dir=cfg.base_dir)(
                 **cfg.agent_kwargs.get(agent_name, {})
             )
+            if agent.history is not None:  # the agent's own choice wins over agent.history
+                ctx.history = agent.history
             traj = await asyncio.wait_for(agent.run(task, ctx), timeout)
             if not isinstance(traj, Trajectory):
                 raise TypeError(

@@ -199,6 +199,8 @@ class AlgorithmPlan:
     """β of the KL loss term (None = no KL loss)."""
     kl_loss_type: str
     kl_in_reward: KLInReward | None
+    mask_truncated: bool = False
+    """Zero the response mask of episodes that stopped on a length budget (before the update)."""
 
     @property
     def needs_critic(self) -> bool:
@@ -291,4 +293,5 @@ def build_algorithm(cfg: Any, *, base_dir: str | None = None) -> AlgorithmPlan:
         kl_loss_coef=cfg.kl_loss_coef if cfg.use_kl_loss else None,
         kl_loss_type=cfg.kl_loss_type,
         kl_in_reward=kl_in_reward,
+        mask_truncated=cfg.mask_truncated,
     )

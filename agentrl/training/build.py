@@ -111,6 +111,8 @@ def worker_config(
         overlong_prompts=cfg.data.overlong_prompts,
         greedy_sample_index=cfg.data.n_samples if greedy_baseline else None,
         base_dir=cfg.base_dir,
+        overlong_buffer_len=cfg.reward.overlong_buffer_len,
+        overlong_penalty_factor=cfg.reward.overlong_penalty_factor,
     )
 
 

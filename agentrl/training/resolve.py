@@ -103,6 +103,7 @@ def build_toolset(cfg: ExperimentConfig) -> Any:
         base_dir=cfg.base_dir,
         timeout_s=cfg.tools.timeout_s,
         max_output_chars=cfg.tools.max_output_chars,
+        max_output_tokens=cfg.tools.max_output_tokens,
         truncate_side=cfg.tools.truncate_side,
     )
 

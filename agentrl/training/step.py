@@ -1,5 +1,6 @@
 """One training step as plain functions: π_old -> correction -> reference -> rewards -> values ->
-advantages -> (OPSM) -> update. The staleness-aware corrections (:mod:`agentrl.training.offpolicy`)
+advantages -> (OPSM) -> update; with ``mask_truncated`` the rows of length-cut episodes are masked
+first. The staleness-aware corrections (:mod:`agentrl.training.offpolicy`)
 read the trainer's ``version``.
 
 When the update is one optimizer step on the batch and nothing needs π_old before it
@@ -56,8 +57,11 @@ __all__ = [
     "anchor_log_probs",
     "compute_advantages",
     "compute_rewards",
+    "expand_turn_samples",
     "fuses_old_log_probs",
+    "mask_truncated",
     "run_correction",
+    "token_version_metrics",
     "train_step",
     "trajectory_metrics",
 ]
@@ -118,6 +122,36 @@ async def anchor_log_probs(
     )
     m["timing_s/old_log_prob"] = time.perf_counter() - t0
     return train_lp
+
+
+def expand_turn_samples(
+    trajs: Sequence[Trajectory], reward_baselines: torch.Tensor | None, m: dict[str, float]
+) -> list[Trajectory]:
+    """The rows to train: each episode as it is, or (``agent.history: per_turn``) one row per
+    model turn, with the turn's own prompt, sharing the episode's reward, ``uid`` (its group for
+    advantages) and stop reason. Logs ``rollout/turn_samples`` (rows made from per-turn
+    episodes)."""
+    rows = [row for t in trajs for row in t.per_turn_samples()]
+    if any(t.turn_samples for t in trajs):
+        if reward_baselines is not None:
+            raise ValueError(
+                "agent.history: per_turn trains one row per model turn, but ReMax's greedy "
+                "baselines are one per episode; use another advantage estimator or "
+                "agent.history: concat"
+            )
+        m["rollout/turn_samples"] = float(sum(len(t.turn_samples) for t in trajs))
+    return rows
+
+
+def mask_truncated(batch: TensorDict, trajs: Sequence[Trajectory], m: dict[str, float]) -> None:
+    """Zero the ``response_mask`` rows of episodes cut by a length budget (``stop_reason``
+    ``length``): they train nothing, but their scores stay in the batch, so they still count in
+    their group's statistics (TRL's ``mask_truncated_completions``). Logs
+    ``actor/masked_truncated_frac`` (share of rows masked)."""
+    cut = torch.tensor([t.stop_reason is StopReason.LENGTH for t in trajs], dtype=torch.bool)
+    mask = batch["response_mask"]
+    batch["response_mask"] = mask * (~cut).to(mask.dtype).unsqueeze(1)
+    m["actor/masked_truncated_frac"] = float(cut.float().mean())
 
 
 def run_correction(
@@ -240,7 +274,10 @@ async def train_step(
     """One optimizer step on ``trajs`` (see the module docstring for the stages); ``version`` is
     the version of the weights being trained (needed by the staleness-aware corrections)."""
     m: dict[str, float] = {}
+    trajs = expand_turn_samples(trajs, reward_baselines, m)
     batch = trajectories_to_batch(list(trajs), pad_token_id=pad_token_id)
+    if plan.mask_truncated:
+        mask_truncated(batch, trajs, m)
     mask_before = batch["response_mask"].clone()
     corr = plan.correction
     loglinear = corr.proximal is correction.ProximalMethod.LOGLINEAR
@@ -300,6 +337,20 @@ def is_correct(t: Trajectory) -> bool:
     return bool(correct) if correct is not None else t.reward > 0.5
 
 
+def token_version_metrics(trajs: Sequence[Trajectory], version: int) -> dict[str, float]:
+    """Per-token staleness: ``async/token_staleness_mean`` (``version`` − each sampled token's
+    own ``policy_version``, averaged over the sampled tokens) and
+    ``async/mixed_version_episodes`` (episodes whose sampled tokens span several versions: a
+    partial rollout resumed, or kept, across a weight push)."""
+    sampled = [[v for v, m in zip(t.policy_version, t.loss_mask, strict=True) if m] for t in trajs]
+    ages = [version - v for vs in sampled for v in vs]
+    mixed = sum(len(set(vs)) > 1 for vs in sampled)
+    return {
+        "async/token_staleness_mean": _mean([float(a) for a in ages]),
+        "async/mixed_version_episodes": float(mixed),
+    }
+
+
 def trajectory_metrics(
     trajs: Sequence[Trajectory], version: int, batch: TensorDict | None = None
 ) -> dict[str, float]:
@@ -313,6 +364,7 @@ def trajectory_metrics(
         "reward/accuracy": _mean([float(is_correct(t)) for t in trajs]),
         "async/staleness_mean": _mean([float(s) for s in staleness]),
         "async/staleness_max": float(max(staleness)),
+        **token_version_metrics(trajs, version),
         "rollout/response_length_mean": _mean([float(len(t.response_ids)) for t in trajs]),
         "rollout/num_turns_mean": _mean([float(t.num_turns) for t in trajs]),
         "rollout/tool_calls_mean": _mean([float(sum(t.tool_calls.values())) for t in trajs]),

@@ -165,3 +165,14 @@ def test_continue_turn_appends_to_the_same_model_turn(tok):
     # the resumed turn ended with <|im_end|>, so no closing token is added before new messages
     delta = rec.add_messages([{"role": "user", "content": "again"}])
     assert delta[0] != tok.eos_token_id
+
+
+def test_a_generation_that_crossed_a_push_stamps_each_token_with_its_version(tok):
+    rec = EpisodeRecorder.from_messages([{"role": "user", "content": "hi"}], tok)
+    gen = _gen(tok, "hey", version=1)
+    n = len(gen.token_ids)
+    rec.add_generation(gen.model_copy(update={"token_versions": [1] + [2] * (n - 1)}))
+    assert rec.policy_version == [1] + [2] * (n - 1)
+    bad = gen.model_copy(update={"token_versions": [-1] * n})
+    with pytest.raises(ValueError, match="versions"):
+        rec.add_generation(bad)

@@ -273,3 +273,30 @@ def test_policy_protocol_is_runtime_checkable() -> None:
 
     assert isinstance(Replay(), Policy)
     assert not isinstance(object(), Policy)
+
+
+def test_generation_per_token_versions():
+    from agentrl.types import Generation
+
+    plain = Generation(
+        token_ids=[1, 2], logprobs=[0.0, 0.0], finish_reason="stop", weight_version=3
+    )
+    assert plain.versions() == [3, 3]
+    mixed = plain.model_copy(update={"token_versions": [3, 4]})
+    assert mixed.versions() == [3, 4]
+    with pytest.raises(ValueError, match="2 token_ids but 1 token_versions"):
+        Generation(
+            token_ids=[1, 2],
+            logprobs=[0.0, 0.0],
+            finish_reason="stop",
+            weight_version=3,
+            token_versions=[3],
+        )
+
+
+def test_turn_sample_lists_are_aligned():
+    from agentrl.types import TurnSample
+
+    TurnSample(prompt_ids=[1], token_ids=[2, 3], logprobs=[-1.0, -1.0], versions=[0, 1])
+    with pytest.raises(ValueError, match="2 token_ids, 1 logprobs"):
+        TurnSample(prompt_ids=[1], token_ids=[2, 3], logprobs=[-1.0], versions=[0, 1])

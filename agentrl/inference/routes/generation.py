@@ -271,6 +271,7 @@ async def completions(st: ServerState, req: P.CompletionRequest, request: Reques
             finish_reason=o.finish_reason,
             prompt_token_ids=o.prompt_ids if req.return_token_ids else None,
             token_ids=o.token_ids if req.return_token_ids else None,
+            token_versions=o.token_versions,
         )
         for i, o in enumerate(outs)
     ]

@@ -332,3 +332,28 @@ async def test_generate_before_start_is_a_clear_error(tok):
 def test_limits_validate():
     with pytest.raises(ValueError, match=r"agent\.max_turns"):
         AgentLimits(max_turns=0)
+
+
+async def test_a_resumed_turn_keeps_the_per_token_versions_of_each_part(tok):
+    """A kept request crossed a push (versions 4 then 5), was aborted by the next push and resumed
+    on 6: every token keeps the version the server reported for it."""
+    text = call("calculator", expression="6*7")
+    ids = [*tok.encode(text, add_special_tokens=False), tok.eos_token_id]
+    first = Generation(
+        token_ids=ids[:10],
+        logprobs=[-0.1] * 10,
+        finish_reason="abort",
+        weight_version=4,
+        token_versions=[4] * 3 + [5] * 7,
+    )
+    rest = Generation(
+        token_ids=ids[10:],
+        logprobs=[-0.2] * (len(ids) - 10),
+        finish_reason="stop",
+        weight_version=6,
+    )
+    ctx = make_ctx(tok, [first, rest, "It is 42."])
+    ctx.policy.version = 6  # type: ignore[attr-defined]  # ScriptedPolicy: the last turn's version
+    traj = await create_agent("tool_agent").run(TASK, ctx)
+    assert traj.policy_version[: len(ids)] == [4] * 3 + [5] * 7 + [6] * (len(ids) - 10)
+    assert traj.min_version == 4

@@ -153,7 +153,13 @@ def test_report_metrics_hand_values():
     assert m["val/dropped_samples"] == 0.0
     assert m["val/aborted_ratio"] == pytest.approx(1 / 12)
     assert m["val/tool_calls_mean"] == pytest.approx(4 / 12)
-    for key in ("best_at_4/mean", "worst_at_2/std", "maj_at_4/mean", "maj_at_2/std", "mean_at_4/ci95_lo"):
+    for key in (
+        "best_at_4/mean",
+        "worst_at_2/std",
+        "maj_at_4/mean",
+        "maj_at_2/std",
+        "mean_at_4/ci95_lo",
+    ):
         assert f"val/math/acc/{key}" in m
     assert report.ks == [1, 2, 4]
 

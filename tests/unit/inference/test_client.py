@@ -277,3 +277,15 @@ async def test_probe_and_url_loads_are_embedded_only():
             await client.probe([1])
         with pytest.raises(NotImplementedError, match="shared-directory"):
             await client.update_weights_from_url("http://127.0.0.1:1/w", 1)
+
+
+def test_parse_token_versions_reads_the_embedded_servers_list_and_checks_it():
+    from agentrl.inference.client import parse_token_versions
+
+    body = {"choices": [{"token_versions": [2, 2, "3"]}]}
+    assert parse_token_versions(body, 3) == [2, 2, 3]
+    assert parse_token_versions({"choices": [{}]}, 3) is None  # vLLM: the body's version
+    with pytest.raises(InferenceError, match="3 tokens but token_versions"):
+        parse_token_versions({"choices": [{"token_versions": [2, 2]}]}, 3)
+    with pytest.raises(InferenceError, match="weight_version"):
+        parse_token_versions({"choices": [{"token_versions": [2, "x", 2]}]}, 3)

@@ -511,3 +511,82 @@ async def test_with_tools_keeps_the_limits_counters_and_pool() -> None:
     assert result.content.endswith("defgh")  # the parent's output limit and side
     assert base.metrics()["tools/echo/calls"] == 1  # the parent's counters
     assert child._sync_pool() is base._sync_pool()
+
+
+# ---- token budget (tools.max_output_tokens) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_tok():
+    from agentrl.inference.tiny_model import build_tiny_tokenizer
+
+    return build_tiny_tokenizer()  # one token per UTF-8 byte
+
+
+@tool
+def accents(n: int) -> str:
+    """n two-byte characters.
+
+    Args:
+        n: how many.
+    """
+    return "é" * n
+
+
+def _n_tokens(tok, text: str) -> int:
+    return len(tok.encode(text, add_special_tokens=False))
+
+
+def test_truncate_tokens_hand_computed(tiny_tok):
+    from tools.limits import truncate_tokens
+
+    text = "abcdefghijklmnopqrstuvwxyz" * 4  # 104 one-byte tokens
+    marker = "...[truncated 98 tokens]"  # 24 tokens: 30 - 24 = 6 kept, 98 dropped
+    assert truncate_tokens(text, 30, "right", tiny_tok) == ("abcdef" + marker, 98)
+    assert truncate_tokens(text, 30, "left", tiny_tok) == (marker + "uvwxyz", 98)
+    assert truncate_tokens(text, 30, "middle", tiny_tok) == ("abc" + marker + "xyz", 98)
+    assert truncate_tokens(text, 104, "right", tiny_tok) == (text, 0)
+    assert truncate_tokens(text, None, "right", tiny_tok) == (text, 0)
+    # a budget below the marker keeps only the marker
+    assert truncate_tokens(text, 5, "right", tiny_tok) == ("...[truncated 104 tokens]", 104)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    text=st.text(max_size=120),
+    budget=st.integers(min_value=30, max_value=200),
+    side=st.sampled_from(["left", "right", "middle"]),
+)
+def test_truncate_tokens_keeps_the_budget(tiny_tok, text, budget, side):
+    from tools.limits import truncate_tokens
+
+    out, dropped = truncate_tokens(text, budget, side, tiny_tok)
+    if _n_tokens(tiny_tok, text) <= budget:
+        assert (out, dropped) == (text, 0)
+    else:
+        assert _n_tokens(tiny_tok, out) <= budget and dropped > 0
+        assert f"...[truncated {dropped} tokens]" in out
+
+
+async def test_tool_output_is_budgeted_in_the_policys_tokens_and_chars_stay_a_cap(tiny_tok):
+    # 100 characters are 200 tokens: a 150-character cap lets them through, a 60-token budget not
+    ts = ToolSet([accents], max_output_chars=150, max_output_tokens=60)
+    async with ts.episode(tokenizer=tiny_tok) as ep:
+        long = await ep.call("accents", {"n": 100})
+        short = await ep.call("accents", {"n": 20})
+        over_chars = await ep.call("accents", {"n": 400})
+    assert _n_tokens(tiny_tok, long.content) <= 60 and long.content.startswith("é" * 10)
+    assert long.content.endswith("tokens]")
+    assert short.content == "é" * 20  # 40 tokens: within both
+    assert _n_tokens(tiny_tok, over_chars.content) <= 60  # both cuts apply, the tokens last
+    assert ts.metrics()["tools/accents/truncated"] == 2
+    with pytest.raises(ValueError, match=r"tools\.max_output_tokens=60"):
+        ts.episode()  # no tokenizer to count in
+    with pytest.raises(ValueError, match="max_output_tokens"):
+        ToolSet([accents], max_output_tokens=0)
+
+
+def test_config_key_reaches_the_run_toolset():
+    from agentrl.training.resolve import build_toolset
+    from tests.fakes import experiment
+
+    assert build_toolset(experiment("tools.max_output_tokens=64")).limits.max_output_tokens == 64
+    assert build_toolset(experiment()).limits.max_output_tokens is None

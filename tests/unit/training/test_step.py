@@ -218,3 +218,51 @@ async def test_gdpo_reads_reward_components_from_reward_info() -> None:
     plan = plan_of("algorithm.advantage={name: gdpo, gdpo_reward_keys: [fmt, acc]}")
     out = await train_step(trajs, Policies(actor), plan, pad_token_id=0)
     assert out.batch["advantages"].abs().sum() > 0
+
+
+async def test_mask_truncated_drops_the_loss_of_length_cut_rows_but_keeps_their_score() -> None:
+    from agentrl.types import StopReason
+
+    trajs = random_trajectories(4)
+    trajs[1] = trajs[1].model_copy(update={"stop_reason": StopReason.LENGTH})
+    for overrides, masked in (((), False), (("algorithm.mask_truncated=true",), True)):
+        actor = FakeActor()
+        plan = plan_of("algorithm.advantage=grpo", *overrides)
+        out = await train_step(trajs, Policies(actor), plan, pad_token_id=0)
+        b = actor.updated
+        assert b is not None
+        assert bool(b["response_mask"][1].any()) is not masked
+        for row in (0, 2, 3):
+            assert b["response_mask"][row].sum() == sum(trajs[row].loss_mask)
+        # group g0 = rows 0 (reward 0) and 1 (reward 1, cut): row 0's advantage still sees row 1
+        assert float(b["advantages"][0][0]) < 0
+        assert out.metrics.get("actor/masked_truncated_frac") == (0.25 if masked else None)
+
+
+def test_token_version_metrics_age_each_sampled_token() -> None:
+    from agentrl.training.step import token_version_metrics
+
+    a, b = random_trajectories(2)
+    mask = [1, 1, 0, 1]
+    a = a.model_copy(
+        update={
+            "response_ids": [5] * 4,
+            "loss_mask": mask,
+            "rollout_logprobs": [-1.0, -1.0, 0.0, -1.0],
+            "policy_version": [2, 3, -1, 3],
+        }
+    )
+    b = b.model_copy(
+        update={
+            "response_ids": [5] * 2,
+            "loss_mask": [1, 1],
+            "rollout_logprobs": [-1.0, -1.0],
+            "policy_version": [4, 4],
+        }
+    )
+    m = token_version_metrics([a, b], version=4)
+    # ages 2, 1, 1 (a) and 0, 0 (b): mean 4/5; only a spans two versions
+    assert m == {
+        "async/token_staleness_mean": pytest.approx(0.8),
+        "async/mixed_version_episodes": 1.0,
+    }
