@@ -745,12 +745,22 @@ class CheckpointEngine:
 
     @staticmethod
     async def _rollback_if_failed(client: PolicyClient, status: ServerPushStatus) -> None:
-        """Still paused after a failed transfer or verify (embedded server): restore the last
-        verified weights, so the resume never serves the bad ones."""
-        if status.error is None or status.stage not in ("transfer", "verify", "set_version"):
+        """Still paused after a failed transfer or verify (embedded server): when the server
+        holds weights other than its last verified ones, restore those, so the resume never
+        serves the bad ones (a load the server refused changed nothing: no rollback)."""
+        if status.error is None or status.stage not in (
+            "transfer",
+            "reset_prefix_cache",
+            "set_version",
+            "verify",
+        ):
             return
         try:
-            if await client.resolve_backend() == "embedded":
+            if await client.resolve_backend() != "embedded":
+                return
+            info = await asyncio.wait_for(client.weight_info(), timeout=60.0)
+            verified = info.get("verified_version")
+            if verified is not None and verified != info["weight_version"]:
                 await asyncio.wait_for(client.rollback_weights(), timeout=60.0)
                 status.rolled_back = True
         except Exception as exc:
