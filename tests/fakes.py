@@ -51,6 +51,8 @@ class FakeInferenceServer:
         self.gate = asyncio.Event()
         self.gate.set()
         self.bump_version_during_generate = False
+        self.finish_reason = "length"
+        """What every completion reports (``abort``: the server cut it, e.g. its deadline)."""
 
     def transport(self) -> httpx.MockTransport:
         return httpx.MockTransport(self._handle)
@@ -141,7 +143,7 @@ class FakeInferenceServer:
             "choices": [
                 {
                     "index": 0,
-                    "finish_reason": "length",
+                    "finish_reason": self.finish_reason,
                     "logprobs": {
                         "tokens": [f"token_id:{t}" for t in tokens],
                         "token_logprobs": [-0.5] * n,

@@ -489,6 +489,50 @@ class PolicyClient:
         )
         await self._request("POST", "/update_weight_version", json=body)
 
+    async def take_push_lease(self, holder: str, ttl_s: float) -> str | None:
+        """Take the server's push lease (embedded server) and send its token with every later
+        request until :meth:`release_push_lease`; None where the server has no lease (vLLM, or
+        an embedded server older than the lease).
+        Raises :class:`InferenceRequestError` (409) while another push holds it."""
+        if await self._resolve_backend() != "embedded":
+            return None
+        try:
+            body = await self._json(
+                "POST", "/push_lease", json={"holder": holder, "ttl_s": float(ttl_s)}, retries=0
+            )
+        except InferenceRequestError as exc:
+            if exc.status_code == 404:  # a server without leases (older than issue 21)
+                return None
+            raise
+        token = str(body["lease"])
+        self._http.headers["x-push-lease"] = token
+        return token
+
+    async def release_push_lease(self) -> None:
+        """Release the lease taken by :meth:`take_push_lease` (no-op without one)."""
+        if self._http.headers.get("x-push-lease") is None:
+            return
+        try:
+            await self._request("DELETE", "/push_lease", retries=0)
+        finally:
+            self._http.headers.pop("x-push-lease", None)
+
+    async def mark_verified(self, version: int) -> str:
+        """Keep the served weights (``version``) as the last verified ones (embedded server);
+        returns their digest."""
+        try:
+            body = await self._json("POST", "/weights/verified", json={"version": int(version)})
+        except InferenceRequestError as exc:
+            if exc.status_code == 404:  # a server without rollback (older than issue 21)
+                return ""
+            raise
+        return str(body.get("digest", ""))
+
+    async def rollback_weights(self) -> int:
+        """Restore the last verified weights and their version (embedded server)."""
+        body = await self._json("POST", "/weights/rollback", retries=0)
+        return int(body["weight_version"])
+
     async def update_weights_from_path(self, path: str | Path, version: int) -> None:
         """Load the safetensors weights in directory ``path`` (a path on the server's machine),
         then set ``version``. Uses vLLM's ``/collective_rpc`` ``reload_weights``, which the

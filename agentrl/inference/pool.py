@@ -18,6 +18,11 @@ Invariants:
   healthy server that closed one kept-alive connection stays in the pool;
 - a server's ``outstanding`` count goes up when a request is sent to it and down when that
   request ends, whatever the outcome (``completed`` or ``failures`` goes up by one);
+- an answer a server cut (``finish_reason="abort"``: its request deadline, a shutdown) is never
+  passed off as complete: it is retried once on another server, and if that fails too the
+  aborted answer is returned (``finish_reason="abort"``, reported as ``aborted`` to the agent's
+  stop policy); ``ServerStats.aborted`` counts them. The client's own deadline is the server's
+  plus a grace, so a slow server answers (aborted) before the client gives up;
 - a dead server gets no new requests until a health check finds it healthy again; the
   background health loop (``health_check_interval_s``) probes every server, dead or alive;
 - membership may change at run time (:meth:`ServerPool.add_server`,
@@ -85,6 +90,8 @@ class ServerStats:
     completed: int
     failures: int
     sessions: int
+    aborted: int = 0
+    """Answers this server cut (``finish_reason="abort"``: its deadline, a shutdown)."""
 
 
 @dataclass
@@ -95,6 +102,7 @@ class _Server:
     outstanding: int = 0
     completed: int = 0
     failures: int = 0
+    aborted: int = 0
     removed: bool = False
 
 
@@ -246,6 +254,7 @@ class ServerPool:
                 completed=s.completed,
                 failures=s.failures,
                 sessions=per_server[s.url],
+                aborted=s.aborted,
             )
             for s in self._servers.values()
         }
@@ -288,6 +297,7 @@ class ServerPool:
         request_id = uuid.uuid4().hex
         tried: set[str] = set()
         last_error: BaseException | None = None
+        cut_retried, aborted = False, None
         for attempt in range(self.max_attempts):
             server = self._pick(session_id, tried)
             if server is None and tried:
@@ -321,7 +331,18 @@ class ServerPool:
                 if server.removed and server.outstanding == 0:
                     await self._close_idle_retired()
             server.completed += 1
+            if gen.finish_reason == "abort" and not cut_retried and attempt + 1 < self.max_attempts:
+                # Truncation is never success: the server cut this answer (and ended it, so a
+                # retry is no duplicate); try once more on another server.
+                server.aborted += 1
+                cut_retried, aborted = True, gen
+                tried.add(server.url)
+                continue
+            if gen.finish_reason == "abort":
+                server.aborted += 1
             return gen
+        if aborted is not None:
+            return aborted  # the retry failed too: the agent's stop policy sees "abort"
         raise InferenceServerError(
             ",".join(self._servers),
             f"no server could serve the request after {len(tried) or 0} failed server(s); "

@@ -193,6 +193,15 @@ class UpdateWeightsFromUrlRequest(_Request):
 
 class WeightVersionRequest(_Request):
     version: Version
+    rollback: bool = False
+    """Allow a version lower than the served one (an explicit rollback)."""
+
+
+class PushLeaseRequest(_Request):
+    """``POST /push_lease``: take the one-writer lease for a weight push."""
+
+    holder: str = Field(default="", max_length=200)
+    ttl_s: float = 600.0
 
 
 class ProbeRequest(_Request):

@@ -55,6 +55,7 @@ from agentrl.inference.handle import ServerHandle, free_port
 from agentrl.inference.routes import control, generation, metrics, scoring, weights
 from agentrl.inference.routes.auth import AccessControl, is_loopback
 from agentrl.inference.routes.common import RequestLog, ServerState, install_error_handlers
+from agentrl.lifetime import child_preexec, owner_env, watch_owner
 
 __all__ = [
     "ENV_API_KEY",
@@ -224,6 +225,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    watch_owner()  # launched by a run: exit when that run's process dies (agentrl.lifetime)
     from agentrl.threads import ENV_THREADS, apply_env_threads, available_cpus
 
     if args.threads:
@@ -342,11 +344,18 @@ def launch_embedded_server(
     if request_log is not None:
         cmd += ["--request-log", str(request_log)]
     cmd += list(extra_args)
-    child_env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1")
+    child_env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1", **owner_env())
     if api_key:
         child_env[ENV_API_KEY] = api_key
     with open(log_path, "ab") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=child_env)
+        # The server dies with this process, even on SIGKILL (agentrl.lifetime).
+        proc = subprocess.Popen(
+            cmd,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            preexec_fn=child_preexec(),
+        )
     handle = ServerHandle(
         proc, f"http://{host}:{port}", log_path, api_key=api_key or child_env.get(ENV_API_KEY)
     )

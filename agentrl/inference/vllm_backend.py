@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from agentrl.inference.handle import ServerHandle, ServerStartError, free_port
+from agentrl.lifetime import child_preexec
 from agentrl.threads import ENV_CPUS, ENV_NICE, ENV_THREADS, THREAD_ENV_VARS
 
 if TYPE_CHECKING:
@@ -295,6 +296,7 @@ def launch_vllm_server(
             stdin=subprocess.DEVNULL,
             env=child_env,
             start_new_session=True,  # own process group: stop() reaches the engine workers
+            preexec_fn=child_preexec(),
         )
     handle = VLLMServerHandle(process, f"http://{host}:{port}", log_path, api_key=api_key)
     try:

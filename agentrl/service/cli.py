@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["add_arguments", "run", "settings_from_args"]
@@ -93,6 +96,38 @@ async def _serve(cfg: Any, settings: Any) -> None:
     from agentrl.service.app import create_app, run_service
 
     warn_if_exposed(settings.host, settings.api_key, "agentrl serve")
+    deferred: list[int] = []
+    try:
+        await _serve_until_stopped(uvicorn, cfg, settings, run_service, create_app, deferred)
+    finally:
+        # uvicorn re-raises SIGTERM/SIGINT when it stops; here that happens only after the
+        # service's cleanup above (servers stopped, store closed), never before it.
+        for sig in reversed(deferred):
+            signal.raise_signal(sig)
+
+
+class _DeferredSignalServer:
+    """A ``uvicorn.Server`` factory whose captured signals are handed to the caller instead of
+    being re-raised inside ``serve()`` (which would skip every cleanup of ``agentrl serve``)."""
+
+    @staticmethod
+    def make(uvicorn: Any, config: Any, deferred: list[int]) -> Any:
+        class _Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                with super().capture_signals():
+                    try:
+                        yield
+                    finally:
+                        deferred.extend(self._captured_signals)
+                        self._captured_signals.clear()
+
+        return _Server(config)
+
+
+async def _serve_until_stopped(
+    uvicorn: Any, cfg: Any, settings: Any, run_service: Any, create_app: Any, deferred: list[int]
+) -> None:
     async with run_service(cfg, settings) as service:
         config = uvicorn.Config(
             create_app(service),
@@ -102,7 +137,7 @@ async def _serve(cfg: Any, settings: Any) -> None:
             timeout_graceful_shutdown=5,
             **uvicorn_limits(),
         )
-        server = uvicorn.Server(config)
+        server = _DeferredSignalServer.make(uvicorn, config, deferred)
         task = asyncio.create_task(server.serve())
 
         async def end_streams_on_shutdown() -> None:

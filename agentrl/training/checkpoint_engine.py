@@ -52,9 +52,11 @@ resume}`` (the slowest server for the per-server stages) next to the ``weight_sy
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -396,6 +398,10 @@ class ServerPushStatus:
     """True only if the server is still paused (a failed resume)."""
     version: int | None = None
     """The version the server reports after the push (None if it could not be asked)."""
+    digest: str | None = None
+    """The content digest the server reports with ``version`` (embedded server)."""
+    rolled_back: bool = False
+    """A failed verify restored the last verified weights (never serving the bad ones)."""
     error: str | None = None
     verify_max_abs_diff: float | None = None
     verified_while_paused: bool = False
@@ -453,6 +459,7 @@ class PushReport:
         for s in self.servers.values():
             state = "ok" if s.ok else f"FAILED at {s.stage}: {s.error}"
             serving = "PAUSED" if s.paused else "unreachable" if s.version is None else "serving"
+            serving += " (rolled back to the last verified weights)" if s.rolled_back else ""
             lines.append(f"  {s.url}: on version {s.version}, {serving}, {state}")
         return "\n".join(lines)
 
@@ -527,10 +534,12 @@ class _Verifier:
         if key not in self._scored:
             self._scored[key] = asyncio.ensure_future(self._trainer_logprobs(key))
         expected = await self._scored[key]
-        diff = max(abs(a - b) for a, b in zip(expected, gen.logprobs, strict=True))
+        diffs = [abs(a - b) for a, b in zip(expected, gen.logprobs, strict=True)]
+        # A NaN or inf logprob (finite but huge weights overflow) is a failure, never a pass.
+        diff = max(diffs) if all(math.isfinite(d) for d in diffs) else math.inf
         status.verify_max_abs_diff = diff
         tolerance = self.engine.verify_tolerance
-        if diff > tolerance:
+        if not diff <= tolerance:
             status.error = (
                 f"verify: server logprobs differ from the trainer's by {diff:.3g} > "
                 f"checkpoint.verify_tolerance={tolerance:g} (weights not loaded, a different "
@@ -697,6 +706,10 @@ class CheckpointEngine:
         pause_sent = False
         try:
             async with asyncio.timeout(self.push_timeout_s):
+                # One writer per server: a second push is refused here, before any pause.
+                status.stage = "lease"
+                ttl = self.push_timeout_s + PAUSE_MARGIN_S
+                await client.take_push_lease(f"push of version {staged.version}", ttl)
                 status.stage = "pause"
                 # A pause whose answer is lost (timeout, dropped connection) may still take
                 # effect on the server, so the resume below runs once the pause was sent.
@@ -712,19 +725,51 @@ class CheckpointEngine:
                     gen = await self._timed(status, "verify", verifier.probe_paused(client))
                     await self._timed(status, "verify", verifier.check(status, gen, staged.version))
                     status.verified_while_paused = status.error is None
+                if status.error is None and await client.resolve_backend() == "embedded":
+                    await client.mark_verified(staged.version)
         except BaseException as exc:  # recorded per server; the resume below still runs
             status.error = status.error or f"{type(exc).__name__}: {exc}"
             if not isinstance(exc, Exception):
                 raise
         finally:
             if pause_sent:
+                await self._rollback_if_failed(client, status)
                 await self._resume(client, status)
+            await self._release_lease(client)
             await self._read_version(client, status, staged.version)
         if verifier is not None and status.ok and not status.verified_while_paused:
             model = VLLM_LORA_NAME if staged.lora is not None else None
             await self._verify_serving(client, status, verifier, staged.version, model)
         status.seconds = self.clock() - t0
         return status
+
+    @staticmethod
+    async def _rollback_if_failed(client: PolicyClient, status: ServerPushStatus) -> None:
+        """Still paused after a failed transfer or verify (embedded server): when the server
+        holds weights other than its last verified ones, restore those, so the resume never
+        serves the bad ones (a load the server refused changed nothing: no rollback)."""
+        if status.error is None or status.stage not in (
+            "transfer",
+            "reset_prefix_cache",
+            "set_version",
+            "verify",
+        ):
+            return
+        try:
+            if await client.resolve_backend() != "embedded":
+                return
+            info = await asyncio.wait_for(client.weight_info(), timeout=60.0)
+            verified = info.get("verified_version")
+            if verified is not None and verified != info["weight_version"]:
+                await asyncio.wait_for(client.rollback_weights(), timeout=60.0)
+                status.rolled_back = True
+        except Exception as exc:
+            status.error += f"; rollback failed: {type(exc).__name__}: {exc}"
+
+    @staticmethod
+    async def _release_lease(client: PolicyClient) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(client.release_push_lease(), timeout=30.0)
 
     async def _transfer(
         self, client: PolicyClient, staged: StagedWeights, status: ServerPushStatus
@@ -770,7 +815,9 @@ class CheckpointEngine:
     @staticmethod
     async def _read_version(client: PolicyClient, status: ServerPushStatus, expected: int) -> None:
         try:
-            status.version = await asyncio.wait_for(client.weight_version(), timeout=60.0)
+            info = await asyncio.wait_for(client.weight_info(), timeout=60.0)
+            status.version = info["weight_version"]
+            status.digest = info.get("digest")
         except Exception:
             status.version = None
         if status.error is None:

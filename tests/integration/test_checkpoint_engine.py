@@ -184,11 +184,12 @@ async def test_verify_catches_weights_that_differ_from_the_trainers(servers, tin
     clients = clients_for(servers)
     try:
         v = await next_version(clients)
+        before = [await c.weight_version() for c in clients]
         engine = CheckpointEngine(clients, HttpStreamTransport(), verify_tolerance=1e-3)
         report = await engine.push(state_of(pushed), v, score=scorer(trainer))
         assert not report.ok
         for status in report.servers.values():
-            assert status.stage == "verify"
+            assert status.stage == "verify" and status.rolled_back
             assert status.verify_max_abs_diff is not None and status.verify_max_abs_diff > 1e-3
         with pytest.raises(WeightPushError) as info:
             report.raise_if_failed()
@@ -196,9 +197,11 @@ async def test_verify_catches_weights_that_differ_from_the_trainers(servers, tin
         assert "verify" in message
         for h in servers:
             assert h.base_url in message
-        # The weights did load (verification is what failed): servers serve, on version v.
-        for c in clients:
-            await assert_serving(c, v)
+        # Verification failed while paused: every server rolled back to its last verified
+        # weights and serves them, on the version it had before (never the unverified ones).
+        assert "rolled back" in message
+        for c, old in zip(clients, before, strict=True):
+            await assert_serving(c, old)
     finally:
         await close_all(clients)
 

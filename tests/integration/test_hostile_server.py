@@ -574,6 +574,9 @@ async def test_a_stopped_server_behind_the_pool_loses_and_duplicates_nothing(
         for h in handles:
             h.stop()
     assert len(gens) == len(prompts) and all(len(g.token_ids) == 96 for g in gens)
+    # Truncation is never success (issue 21): no answer is cut yet reported complete.
+    truncated_as_success = [g for g in gens if g.finish_reason != "abort" and len(g.token_ids) < 96]
+    assert truncated_as_success == [] and all(g.finish_reason == "length" for g in gens)
     served: dict[tuple[int, ...], list[tuple[str, dict]]] = {}
     for handle, log in zip(handles, logs, strict=True):
         for line in log.read_text().splitlines() if log.exists() else []:

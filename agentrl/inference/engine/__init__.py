@@ -27,7 +27,13 @@ from agentrl.inference.engine.request import (
     normalize_sampling,
 )
 from agentrl.inference.engine.sampling import process_logits, sample_token, sample_tokens
-from agentrl.inference.engine.weight_store import MAX_VERSION, check_version
+from agentrl.inference.engine.weight_store import (
+    MAX_VERSION,
+    PushLease,
+    VersionConflict,
+    check_version,
+    state_digest,
+)
 from agentrl.inference.weights import WeightLoadError
 
 __all__ = [
@@ -38,10 +44,13 @@ __all__ = [
     "EngineRequestError",
     "EngineStepError",
     "InferenceEngine",
+    "PushLease",
+    "VersionConflict",
     "WeightLoadError",
     "check_version",
     "normalize_sampling",
     "process_logits",
     "sample_token",
     "sample_tokens",
+    "state_digest",
 ]

@@ -454,23 +454,44 @@ class InferenceEngine:
 
         return self._sched.control(_apply)
 
-    def set_weight_version(self, version: int) -> int:
-        """Label the current weights ``version`` (an int in ``[0, 2**63 - 1]``)."""
+    def set_weight_version(self, version: int, *, rollback: bool = False) -> int:
+        """Label the current weights ``version`` (an int in ``[0, 2**63 - 1]``); a lower version
+        than the served one needs ``rollback`` (else :class:`VersionConflict`)."""
         v = check_version(version)
+        return self._sched.control(lambda: self.weights.relabel(v, rollback))
 
-        def _set() -> int:
-            self.weights.version = v
-            return v
+    def mark_verified(self, version: int) -> str:
+        """Keep the served weights (which must be ``version``) as the last verified ones, to
+        roll back to; returns their digest."""
+        v = check_version(version)
+        return self._sched.control(lambda: self.weights.mark_verified(v))
 
-        return self._sched.control(_set)
+    def rollback_weights(self) -> int:
+        """Restore the last verified weights and their version, between decode steps."""
+
+        def _rollback() -> int:
+            self.stats["weight_rollbacks"] += 1
+            return self.weights.rollback()
+
+        return self._sched.control(_rollback)
 
     def weight_info(self, checksum: bool = False) -> dict[str, Any]:
-        """``{"version", "num_params"}``, plus ``"checksum"`` (sha256 over name + bytes of the
-        state dict, cached until the weights change) when asked: it reads every weight."""
+        """``{"version", "digest", "verified_version", "num_params"}`` read in one control
+        operation (so version and digest always belong together; the digest is a sha256 over
+        name + bytes of the state dict, cached until the weights change), plus ``"checksum"``
+        (the same digest, the older name) when asked."""
 
         def _info() -> dict[str, Any]:
             n = sum(p.numel() for p in self.model.parameters())
-            info: dict[str, Any] = {"version": self.weights.version, "num_params": int(n)}
+            info: dict[str, Any] = {
+                "version": self.weights.version,
+                "digest": self.weights.digest(),
+                "verified_version": self.weights.verified_version,
+                "num_params": int(n),
+            }
+            lease = self.weights.lease.describe()
+            if lease is not None:
+                info["push_lease"] = lease
             if self.weights.lora.spec is not None:
                 info["lora"] = self.weights.lora.info()
             if self._loader.group is not None:

@@ -21,16 +21,26 @@ Invariants:
 - versions are ints in ``[0, MAX_VERSION]``;
 - the staging buffer is filled and read only by whoever holds :attr:`WeightStore.staging_lock`.
 
-(Issue 21 adds a content digest to :class:`WeightUpdate`, monotonic versions and the last
-verified weights to roll back to, all applied by :meth:`WeightStore.apply`; issue 26 releases
-and re-allocates this memory around a colocated trainer step.)
+- a version names one set of weights: :meth:`WeightStore.digest` (sha256 over every name and
+  its bytes) is reported with the version, and both change in the same :meth:`WeightStore.apply`;
+- versions only grow: a load to a version not greater than the served one is refused
+  (:class:`VersionConflict`); only :meth:`WeightStore.rollback` (to the last verified weights)
+  and an explicit ``rollback`` relabel go down;
+- the last verified weights are kept (a CPU copy, :meth:`WeightStore.mark_verified`), so a
+  failed verify restores them instead of serving the bad ones;
+- one writer at a time: while a :class:`PushLease` is held, weight-changing routes need its
+  token.
+
+(Issue 26 releases and re-allocates this memory around a colocated trainer step.)
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +50,15 @@ from agentrl.inference.engine.request import INT64_MAX, EngineRequestError
 from agentrl.inference.lora import LoraMerger, LoraSpec, check_adapter
 from agentrl.inference.weights import check_state_dict
 
-__all__ = ["MAX_VERSION", "WeightStore", "WeightUpdate", "check_version"]
+__all__ = [
+    "MAX_VERSION",
+    "PushLease",
+    "VersionConflict",
+    "WeightStore",
+    "WeightUpdate",
+    "check_version",
+    "state_digest",
+]
 
 MAX_VERSION = INT64_MAX
 """Weight versions are integers in ``[0, 2**63 - 1]``."""
@@ -58,6 +76,80 @@ def check_version(version: Any, param: str = "version") -> int:
             param,
         )
     return version
+
+
+class VersionConflict(EngineRequestError):
+    """A version that would not move forward, or a push by someone not holding the lease (409)."""
+
+
+def state_digest(params: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every name and its bytes, in name order: the content digest of a version."""
+    h = hashlib.sha256()
+    for name, t in sorted(params.items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()
+
+
+class PushLease:
+    """At most one weight writer at a time: a holder takes the lease for ``ttl_s`` seconds and
+    sends its token with every weight-changing request; anyone else is refused until it is
+    released or expires (a trainer that died mid-push cannot block the next one for longer).
+
+    Args:
+        clock: monotonic seconds (injected by tests).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._token: str | None = None
+        self._holder = ""
+        self._expires = 0.0
+
+    def acquire(self, holder: str, ttl_s: float) -> str:
+        """A new token for ``holder``; :class:`VersionConflict` while another holds the lease."""
+        if not 0 < ttl_s <= 3600:
+            raise EngineRequestError(f"ttl_s={ttl_s!r:.40}; send seconds in (0, 3600]", "ttl_s")
+        with self._lock:
+            now = self.clock()
+            if self._token is not None and now < self._expires:
+                raise VersionConflict(
+                    f"push lease held by {self._holder!r:.80} for {self._expires - now:.1f} s "
+                    "more; another weight push is in progress, retry after it finishes",
+                    "lease",
+                )
+            self._token = secrets.token_hex(16)
+            self._holder = holder
+            self._expires = now + ttl_s
+            return self._token
+
+    def release(self, token: str | None) -> bool:
+        """Release the lease if ``token`` holds it (True when it did)."""
+        with self._lock:
+            if token is None or token != self._token:
+                return False
+            self._token = None
+            return True
+
+    def check(self, token: str | None) -> None:
+        """Raise :class:`VersionConflict` unless no live lease is held or ``token`` holds it."""
+        with self._lock:
+            if self._token is None or self.clock() >= self._expires or token == self._token:
+                return
+            raise VersionConflict(
+                f"push lease held by {self._holder!r:.80}; send its x-push-lease token or "
+                "wait for that push to finish",
+                "x-push-lease",
+            )
+
+    def describe(self) -> dict[str, object] | None:
+        """``{"holder", "expires_in_s"}`` while held, else None."""
+        with self._lock:
+            left = self._expires - self.clock()
+            if self._token is None or left <= 0:
+                return None
+            return {"holder": self._holder, "expires_in_s": round(left, 3)}
 
 
 @dataclass(frozen=True)
@@ -97,6 +189,12 @@ class WeightStore:
         """Held by whoever fills :meth:`staging_buffer` until the load that reads it is done."""
         self._staging = bytearray()
         self._checksum: str | None = None
+        self.lease = PushLease()
+        """The push lease: one weight writer at a time."""
+        self._verified = {k: v.detach().to("cpu", copy=True) for k, v in self.params.items()}
+        self.verified_version = self.version
+        """The version of the last verified weights (kept on the CPU for :meth:`rollback`)."""
+        self.verified_digest: str | None = None
 
     @property
     def state_bytes(self) -> int:
@@ -138,6 +236,7 @@ class WeightStore:
         """Swap in a checked update (engine thread, between decode steps); the new version."""
         new = self.version + 1 if update.version is None else int(update.version)
         check_version(new)
+        self.check_forward(new)
         if update.adapter is not None and update.spec is not None:
             self.lora.apply(update.adapter, update.spec)
         else:
@@ -150,13 +249,62 @@ class WeightStore:
         self.last_load_casts = update.casts
         return new
 
-    def checksum(self) -> str:
-        """sha256 over every name and its bytes, in name order (cached until the weights change;
-        engine thread)."""
+    def check_forward(self, version: int) -> None:
+        """:class:`VersionConflict` unless ``version`` is greater than the served one."""
+        if version <= self.version:
+            raise VersionConflict(
+                f"version {version} is not greater than the served version {self.version}; "
+                "push a higher version (only a rollback goes back)",
+                "version",
+            )
+
+    def relabel(self, version: int, rollback: bool = False) -> int:
+        """Label the served weights ``version`` (engine thread): equal is a no-op, lower needs
+        ``rollback``."""
+        version = check_version(version)
+        if version < self.version and not rollback:
+            raise VersionConflict(
+                f"version {version} is lower than the served version {self.version}; send "
+                '"rollback": true to go back on purpose',
+                "version",
+            )
+        self.version = version
+        return version
+
+    def mark_verified(self, version: int) -> str:
+        """Keep the served weights as the last verified ones (engine thread); their digest.
+        ``version`` must be the served one (a verify of something else proves nothing)."""
+        if version != self.version:
+            raise VersionConflict(
+                f"cannot mark version {version} verified: the server holds version {self.version}",
+                "version",
+            )
+        with torch.no_grad():
+            for k, v in self.params.items():
+                self._verified[k].copy_(v)
+        self.verified_version = version
+        self.verified_digest = self.digest()
+        return self.verified_digest
+
+    def rollback(self) -> int:
+        """Restore the last verified weights and their version (engine thread); the version.
+        The restored weights become the LoRA base."""
+        with torch.no_grad():
+            for k, v in self._verified.items():
+                self.params[k].copy_(v)
+        self.lora.forget()
+        self.version = self.verified_version
+        self._checksum = self.verified_digest
+        self.last_load_casts = {}
+        return self.version
+
+    def digest(self) -> str:
+        """The content digest of the served weights (:func:`state_digest`; cached until the
+        weights change; engine thread)."""
         if self._checksum is None:
-            h = hashlib.sha256()
-            for name, t in sorted(self.params.items()):
-                h.update(name.encode())
-                h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().data)
-            self._checksum = h.hexdigest()
+            self._checksum = state_digest(self.params)
         return self._checksum
+
+    def checksum(self) -> str:
+        """Same as :meth:`digest` (the older name)."""
+        return self.digest()

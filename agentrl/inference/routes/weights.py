@@ -13,19 +13,28 @@ streams the body straight into a reused staging buffer (no extra copy of the byt
 must be declared with ``Content-Length``); one upload at a time (409 otherwise).
 ``POST /update_weights_from_url`` pulls the bytes from a
 :class:`~agentrl.inference.weights.WeightServer` (the HTTP transport's fast path).
-``GET /weight_info`` is cheap; ``?checksum=true`` adds a sha256 of every weight.
+``GET /weight_info`` reports the version with its content digest (read together; the digest
+is cached until the weights change).
+
+One writer (issue 21): ``POST /push_lease`` takes the push lease (409 while another holds it);
+while it is held every weight-changing route needs its token in ``x-push-lease`` (409
+otherwise); ``DELETE /push_lease`` releases it. A load to a version not greater than the
+served one is a 409; ``POST /weights/verified`` keeps the served weights as the last verified
+ones and ``POST /weights/rollback`` restores them (a failed verify never leaves bad weights
+serving).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from agentrl.inference import protocol as P
-from agentrl.inference.engine import EngineRequestError, check_version
+from agentrl.inference.engine import EngineRequestError, VersionConflict, check_version
 from agentrl.inference.routes import weight_group
 from agentrl.inference.routes.common import APIError, ServerState
 from agentrl.inference.weights import MAX_HEADER_BYTES, WeightLoadError
@@ -46,10 +55,20 @@ async def _load(fn: Any, *args: Any, param: str, version_param: str = "version")
         return await asyncio.to_thread(fn, *args)
     except WeightLoadError as e:
         raise APIError(400, str(e), param=param) from e
+    except VersionConflict as e:
+        raise APIError(409, str(e), param=e.param) from e
     except EngineRequestError as e:
         raise APIError(400, str(e), param=version_param if e.param == "version" else e.param) from e
     except RuntimeError as e:  # the engine is closed
         raise APIError(503, str(e)) from e
+
+
+def check_lease(st: ServerState, request: Request) -> None:
+    """409 unless no push lease is held or the request carries its token (``x-push-lease``)."""
+    try:
+        st.engine.weights.lease.check(request.headers.get("x-push-lease"))
+    except VersionConflict as e:
+        raise APIError(409, str(e), param="x-push-lease") from e
 
 
 def _header_version(request: Request) -> int | None:
@@ -86,6 +105,7 @@ async def _receive_into(request: Request, buf: memoryview) -> None:
 async def update_weights(st: ServerState, request: Request) -> JSONResponse:
     """``POST /update_weights``: the safetensors body, streamed into the staging buffer."""
     engine = st.engine
+    check_lease(st, request)
     version = _header_version(request)
     raw = request.headers.get("content-length")
     if raw is None or not raw.isdigit():
@@ -109,8 +129,11 @@ async def update_weights(st: ServerState, request: Request) -> JSONResponse:
     return _loaded(new, engine.last_load_casts)
 
 
-async def collective_rpc(st: ServerState, req: P.CollectiveRpcRequest) -> JSONResponse:
+async def collective_rpc(
+    st: ServerState, req: P.CollectiveRpcRequest, request: Request
+) -> JSONResponse:
     """vLLM's ``POST /collective_rpc``; only ``reload_weights`` (path, optional version)."""
+    check_lease(st, request)
     if req.method != "reload_weights":
         raise APIError(
             400,
@@ -146,12 +169,14 @@ def register(app: FastAPI, st: ServerState) -> None:
     weight_group.register(app, st)
 
     @app.post("/update_weights_from_url")
-    async def _from_url(req: P.UpdateWeightsFromUrlRequest) -> JSONResponse:
+    async def _from_url(req: P.UpdateWeightsFromUrlRequest, request: Request) -> JSONResponse:
+        check_lease(st, request)
         new = await _load(engine.load_weights_from_url, req.url, req.version, param="url")
         return _loaded(new, engine.last_load_casts)
 
     @app.post("/update_weights_from_path")
-    async def _from_path(req: P.UpdateWeightsFromPathRequest) -> JSONResponse:
+    async def _from_path(req: P.UpdateWeightsFromPathRequest, request: Request) -> JSONResponse:
+        check_lease(st, request)
         new = await _load(engine.load_weights_from_path, req.path, req.version, param="path")
         return _loaded(new, engine.last_load_casts)
 
@@ -170,12 +195,46 @@ def register(app: FastAPI, st: ServerState) -> None:
         return await update_weights(st, request)
 
     @app.post("/collective_rpc")
-    async def _collective_rpc(req: P.CollectiveRpcRequest) -> JSONResponse:
-        return await collective_rpc(st, req)
+    async def _collective_rpc(req: P.CollectiveRpcRequest, request: Request) -> JSONResponse:
+        return await collective_rpc(st, req, request)
 
     @app.post("/update_weight_version")
-    async def _update_weight_version(req: P.WeightVersionRequest) -> JSONResponse:
-        v = await _load(engine.set_weight_version, req.version, param="version")
+    async def _update_weight_version(req: P.WeightVersionRequest, request: Request) -> JSONResponse:
+        check_lease(st, request)
+        set_version = functools.partial(engine.set_weight_version, rollback=req.rollback)
+        v = await _load(set_version, req.version, param="version")
+        return JSONResponse(
+            {"status": "ok", "weight_version": v}, headers={"x-weight-version": str(v)}
+        )
+
+    @app.post("/push_lease")
+    async def _take_lease(req: P.PushLeaseRequest) -> JSONResponse:
+        try:
+            token = engine.weights.lease.acquire(req.holder, req.ttl_s)
+        except VersionConflict as e:
+            raise APIError(409, str(e), param="lease") from e
+        except EngineRequestError as e:
+            raise APIError(400, str(e), param=e.param) from e
+        return JSONResponse({"status": "ok", "lease": token})
+
+    @app.delete("/push_lease")
+    async def _release_lease(request: Request) -> JSONResponse:
+        released = engine.weights.lease.release(request.headers.get("x-push-lease"))
+        return JSONResponse({"status": "ok", "released": released})
+
+    @app.post("/weights/verified")
+    async def _verified(req: P.WeightVersionRequest, request: Request) -> JSONResponse:
+        check_lease(st, request)
+        try:
+            digest = await asyncio.to_thread(engine.mark_verified, req.version)
+        except VersionConflict as e:
+            raise APIError(409, str(e), param="version") from e
+        return JSONResponse({"status": "ok", "weight_version": req.version, "digest": digest})
+
+    @app.post("/weights/rollback")
+    async def _rollback(request: Request) -> JSONResponse:
+        check_lease(st, request)
+        v = await _load(engine.rollback_weights, param="rollback")
         return JSONResponse(
             {"status": "ok", "weight_version": v}, headers={"x-weight-version": str(v)}
         )

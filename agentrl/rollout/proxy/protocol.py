@@ -71,15 +71,20 @@ def chat_completion(
     *,
     model_name: str,
     cut_by_length: bool,
+    aborted: bool = False,
     prompt_len: int,
     version: int,
 ) -> dict[str, Any]:
     """The ``chat.completion`` response body (one choice, usage, ``weight_version``).
 
-    ``finish_reason`` is ``tool_calls`` when the reply calls tools, else ``length`` when the
-    generation was cut by a token budget (``cut_by_length``), else ``stop``.
+    ``finish_reason`` is ``abort`` when the server cut the generation (a deadline, a shutdown:
+    truncation is never reported as success), else ``tool_calls`` when the reply calls tools,
+    else ``length`` when the generation was cut by a token budget (``cut_by_length``), else
+    ``stop``.
     """
-    if assistant.get("tool_calls"):
+    if aborted:
+        finish = "abort"
+    elif assistant.get("tool_calls"):
         finish = "tool_calls"
     elif cut_by_length:
         finish = "length"

@@ -295,6 +295,7 @@ class ProxyRecorder:
             logprobs,
             model_name=self.model_name,
             cut_by_length=seg.finish_reason == "length",
+            aborted=seg.finish_reason == "abort",
             prompt_len=prompt_len,
             version=version,
         )

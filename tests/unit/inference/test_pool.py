@@ -303,3 +303,28 @@ async def test_extra_body_and_the_api_key_reach_the_server():
         s.client._http.headers["authorization"] == "Bearer k10" for s in keyed._servers.values()
     )
     await keyed.aclose()
+
+
+async def test_an_answer_cut_by_a_server_is_retried_elsewhere_never_passed_as_success():
+    pool, (s0, s1) = make_pool(2)
+    s0.finish_reason = s1.finish_reason = "abort"
+    s1.finish_reason = "length"
+    async with pool:
+        gens = [await pool.generate([1, 2], SamplingParams(max_tokens=3)) for _ in range(6)]
+    # every answer is s1's complete one: s0's cut answers were retried on s1
+    assert [g.finish_reason for g in gens] == ["length"] * 6
+    stats = pool.stats()
+    assert stats["http://s0"].aborted == len(s0.completed) > 0
+    assert stats["http://s1"].aborted == 0
+
+
+async def test_when_every_server_cuts_the_answer_the_agent_sees_abort():
+    pool, fakes = make_pool(2)
+    for f in fakes:
+        f.finish_reason = "abort"
+    async with pool:
+        gen = await pool.generate([1, 2], SamplingParams(max_tokens=3))
+    assert gen.finish_reason == "abort"
+    # tried once more on the other server, then reported: no endless retries
+    assert sum(len(f.completed) for f in fakes) == 2
+    assert sum(s.aborted for s in pool.stats().values()) == 2

@@ -249,16 +249,18 @@ async def test_push_pauses_loads_resets_sets_version_and_resumes_in_order() -> N
         assert not fake.paused
         paths = [p for p, _ in fake.control_calls]
         assert paths == [
+            "/push_lease",  # one writer: the fake has no lease (404), so the push goes on
             "/pause",
             "/update_weights",
             "/reset_prefix_cache",
             "/update_weight_version",
+            "/weights/verified",  # kept as the weights to roll back to
             "/resume",
             "/is_paused",  # read back: a push never reports serving for a paused server
         ]
-        assert fake.control_calls[0][1]["mode"] == "abort"
+        assert fake.control_calls[1][1]["mode"] == "abort"
         # The server resumes by itself if the trainer dies mid-push.
-        assert float(fake.control_calls[0][1]["timeout_s"]) > engine.push_timeout_s
+        assert float(fake.control_calls[1][1]["timeout_s"]) > engine.push_timeout_s
     metrics = report.metrics()
     assert set(metrics) >= {
         "weight_sync/push_s",
@@ -300,7 +302,7 @@ async def test_an_unreachable_server_is_reported_unreachable_not_paused() -> Non
     engine = CheckpointEngine(_clients(a, b), HttpStreamTransport(), push_timeout_s=5)
     report = await asyncio.wait_for(engine.push(_state(), 1), timeout=30)
     sb = report.servers["http://b"]
-    assert sb.stage == "pause" and sb.version is None and not sb.paused
+    assert sb.stage == "lease" and sb.version is None and not sb.paused
     assert "unreachable" in report.describe()
     assert report.servers["http://a"].ok and a.version == 1 and not a.paused
 
