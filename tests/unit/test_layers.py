@@ -25,6 +25,9 @@ LAYERS: list[tuple[str, ...]] = [
         "agentrl.auth",
         "agentrl.tracking",
         "agentrl.traces",
+        "agentrl.jsonsafe",
+        "agentrl.http_limits",
+        "agentrl.lifetime",
     ),
     # 1: the tool contract, the episode recorder, batches, the RL math
     ("tools", "agentrl.episode", "agentrl.batch", "agentrl.algos"),
