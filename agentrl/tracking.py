@@ -37,6 +37,7 @@ __all__ = [
     "log_run_plots",
     "make_tracker",
     "sanitize_key",
+    "tracker_for",
 ]
 
 _BAD_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /:]")
@@ -251,6 +252,22 @@ def make_tracker(
             local_dir=local_dir,
         )
     raise ValueError(f"tracking.backend must be 'mlflow' or 'none' (got {backend!r})")
+
+
+def tracker_for(cfg: Any, *, run_name: str | None = None, run_id: str | None = None) -> Tracker:
+    """The tracker an experiment config asks for (its ``tracking:`` section), with the local
+    store under ``trainer.output_dir/mlruns``; ``run_name`` defaults to ``tracking.run_name``,
+    ``run_id`` continues a run (resume)."""
+    t = cfg.tracking
+    return make_tracker(
+        enabled=t.enabled,
+        backend=t.backend,
+        tracking_uri=t.tracking_uri,
+        experiment=t.experiment,
+        run_name=run_name if run_name is not None else t.run_name,
+        run_id=run_id,
+        local_dir=Path(cfg.trainer.output_dir) / "mlruns",
+    )
 
 
 def plot_metric_history(

@@ -92,7 +92,6 @@ async def _serve(cfg: Any, settings: Any) -> None:
     import uvicorn
 
     from agentrl.auth import warn_if_exposed
-    from agentrl.http_limits import uvicorn_limits
     from agentrl.service.app import create_app, run_service
 
     warn_if_exposed(settings.host, settings.api_key, "agentrl serve")
@@ -128,6 +127,8 @@ class _DeferredSignalServer:
 async def _serve_until_stopped(
     uvicorn: Any, cfg: Any, settings: Any, run_service: Any, create_app: Any, deferred: list[int]
 ) -> None:
+    from agentrl.http_limits import uvicorn_limits
+
     async with run_service(cfg, settings) as service:
         config = uvicorn.Config(
             create_app(service),

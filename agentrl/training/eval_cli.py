@@ -60,18 +60,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _track(cfg: Any, checkpoint: str, report: Any, trajs: list[Any]) -> None:
     """Log the evaluation as its own MLflow run: metrics, the report and episode traces."""
-    from agentrl.tracking import make_tracker
+    from agentrl.tracking import tracker_for
 
-    t = cfg.tracking
-    tracker = make_tracker(
-        enabled=t.enabled,
-        backend=t.backend,
-        tracking_uri=t.tracking_uri,
-        experiment=t.experiment,
-        run_name=f"eval {Path(checkpoint).name}",
-        run_id=None,
-        local_dir=Path(cfg.trainer.output_dir) / "mlruns",
-    )
+    tracker = tracker_for(cfg, run_name=f"eval {Path(checkpoint).name}")
     try:
         tracker.log_params({"eval.checkpoint": str(Path(checkpoint).resolve())})
         report.log(tracker, step=0)

@@ -217,7 +217,7 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
     import torch
     import transformers
 
-    from agentrl.tracking import make_tracker
+    from agentrl.tracking import tracker_for
     from agentrl.training.sft import train_sft
 
     out = Path(output_dir)
@@ -227,16 +227,7 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
     model, tokenizer, device, init_manifest = _load_model(cfg, conversations)
     settings = _settings(cfg, len(conversations))
     steps = settings.steps
-    tr = cfg.tracking
-    tracker = make_tracker(
-        enabled=tr.enabled,
-        backend=tr.backend,
-        tracking_uri=tr.tracking_uri,
-        experiment=tr.experiment,
-        run_name=tr.run_name,
-        run_id=None,
-        local_dir=Path(cfg.trainer.output_dir) / "mlruns",
-    )
+    tracker = tracker_for(cfg)
     status = "FAILED"
     try:
         tracker.log_params(cfg.flatten())
@@ -277,7 +268,7 @@ def run_sft(cfg: Any, output_dir: str | Path) -> dict[str, Any]:
             manifest["init_manifest"] = init_manifest
         (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
         tracker.log_metrics({"sft/train_wall_s": train_s}, steps)
-        if tr.enabled:
+        if cfg.tracking.enabled:
             tracker.log_artifact(out / MANIFEST)
             tracker.log_artifact(out / "sft_config.yaml")
         status = "FINISHED"

@@ -32,7 +32,7 @@ from agentrl.tracking import (
     SampleReporter,
     Tracker,
     log_run_plots,
-    make_tracker,
+    tracker_for,
 )
 from agentrl.training.build import Run, build_run, build_serving
 from agentrl.training.loop import TrainResult, push_weights, train
@@ -183,16 +183,7 @@ class Trainer:
             kl.controller.value = saved.kl_coef
 
     def _tracker(self, saved: RunState | None) -> Tracker:
-        t = self.cfg.tracking
-        tracker = make_tracker(
-            enabled=t.enabled,
-            backend=t.backend,
-            tracking_uri=t.tracking_uri,
-            experiment=t.experiment,
-            run_name=t.run_name,
-            run_id=saved.mlflow_run_id if saved else None,
-            local_dir=self.out / "mlruns",
-        )
+        tracker = tracker_for(self.cfg, run_id=saved.mlflow_run_id if saved else None)
         tracker.log_params(self.cfg.flatten())
         (self.out / "config.yaml").write_text(self.cfg.to_yaml())
         return tracker
