@@ -25,7 +25,9 @@ Invariants:
   its bytes) is reported with the version, and both change in the same :meth:`WeightStore.apply`;
 - versions only grow: a load to a version not greater than the served one is refused
   (:class:`VersionConflict`); only :meth:`WeightStore.rollback` (to the last verified weights)
-  and an explicit ``rollback`` relabel go down;
+  and an explicit ``rollback`` relabel go down. The one exception is the first load of a
+  server at the version it was launched with: the weights it started from were never pushed,
+  and every run's first push (at its start version, usually 0) must be able to replace them;
 - the last verified weights are kept (a CPU copy, :meth:`WeightStore.mark_verified`), so a
   failed verify restores them instead of serving the bad ones;
 - one writer at a time: while a :class:`PushLease` is held, weight-changing routes need its
@@ -181,6 +183,9 @@ class WeightStore:
         """The model's state dict: the tensors a load copies into."""
         self.version = check_version(version, "weight_version")
         """The version of the weights held now (written by the engine thread only)."""
+        self.loaded = False
+        """True once a push has loaded weights (until then the launch weights may be replaced
+        at the launch version)."""
         self.lora = LoraMerger(self.params)
         """The merged LoRA adapter (if any) and the base weights it was merged onto."""
         self.last_load_casts: dict[str, int] = {}
@@ -245,13 +250,15 @@ class WeightStore:
                     self.params[k].copy_(v)
             self.lora.forget()  # the full weights are the new base
         self.version = new
+        self.loaded = True
         self._checksum = None
         self.last_load_casts = update.casts
         return new
 
     def check_forward(self, version: int) -> None:
-        """:class:`VersionConflict` unless ``version`` is greater than the served one."""
-        if version <= self.version:
+        """:class:`VersionConflict` unless ``version`` is greater than the served one (or equal
+        to it on the first load of a server, which replaces the weights it was launched with)."""
+        if version < self.version or (version == self.version and self.loaded):
             raise VersionConflict(
                 f"version {version} is not greater than the served version {self.version}; "
                 "push a higher version (only a rollback goes back)",
