@@ -119,11 +119,13 @@ class WorkerConfig:
         base_dir: str | None = None,
         overlong_buffer_len: int = 0,
         overlong_penalty_factor: float = 1.0,
+        default: str | None = None,
     ) -> WorkerConfig:
         """From the ``agent`` config section (``agentrl.config.AgentConfig``, or any object
         with its fields: ``default``, ``max_turns``, ``max_response_tokens``,
         ``max_parallel_calls``, ``tool_call_format``, ``system_prompt``, ``episode_timeout_s``);
-        ``overlong_buffer_len`` > 0 turns on the overlong penalty (``reward.overlong_*``)."""
+        ``overlong_buffer_len`` > 0 turns on the overlong penalty (``reward.overlong_*``);
+        ``default`` replaces ``agent.default`` (e.g. the run's environment)."""
         overlong = (
             OverlongPenalty(agent.max_response_tokens, overlong_buffer_len, overlong_penalty_factor)
             if overlong_buffer_len > 0
@@ -143,7 +145,7 @@ class WorkerConfig:
             system_prompt=agent.system_prompt,
             episode_timeout_s=agent.episode_timeout_s,
             agent_kwargs=dict(agent_kwargs or {}),
-            default_agent=agent.default,
+            default_agent=default if default is not None else agent.default,
             greedy_sample_index=greedy_sample_index,
             base_dir=base_dir,
             overlong=overlong,

@@ -104,8 +104,9 @@ def worker_config(
     from agentrl.training.resolve import agent_kwargs, default_agent
 
     return WorkerConfig.from_config(
-        cfg.agent.model_copy(update={"default": default_agent(cfg)}),
+        cfg.agent,
         sampling,
+        default=default_agent(cfg),
         agent_kwargs=agent_kwargs(cfg),
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         overlong_prompts=cfg.data.overlong_prompts,

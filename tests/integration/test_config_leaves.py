@@ -35,6 +35,11 @@ READ_ELSEWHERE = {
     "distributed.num_gpus_per_server": "Ray placement of server actors (agentrl/distributed)",
     "distributed.num_trainer_gpus": "Ray placement of the trainer actor (agentrl/distributed)",
     "distributed.max_actor_restarts": "Ray restarts (tests/integration/test_ray_faults.py)",
+    "trainer.max_failed_episode_share": "agentrl train's exit status (test_first_hour.py)",
+    "data.reasoning_gym.tasks": "the reasoning_gym generator (test_reasoning_gym.py)",
+    "data.reasoning_gym.system_prompt": "the reasoning_gym generator (test_reasoning_gym.py)",
+    "data.reasoning_gym.answer_tag": "the reasoning_gym generator (test_reasoning_gym.py)",
+    "environment.kwargs": "an environment's constructor (tests/unit/agents/test_environment.py)",
 }
 
 
