@@ -244,10 +244,21 @@ def test_weight_updates_change_outputs_and_version(server, models) -> None:
     assert r.status_code == 200 and r.json()["weight_version"] == 6
     lp6, v6, _ = complete()
     assert v6 == 6 and lp6 == pytest.approx(lp1, abs=1e-6)
-    httpx.post(
+    # versions only grow (issue 21): going back to 0 is refused unless it says rollback
+    r = httpx.post(
         base + "/update_weights_from_path",
         json={"path": str(models["tools"]), "version": 0},
         timeout=120,
+    )
+    assert r.status_code == 409 and "not greater than the served version 6" in r.text
+    httpx.post(
+        base + "/update_weights_from_path",
+        json={"path": str(models["tools"]), "version": 7},
+        timeout=120,
+    ).raise_for_status()
+    assert httpx.post(base + "/update_weight_version", json={"version": 0}).status_code == 409
+    httpx.post(
+        base + "/update_weight_version", json={"version": 0, "rollback": True}, timeout=60
     ).raise_for_status()
     assert complete()[1] == 0
 
