@@ -41,6 +41,7 @@ NOISY_LOGGERS = (
     "uvicorn.access",
     "mlflow.store.db.utils",
     "alembic.runtime.migration",
+    "mlflow.tracing.export.async_export_queue",  # "Flushing the async trace logging queue"
 )
 """Third-party loggers that log every request (or every store set-up): warnings only unless
 ``--log-level debug``."""
