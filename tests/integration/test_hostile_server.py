@@ -270,13 +270,14 @@ def test_bad_weights_are_refused_before_anything_changes(server, http, tiny_mode
     assert greedy(http, [7, 8, 9]) == tokens
     # A lossless widening (float16 -> float32) is applied and reported, never silent.
     f16 = _write(tmp_path / "f16", {k: v.half() for k, v in state.items()})
+    # (each load a new version: versions only grow, issue 21)
     r = http.post(
-        "/update_weights_from_path", json={"path": str(f16), "version": before["version"]}
+        "/update_weights_from_path", json={"path": str(f16), "version": before["version"] + 1}
     )
     assert r.status_code == 200 and r.json()["cast"] == {"float16->float32": len(state)}, r.text
     r = http.post(
         "/update_weights_from_path",
-        json={"path": str(tiny_model_dir), "version": before["version"]},
+        json={"path": str(tiny_model_dir), "version": before["version"] + 2},
     )
     assert r.status_code == 200 and "cast" not in r.json()
     assert (
