@@ -489,16 +489,20 @@ class PolicyClient:
         )
         await self._request("POST", "/update_weight_version", json=body)
 
-    async def take_push_lease(self, holder: str, ttl_s: float) -> str | None:
+    async def take_push_lease(self, holder: str, ttl_s: float, writer: str = "") -> str | None:
         """Take the server's push lease (embedded server) and send its token with every later
         request until :meth:`release_push_lease`; None where the server has no lease (vLLM, or
-        an embedded server older than the lease).
+        an embedded server older than the lease). ``writer`` names the pushing process: a
+        writer new to the server may start its versions below the served one.
         Raises :class:`InferenceRequestError` (409) while another push holds it."""
         if await self._resolve_backend() != "embedded":
             return None
         try:
             body = await self._json(
-                "POST", "/push_lease", json={"holder": holder, "ttl_s": float(ttl_s)}, retries=0
+                "POST",
+                "/push_lease",
+                json={"holder": holder, "ttl_s": float(ttl_s), "writer": writer},
+                retries=0,
             )
         except InferenceRequestError as exc:
             if exc.status_code == 404:  # a server without leases (older than issue 21)

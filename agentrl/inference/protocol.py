@@ -202,6 +202,9 @@ class PushLeaseRequest(_Request):
 
     holder: str = Field(default="", max_length=200)
     ttl_s: float = 600.0
+    writer: str = Field(default="", max_length=200)
+    """Who pushes (one id per trainer process): a writer new to the server starts a new version
+    sequence, so a new or resumed run may push versions below the served one."""
 
 
 class ProbeRequest(_Request):

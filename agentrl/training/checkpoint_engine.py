@@ -58,7 +58,9 @@ import json
 import logging
 import math
 import os
+import secrets
 import shutil
+import socket
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -614,6 +616,9 @@ class CheckpointEngine:
         self.temperature = temperature
         self.push_timeout_s = push_timeout_s
         self.tied_weights = None if tied_weights is None else dict(tied_weights)
+        self.writer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+        """This engine's writer id, sent with each push lease: the servers' version checks are
+        per writer, so a new or resumed run may start below the versions an earlier one left."""
 
     async def aclose(self) -> None:
         """Close the clients and the transport's weight server (the shared directory stays;
@@ -709,7 +714,7 @@ class CheckpointEngine:
                 # One writer per server: a second push is refused here, before any pause.
                 status.stage = "lease"
                 ttl = self.push_timeout_s + PAUSE_MARGIN_S
-                await client.take_push_lease(f"push of version {staged.version}", ttl)
+                await client.take_push_lease(f"push of version {staged.version}", ttl, self.writer)
                 status.stage = "pause"
                 # A pause whose answer is lost (timeout, dropped connection) may still take
                 # effect on the server, so the resume below runs once the pause was sent.

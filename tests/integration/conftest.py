@@ -105,6 +105,19 @@ def embedded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
         handle.stop()
 
 
+@pytest.fixture(scope="module")
+def own_embedded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """An embedded server of the test module's own (one per module): for tests that change its
+    weights or move its version, which the session's shared server keeps as launched."""
+    from agentrl.inference.server import launch_embedded_server
+
+    tmp = tmp_path_factory.mktemp("own_embedded")
+    with launch_embedded_server(
+        tiny_model_dir, log_path=tmp / "server.log", startup_timeout_s=300
+    ) as handle:
+        yield handle
+
+
 @pytest.fixture(
     scope="session",
     params=[

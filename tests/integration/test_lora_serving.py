@@ -27,7 +27,6 @@ import torch
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.handle import ServerHandle
 from agentrl.inference.lora import LoraAdapter
-from agentrl.inference.server import launch_embedded_server
 from agentrl.training.checkpoint_engine import (
     VLLM_LORA_NAME,
     CheckpointEngine,
@@ -70,19 +69,6 @@ def full_bytes(model_dir: Path) -> int:
     return sum(t.numel() * t.element_size() for t in state_of(load_hf(model_dir)).values())
 
 
-@pytest.fixture(scope="module")
-def lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """A fresh embedded server (its weights change here)."""
-    tmp = tmp_path_factory.mktemp("lora_embedded")
-    handle = launch_embedded_server(
-        tiny_model_dir, log_path=tmp / "server.log", startup_timeout_s=300
-    )
-    try:
-        yield handle
-    finally:
-        handle.stop()
-
-
 def _transport(kind: str, tmp_path: Path) -> WeightTransport:
     if kind == "shared_dir":
         return SharedDirTransport(tmp_path / "weights")
@@ -93,9 +79,9 @@ def _transport(kind: str, tmp_path: Path) -> WeightTransport:
 
 @pytest.mark.parametrize("kind", ["shared_dir", "http", "collective"])
 async def test_adapter_push_is_merged_and_verified(
-    lora_server, tiny_model_dir, tmp_path, kind, report_metric
+    own_embedded_server, tiny_model_dir, tmp_path, kind, report_metric
 ):
-    client = PolicyClient(lora_server.base_url)
+    client = PolicyClient(own_embedded_server.base_url)
     engine = CheckpointEngine([client], _transport(kind, tmp_path), verify_tolerance=1e-3)
     try:
         # Two adapters in a row with different targets: the second is merged onto the base.
@@ -120,9 +106,9 @@ async def test_adapter_push_is_merged_and_verified(
 
 
 async def test_full_push_after_adapters_is_the_new_base_and_bad_adapters_change_nothing(
-    lora_server, tiny_model_dir, tmp_path
+    own_embedded_server, tiny_model_dir, tmp_path
 ):
-    client = PolicyClient(lora_server.base_url)
+    client = PolicyClient(own_embedded_server.base_url)
     engine = CheckpointEngine([client], SharedDirTransport(tmp_path / "w"), verify_tolerance=1e-3)
     try:
         base = perturbed(tiny_model_dir, seed=41)

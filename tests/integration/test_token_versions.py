@@ -7,7 +7,6 @@ trajectory, the trainer's batch and the staleness metrics.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,21 +22,6 @@ from agentrl.training.step import token_version_metrics
 from agentrl.types import SamplingParams, StopReason
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """An embedded server of its own: the test moves its weight version."""
-    from agentrl.inference.server import launch_embedded_server
-
-    tmp = tmp_path_factory.mktemp("token-versions")
-    handle = launch_embedded_server(
-        tiny_model_dir, log_path=tmp / "server.log", startup_timeout_s=300
-    )
-    try:
-        yield handle
-    finally:
-        handle.stop()
 
 
 async def _gauge(base_url: str, name: str) -> float:
@@ -74,13 +58,13 @@ def _scorer(model):
 
 
 async def test_a_push_mid_generation_splits_the_versions_of_its_tokens(
-    server, tiny_model_dir: Path
+    own_embedded_server, tiny_model_dir: Path
 ) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
     state, model = _perturbed_state(tiny_model_dir)
-    url = server.base_url
+    url = own_embedded_server.base_url
     async with PolicyClient(url) as client:
         v_old = await client.weight_version()
         rec = EpisodeRecorder.from_messages([{"role": "user", "content": "count"}], tok)

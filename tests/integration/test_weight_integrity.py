@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,7 +20,6 @@ import torch
 from agentrl.inference.client import InferenceError, PolicyClient
 from agentrl.inference.engine import state_digest
 from agentrl.inference.handle import ServerHandle
-from agentrl.inference.server import launch_embedded_server
 from agentrl.training.checkpoint_engine import CheckpointEngine, HttpStreamTransport
 from agentrl.types import SamplingParams
 from tests.integration.test_checkpoint_engine import perturbed, scorer, state_of
@@ -33,29 +30,22 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 ROUNDS = 10
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    tmp = tmp_path_factory.mktemp("integrity_server")
-    handle = launch_embedded_server(
-        tiny_model_dir, log_path=tmp / "server.log", startup_timeout_s=300
-    )
-    try:
-        yield handle
-    finally:
-        handle.stop()
-
-
-async def test_two_concurrent_pushes_x10_never_split(server: ServerHandle, tiny_model_dir):
+async def test_two_concurrent_pushes_x10_never_split(
+    own_embedded_server: ServerHandle, tiny_model_dir
+):
     trainers = {"A": perturbed(tiny_model_dir, seed=101), "B": perturbed(tiny_model_dir, seed=202)}
     states = {name: state_of(m) for name, m in trainers.items()}
     digests = {name: state_digest(s) for name, s in states.items()}
     assert digests["A"] != digests["B"]
-    clients = {name: PolicyClient(server.base_url, timeout_s=120) for name in trainers}
-    observer = PolicyClient(server.base_url, timeout_s=120)
+    clients = {name: PolicyClient(own_embedded_server.base_url, timeout_s=120) for name in trainers}
+    observer = PolicyClient(own_embedded_server.base_url, timeout_s=120)
     engines = {
         name: CheckpointEngine([c], HttpStreamTransport(), push_timeout_s=120)
         for name, c in clients.items()
     }
+    # One writer racing itself (a push and its retry, two ranks of one run): the lease alone
+    # must keep them apart. Two runs are fenced instead (the test below).
+    engines["B"].writer = engines["A"].writer
     splits, ok_rounds, double_ok = 0, 0, 0
     try:
         for _ in range(ROUNDS):
@@ -96,14 +86,48 @@ async def test_two_concurrent_pushes_x10_never_split(server: ServerHandle, tiny_
         await observer.aclose()
 
 
-async def test_a_failed_verify_serves_no_bad_completion(server: ServerHandle, tiny_model_dir):
+async def test_a_new_run_takes_over_and_the_old_one_is_fenced(
+    own_embedded_server: ServerHandle, tiny_model_dir
+):
+    """A second trainer run on the same server starts its own versions (at 0, below the first
+    run's) and the first run's next push is refused, naming the new writer: two runs never
+    interleave versions (the CI failure of stop 29 was the opposite: a new run refused)."""
+    old_run, new_run = perturbed(tiny_model_dir, seed=404), perturbed(tiny_model_dir, seed=505)
+    observer = PolicyClient(own_embedded_server.base_url, timeout_s=120)
+    engines = [
+        CheckpointEngine(
+            [PolicyClient(own_embedded_server.base_url, timeout_s=120)], HttpStreamTransport()
+        )
+        for _ in range(2)
+    ]
+    try:
+        high = await observer.weight_version() + 5
+        (await engines[0].push(state_of(old_run), high)).raise_if_failed()
+        (await engines[1].push(state_of(new_run), 0)).raise_if_failed()
+        info = await observer.weight_info()
+        assert (info["weight_version"], info["digest"]) == (0, state_digest(state_of(new_run)))
+        assert info["writer"] == engines[1].writer
+        report = await engines[0].push(state_of(old_run), high + 1)
+        assert not report.ok and f"replaced by writer {engines[1].writer!r}" in report.describe()
+        assert (await observer.weight_info())["digest"] == info["digest"]
+    finally:
+        for e in engines:
+            await e.aclose()
+        await observer.aclose()
+
+
+async def test_a_failed_verify_serves_no_bad_completion(
+    own_embedded_server: ServerHandle, tiny_model_dir
+):
     good, huge = perturbed(tiny_model_dir, seed=303), perturbed(tiny_model_dir, seed=303)
     with torch.no_grad():
         for p in huge.parameters():
             p.mul_(1e18)  # finite in float32, but the logits overflow
     assert all(torch.isfinite(p).all() for p in huge.parameters())
-    client = PolicyClient(server.base_url, timeout_s=120)
-    engine = CheckpointEngine([PolicyClient(server.base_url, timeout_s=120)], HttpStreamTransport())
+    client = PolicyClient(own_embedded_server.base_url, timeout_s=120)
+    engine = CheckpointEngine(
+        [PolicyClient(own_embedded_server.base_url, timeout_s=120)], HttpStreamTransport()
+    )
     bad, served, stop = 0, 0, asyncio.Event()
 
     async def sample_forever() -> None:

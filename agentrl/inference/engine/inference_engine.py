@@ -476,7 +476,7 @@ class InferenceEngine:
         return self._sched.control(_rollback)
 
     def weight_info(self, checksum: bool = False) -> dict[str, Any]:
-        """``{"version", "digest", "verified_version", "num_params"}`` read in one control
+        """``{"version", "digest", "verified_version", "writer", "num_params"}`` read in one control
         operation (so version and digest always belong together; the digest is a sha256 over
         name + bytes of the state dict, cached until the weights change), plus ``"checksum"``
         (the same digest, the older name) when asked."""
@@ -487,6 +487,7 @@ class InferenceEngine:
                 "version": self.weights.version,
                 "digest": self.weights.digest(),
                 "verified_version": self.weights.verified_version,
+                "writer": self.weights.lease.writer,
                 "num_params": int(n),
             }
             lease = self.weights.lease.describe()

@@ -25,9 +25,11 @@ Invariants:
   its bytes) is reported with the version, and both change in the same :meth:`WeightStore.apply`;
 - versions only grow: a load to a version not greater than the served one is refused
   (:class:`VersionConflict`); only :meth:`WeightStore.rollback` (to the last verified weights)
-  and an explicit ``rollback`` relabel go down. The one exception is the first load of a
-  server at the version it was launched with: the weights it started from were never pushed,
-  and every run's first push (at its start version, usually 0) must be able to replace them;
+  and an explicit ``rollback`` relabel go down. Two exceptions start a new sequence: the first
+  load of a server (at the version it was launched with: those weights were never pushed), and
+  the first load by a new *writer* (a lease taken with a writer id other than the current one:
+  a new or resumed trainer run starts its own versions, usually at 0). The writer it replaces
+  is fenced: its later leases are refused (409), so two runs never interleave versions;
 - the last verified weights are kept (a CPU copy, :meth:`WeightStore.mark_verified`), so a
   failed verify restores them instead of serving the bad ones;
 - one writer at a time: while a :class:`PushLease` is held, weight-changing routes need its
@@ -42,6 +44,7 @@ import hashlib
 import secrets
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,6 +67,9 @@ __all__ = [
 
 MAX_VERSION = INT64_MAX
 """Weight versions are integers in ``[0, 2**63 - 1]``."""
+
+FENCED_WRITERS = 64
+"""How many replaced writers a server remembers (and refuses)."""
 
 
 def check_version(version: Any, param: str = "version") -> int:
@@ -108,9 +114,18 @@ class PushLease:
         self._token: str | None = None
         self._holder = ""
         self._expires = 0.0
+        self.writer = ""
+        """The current writer: the id of the last lease taken with one ("" until then)."""
+        self.new_writer = False
+        """True from a lease taken by a new writer until its first load."""
+        self._fenced: deque[str] = deque(maxlen=FENCED_WRITERS)
 
-    def acquire(self, holder: str, ttl_s: float) -> str:
-        """A new token for ``holder``; :class:`VersionConflict` while another holds the lease."""
+    def acquire(self, holder: str, ttl_s: float, writer: str = "") -> str:
+        """A new token for ``holder``; :class:`VersionConflict` while another holds the lease.
+
+        A non-empty ``writer`` other than the current one takes the server over: its first
+        load may take any version (:meth:`WeightStore.check_forward`) and the writer it replaces
+        is fenced (its later leases are refused). An empty ``writer`` changes nothing."""
         if not 0 < ttl_s <= 3600:
             raise EngineRequestError(f"ttl_s={ttl_s!r:.40}; send seconds in (0, 3600]", "ttl_s")
         with self._lock:
@@ -121,9 +136,20 @@ class PushLease:
                     "more; another weight push is in progress, retry after it finishes",
                     "lease",
                 )
+            if writer and writer in self._fenced:
+                raise VersionConflict(
+                    f"writer {writer!r:.80} was replaced by writer {self.writer!r:.80}: another "
+                    "run now pushes to this server; give each run its own servers",
+                    "writer",
+                )
             self._token = secrets.token_hex(16)
             self._holder = holder
             self._expires = now + ttl_s
+            if writer and writer != self.writer:
+                if self.writer:
+                    self._fenced.append(self.writer)
+                self.writer = writer
+                self.new_writer = True
             return self._token
 
     def release(self, token: str | None) -> bool:
@@ -151,7 +177,7 @@ class PushLease:
             left = self._expires - self.clock()
             if self._token is None or left <= 0:
                 return None
-            return {"holder": self._holder, "expires_in_s": round(left, 3)}
+            return {"holder": self._holder, "writer": self.writer, "expires_in_s": round(left, 3)}
 
 
 @dataclass(frozen=True)
@@ -251,13 +277,17 @@ class WeightStore:
             self.lora.forget()  # the full weights are the new base
         self.version = new
         self.loaded = True
+        self.lease.new_writer = False
         self._checksum = None
         self.last_load_casts = update.casts
         return new
 
     def check_forward(self, version: int) -> None:
         """:class:`VersionConflict` unless ``version`` is greater than the served one (or equal
-        to it on the first load of a server, which replaces the weights it was launched with)."""
+        to it on the first load of a server, which replaces the weights it was launched with;
+        or any version on the first load of a new writer, which starts its own sequence)."""
+        if self.lease.new_writer:
+            return
         if version < self.version or (version == self.version and self.loaded):
             raise VersionConflict(
                 f"version {version} is not greater than the served version {self.version}; "

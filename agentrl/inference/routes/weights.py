@@ -19,7 +19,8 @@ is cached until the weights change).
 One writer (issue 21): ``POST /push_lease`` takes the push lease (409 while another holds it);
 while it is held every weight-changing route needs its token in ``x-push-lease`` (409
 otherwise); ``DELETE /push_lease`` releases it. A load to a version not greater than the
-served one is a 409; ``POST /weights/verified`` keeps the served weights as the last verified
+served one is a 409, except the first load by a writer new to the server (the lease's
+``writer``: a new or resumed trainer run starts its own sequence); ``POST /weights/verified`` keeps the served weights as the last verified
 ones and ``POST /weights/rollback`` restores them (a failed verify never leaves bad weights
 serving).
 """
@@ -210,7 +211,7 @@ def register(app: FastAPI, st: ServerState) -> None:
     @app.post("/push_lease")
     async def _take_lease(req: P.PushLeaseRequest) -> JSONResponse:
         try:
-            token = engine.weights.lease.acquire(req.holder, req.ttl_s)
+            token = engine.weights.lease.acquire(req.holder, req.ttl_s, req.writer)
         except VersionConflict as e:
             raise APIError(409, str(e), param="lease") from e
         except EngineRequestError as e:
