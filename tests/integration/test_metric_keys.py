@@ -64,6 +64,7 @@ CONDITIONAL = {
     "variance_proxy/*": "never: the page says why verl's key is not logged",
     "tools/<name>/calls": "a tool called in the step's episodes (tests/unit/agents/test_environment.py)",
     "reward/<source>/<component>/mean": "a reward returning numbers beside score (test_environment.py)",
+    "reward/secret_number/probes/mean": "examples/secret_number (test_environment_example.py)",
     "reward/<source>/terms/<term>/mean": "a reward mix (tests/unit/agents/test_environment.py)",
     **{
         f"grad_noise/{k}": "not yet: the page says the actor does not call the probe"

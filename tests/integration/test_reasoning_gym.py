@@ -33,4 +33,4 @@ def test_reasoning_gym_mixture_trains_with_per_task_validation(tmp_path: Path) -
         assert val["val/reward_errors"] == 0
         for task, n in TASKS.items():
             assert val[f"val/{task}/num_tasks"] == n
-            assert 0.0 <= val[f"val/{task}/reward/mean@1"] <= 1.0
+            assert 0.0 <= val[f"val/{task}/reward/mean_at_1"] <= 1.0
