@@ -21,7 +21,7 @@ class CheckpointConfig(Section):
     transport: Literal["shared_dir", "http", "collective"] = "shared_dir"
     """`shared_dir` (safetensors in a shared directory), `http` (streamed) or `collective` (torch.distributed broadcasts: gloo on CPU, NCCL on GPU; vLLM's NCCL weight transfer)."""
     shared_dir: str | None = None
-    """Directory for `shared_dir`; None = /dev/shm when it exists, else the system temp dir."""
+    """Directory for `shared_dir` (each run stages in a `run-*` directory of its own inside, removed at the end); None = /dev/shm/agentrl when writable, else the system temp dir."""
     bucket_mb: float = Field(default=256.0, gt=0)
     """`collective`: the largest packed broadcast (MiB); bigger buckets mean fewer collectives."""
     collective_backend: Literal["auto", "gloo", "nccl"] = "auto"

@@ -111,10 +111,11 @@ def _init(address: str | None, runtime_env: Mapping[str, object]) -> None:
     import ray
 
     try:
+        # log_to_driver: the actors' output (the trainer's step lines) reaches this console.
         if address is None:
-            ray.init(runtime_env=dict(runtime_env), log_to_driver=False)
+            ray.init(runtime_env=dict(runtime_env), log_to_driver=True)
         else:
-            ray.init(address=address, runtime_env=dict(runtime_env), log_to_driver=False)
+            ray.init(address=address, runtime_env=dict(runtime_env), log_to_driver=True)
     except Exception as exc:
         if _is_auth_error(exc):
             raise RayAuthError(_auth_help(address or "auto")) from exc

@@ -884,10 +884,17 @@ def _connect(address: str | None) -> bool:
     (:mod:`agentrl.distributed.cluster`: a cluster we start has its own token, whatever
     ``~/.ray`` holds)."""
     from agentrl.distributed.cluster import connect
+    from agentrl.training.run_log import LOG_LEVEL_ENV
 
     root = str(Path(__file__).resolve().parents[2])
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
-    return connect(address, {"env_vars": {"PYTHONPATH": pythonpath}})
+    env = {"PYTHONPATH": pythonpath, LOG_LEVEL_ENV: os.environ.get(LOG_LEVEL_ENV, "info")}
+    # Every actor logs like the driver; Ray forwards its lines with a "(Actor pid=N)" prefix
+    # (uncoloured in a log file).
+    if not sys.stderr.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    hook = "agentrl.training.run_log.configure_from_env"
+    return connect(address, {"env_vars": env, "worker_process_setup_hook": hook})
 
 
 def _absolute(cfg: ExperimentConfig) -> ExperimentConfig:

@@ -107,6 +107,8 @@ class TaskResult(BaseModel):
     correct: list[bool]
     answers: list[str | None]
     stop_reasons: list[str]
+    reward_info: list[dict[str, Any]] = Field(default_factory=list)
+    """Each sample's ``reward_info`` (the reward's components, its answer, an error)."""
 
 
 class EvalReport(BaseModel):
@@ -230,6 +232,7 @@ def _task_results(trajs: Sequence[Trajectory]) -> list[TaskResult]:
             correct=[is_correct(t) for t in ts],
             answers=[answer_of(t) for t in ts],
             stop_reasons=[t.stop_reason.value for t in ts],
+            reward_info=[dict(t.reward_info) for t in ts],
         )
         for uid, ts in groups.items()
     ]

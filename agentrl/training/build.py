@@ -317,9 +317,9 @@ def _engine(
     )
 
 
-async def _close_engine(engine: Any, remove_staging: bool) -> None:
+async def _close_engine(engine: Any, owned: bool) -> None:
     await engine.aclose()  # the control clients and the transport's weight server
-    if remove_staging and hasattr(engine.transport, "remove"):
+    if owned and hasattr(engine.transport, "remove"):  # the run's own staging dir (shared_dir)
         engine.transport.remove()
 
 
@@ -373,7 +373,7 @@ async def build_serving(
         stack.push_async_callback(pool.aclose)
         temperature = cfg.inference.temperature or 1.0
         engine = _engine(cfg, urls, temperature, transport, key)
-        stack.push_async_callback(_close_engine, engine, cfg.checkpoint.shared_dir is None)
+        stack.push_async_callback(_close_engine, engine, transport is None)
         stack.push_async_callback(rewards.aclose)
         rewards.connect_models(results[1], reward_key)  # type: ignore[arg-type]  # checked above
         pool.start()

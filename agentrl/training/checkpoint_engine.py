@@ -215,6 +215,14 @@ class SharedDirTransport(WeightTransport):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
 
+    @classmethod
+    def for_run(cls, base: str | Path) -> SharedDirTransport:
+        """A transport staging in a directory of its own under ``base`` (``run-<pid>-*``), so
+        two runs given the same ``checkpoint.shared_dir`` (or both the default) never delete
+        each other's versions; :meth:`remove` deletes only that directory."""
+        Path(base).mkdir(parents=True, exist_ok=True)
+        return cls(tempfile.mkdtemp(prefix=f"run-{os.getpid()}-", dir=base))
+
     def stage(
         self, state_dict: dict[str, torch.Tensor], version: int, *, lora: LoraSpec | None = None
     ) -> StagedWeights:
@@ -357,7 +365,11 @@ def make_transport(
     """``checkpoint.transport``: ``shared_dir``, ``http`` or ``collective`` (the keyword
     arguments are the ``checkpoint`` section's knobs of the collective transport)."""
     if name == "shared_dir":
-        return SharedDirTransport(shared_dir)
+        return (
+            SharedDirTransport(shared_dir)
+            if shared_dir is None
+            else SharedDirTransport.for_run(shared_dir)
+        )
     if name == "http":
         return HttpStreamTransport(advertise_host=advertise_host)
     if name == "collective":

@@ -24,12 +24,18 @@ from collections.abc import Callable, Mapping
 
 __all__ = [
     "LOG_LEVELS",
+    "LOG_LEVEL_ENV",
     "NOISY_LOGGERS",
     "PhaseTimer",
     "add_log_level_argument",
+    "configure_from_env",
     "configure_logging",
     "step_line",
 ]
+
+LOG_LEVEL_ENV = "AGENTRL_LOG_LEVEL"
+"""Where :func:`configure_logging` leaves the level for the processes a run starts (Ray actors
+configure themselves from it: :func:`configure_from_env`)."""
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 """The values of ``--log-level``."""
@@ -74,6 +80,16 @@ def configure_logging(level: str = "info") -> None:
         logging.getLogger(name).setLevel(value if level == "debug" else max(value, logging.WARNING))
     if not sys.stderr.isatty():  # progress bars in a log file are lines of carriage returns
         os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ[LOG_LEVEL_ENV] = level
+
+
+def configure_from_env() -> None:
+    """:func:`configure_logging` at the level the starting process chose (``AGENTRL_LOG_LEVEL``,
+    default ``info``): Ray runs it in every actor process (``worker_process_setup_hook``), so an
+    actor's lines (the trainer's step lines among them) reach the driver's console, prefixed
+    by Ray with the actor's name and pid."""
+    level = os.environ.get(LOG_LEVEL_ENV, "info")
+    configure_logging(level if level in LOG_LEVELS else "info")
 
 
 def _eta(seconds: float) -> str:

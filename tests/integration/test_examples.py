@@ -23,13 +23,17 @@ EXAMPLES = ["units", "openai_agent"]
 AGENTRL = Path(sys.executable).parent / "agentrl"
 
 
-def _train(example: str, cwd: Path, *overrides: str) -> dict:
+def _train(example: str, cwd: Path, *overrides: str, log: list[str] | None = None) -> dict:
+    """The run's JSON summary; with ``log``, the run logs at info and its stderr is appended."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["OMP_NUM_THREADS"] = "1"
     config = ROOT / "examples" / example / "config.yaml"
-    args = [str(AGENTRL), "train", str(config), "--quiet", "trainer.total_steps=2", *overrides]
+    level = "--quiet" if log is None else "--log-level=info"
+    args = [str(AGENTRL), "train", str(config), level, "trainer.total_steps=2", *overrides]
     out = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=840)
     assert out.returncode == 0, out.stderr[-4000:]
+    if log is not None:
+        log.append(out.stderr)
     return json.loads(out.stdout[out.stdout.index("{") :])
 
 
@@ -49,6 +53,9 @@ def test_example_trains_locally_from_another_directory(example: str, tmp_path: P
 @pytest.mark.ray
 @pytest.mark.parametrize("example", EXAMPLES)
 def test_example_trains_on_ray(example: str, tmp_path: Path, ray_cluster: str) -> None:
+    """Also what the user reads: the trainer actor's step lines reach the console, prefixed by
+    Ray with the actor (issue 22: they went only to Ray's log files)."""
+    log: list[str] = []
     _check(
         _train(
             example,
@@ -56,8 +63,11 @@ def test_example_trains_on_ray(example: str, tmp_path: Path, ray_cluster: str) -
             f"trainer.output_dir={tmp_path / 'out'}",
             "distributed.backend=ray",
             f"distributed.ray_address={ray_cluster}",
+            log=log,
         )
     )
+    step_lines = [line for line in log[0].splitlines() if "agentrl.run: step 2/2 v2" in line]
+    assert step_lines and all("(TrainerActor pid=" in line for line in step_lines), log[0][-3000:]
 
 
 def test_eval_report_writes_the_report_and_episode_traces(

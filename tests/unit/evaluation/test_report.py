@@ -308,3 +308,21 @@ def test_evaluate_counts_samples_whose_reward_raised(tok):
     assert m["val/reward_errors"] == 2.0
     assert m["val/num_samples"] == 2.0 and m["val/dropped_samples"] == 2.0
     assert m["val/reward_mean"] == 1.0
+
+
+def test_the_json_report_carries_each_samples_reward_info():
+    """``agentrl eval --report`` users read why a sample scored what it did (issue 22)."""
+
+    async def generate(tasks, n_samples):
+        return [
+            traj(
+                f"{t.id}#0", i, reward=1.0, info={"answer": "42", "probes": i + 1, "correct": True}
+            )
+            for t in tasks
+            for i in range(n_samples)
+        ]
+
+    report = asyncio.run(evaluate(generate, TASKS[:1], n=2, temperature=None, n_bootstrap=10))
+    task = json.loads(report.to_json())["tasks"][0]
+    assert [info["probes"] for info in task["reward_info"]] == [1, 2]
+    assert task["reward_info"][0] == {"answer": "42", "probes": 1, "correct": True}

@@ -131,8 +131,23 @@ def test_both_transports_move_the_same_bytes(tmp_path: Path) -> None:
 def test_make_transport_builds_each_transport(tmp_path: Path) -> None:
     shared = make_transport("shared_dir", shared_dir=tmp_path / "w")
     assert isinstance(shared, SharedDirTransport)
-    assert shared.root == tmp_path / "w"
+    assert shared.root.parent == tmp_path / "w" and shared.root.name.startswith("run-")
     assert isinstance(make_transport("http"), HttpStreamTransport)
+
+
+def test_two_runs_on_one_shared_dir_keep_their_versions(tmp_path: Path) -> None:
+    """Two runs with the same checkpoint.shared_dir (or both the default) stage apart: one's
+    cleanup and removal never delete the other's version (seen on a Ray run next to a test
+    run: 'no safetensors weights at /dev/shm/agentrl/v1')."""
+    a, b = (make_transport("shared_dir", shared_dir=tmp_path) for _ in range(2))
+    assert isinstance(a, SharedDirTransport) and isinstance(b, SharedDirTransport)
+    staged = a.stage(_state(0), 1)
+    b.stage(_state(1), 2)
+    b.cleanup(keep_version=2)
+    b.remove()
+    assert staged.path is not None and (staged.path / "model.safetensors").is_file()
+    a.remove()
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_make_transport_errors_name_the_field() -> None:
@@ -158,7 +173,7 @@ def test_transport_from_config_passes_the_collective_knobs(tmp_path: Path) -> No
         7.0,
     )
     shared = transport_from_config(CheckpointConfig(shared_dir=str(tmp_path / "w")))
-    assert isinstance(shared, SharedDirTransport) and shared.root == tmp_path / "w"
+    assert isinstance(shared, SharedDirTransport) and shared.root.parent == tmp_path / "w"
 
 
 def test_resolve_says_what_collective_needs_on_a_cpu_machine(monkeypatch) -> None:
