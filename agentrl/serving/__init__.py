@@ -10,7 +10,7 @@ servers and the Ray server actors all go through the same two steps::
 - :mod:`agentrl.serving.spec`: :class:`ServerSpec` (the contract: read it first);
 - :mod:`agentrl.serving.from_config`: :func:`spec_for`, the spec of any role from the config,
   and :func:`served_model`, the model name rollouts ask for;
-- :mod:`agentrl.serving.launch`: :func:`launch`, :func:`launch_call` (the launcher and its
+- :mod:`agentrl.serving.launcher`: :func:`launch`, :func:`launch_call` (the launcher and its
   arguments, nothing started), :func:`launch_all` (in parallel, on an exit stack);
 - :mod:`agentrl.serving.servers`: :func:`start_servers` / :func:`start_model_servers`, every
   server of a run.
@@ -18,7 +18,7 @@ servers and the Ray server actors all go through the same two steps::
 
 from agentrl.inference.handle import ServerHandle
 from agentrl.serving.from_config import served_model, spec_for
-from agentrl.serving.launch import launch, launch_all, launch_call
+from agentrl.serving.launcher import launch, launch_all, launch_call
 from agentrl.serving.servers import start_model_servers, start_servers
 from agentrl.serving.spec import Backend, Role, ServerSpec
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.serving.from_config import spec_for
-from agentrl.serving.launch import launch_all
+from agentrl.serving.launcher import launch_all
 from agentrl.threads import ThreadPlan
 
 __all__ = ["start_model_servers", "start_servers"]
