@@ -3,8 +3,8 @@
 Why it exists: one process (asyncio + server subprocesses) is the default and the fastest path on
 one machine; a cluster needs the inference servers, the agent-loop workers, the reward workers
 and the trainer on different nodes and GPUs. The classes that do the work are the ones the local
-run uses (``launch_embedded_server`` / ``launch_vllm_server``, ``AgentLoopWorker``,
-``RewardManager``, ``Trainer``); this module only places them.
+run uses (:func:`agentrl.serving.launch` of the same :func:`~agentrl.serving.spec_for` spec,
+``AgentLoopWorker``, ``RewardManager``, ``Trainer``); this module only places them.
 
 Placement (see docs/distributed.md)::
 
@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -60,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from agentrl.config import ExperimentConfig
 from agentrl.inference.handle import ServerHandle
 from agentrl.rollout.manager import AgentLoopWorker, WorkerConfig
+from agentrl.serving import ServerSpec, launch, served_model, spec_for
 from agentrl.types import Task, Trajectory
 
 if TYPE_CHECKING:
@@ -139,43 +141,12 @@ class InferenceServerActor:
     ``shutdown()`` stops it. If the actor process dies first, a reaper process stops the server.
     """
 
-    def __init__(
-        self,
-        model_dir: str,
-        *,
-        backend: str = "embedded",
-        index: int = 0,
-        seed: int = 0,
-        max_batch_size: int = 32,
-        bind_host: str = "127.0.0.1",
-        log_dir: str | None = None,
-        vllm_python: str | None = None,
-        vllm_extra_args: list[str] | None = None,
-        env: dict[str, str] | None = None,
-        api_key: str | None = None,
-        device: str = "cpu",
-        dtype: str = "float32",
-        startup_timeout_s: float = 300.0,
-    ) -> None:
-        if backend not in ("embedded", "vllm"):
-            raise ValueError(
-                f"inference.backend={backend!r} cannot be placed by Ray; use 'embedded' or 'vllm'"
-            )
-        self.model_dir = model_dir
-        self.backend = backend
+    def __init__(self, spec: ServerSpec, *, index: int = 0, log_dir: str | None = None) -> None:
+        self.spec = spec
+        """What to launch (:func:`agentrl.serving.spec_for`: the same spec a local run's server
+        gets; ``spec.host`` is the bind address, ``spec.api_key`` the run's token)."""
         self.index = index
-        self.seed = seed
-        self.max_batch_size = max_batch_size
-        self.bind_host = bind_host
         self.log_dir = log_dir
-        self.vllm_python = vllm_python
-        self.vllm_extra_args = list(vllm_extra_args or [])
-        self.env = dict(env or {})
-        self.api_key = api_key
-        """The servers' bearer token (the run's; never logged)."""
-        self.device, self.dtype = device, dtype
-        self.startup_timeout_s = startup_timeout_s
-        """Added to the server's environment (its share of the run's thread plan)."""
         self._handle: ServerHandle | None = None
         self._reaper: subprocess.Popen[bytes] | None = None
         self._url = ""
@@ -224,40 +195,12 @@ class InferenceServerActor:
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         first = self._launches == 0 and not _reconstructed()
         suffix = "" if first else f".{self._launch_id}"
-        return Path(self.log_dir) / f"{self.backend}-{self.index}{suffix}.log"
+        return Path(self.log_dir) / f"{self.spec.backend}-{self.index}{suffix}.log"
 
     def _launch(self) -> None:
         """Start the server subprocess and its reaper; set the URL and the launch id."""
         self._launch_id = uuid.uuid4().hex[:12]
-        log = self._log_path()
-        if self.backend == "embedded":
-            from agentrl.inference.server import launch_embedded_server
-
-            handle = launch_embedded_server(
-                self.model_dir,
-                host=self.bind_host,
-                log_path=log,
-                extra_args=[
-                    *("--max-batch-size", str(self.max_batch_size), "--seed", str(self.seed)),
-                    *("--device", self.device, "--dtype", self.dtype),
-                ],
-                env=self.env,
-                api_key=self.api_key,
-                startup_timeout_s=self.startup_timeout_s,
-            )
-        else:
-            from agentrl.inference.vllm_backend import launch_vllm_server
-
-            handle = launch_vllm_server(
-                self.model_dir,
-                host=self.bind_host,
-                python=self.vllm_python,
-                log_path=log,
-                seed=self.seed,
-                extra_args=["--max-num-seqs", str(self.max_batch_size), *self.vllm_extra_args],
-                api_key=self.api_key,
-                startup_timeout_s=self.startup_timeout_s,
-            )
+        handle = launch(dataclasses.replace(self.spec, log_path=self._log_path()))
         self._handle = handle
         self._launches += 1
         self._reaper = subprocess.Popen(
@@ -267,7 +210,7 @@ class InferenceServerActor:
             stderr=subprocess.DEVNULL,
         )
         port = handle.base_url.rsplit(":", 1)[1]
-        self._url = f"http://{_url_host(self.bind_host)}:{port}"
+        self._url = f"http://{_url_host(self.spec.host)}:{port}"
 
     def url(self) -> str:
         """The server's URL as other nodes reach it ("" before :meth:`start`)."""
@@ -455,7 +398,10 @@ class AgentLoopWorkerActor:
         # The user's agents, tools and rewards register themselves when imported: here too.
         import_user_modules(self.cfg.imports, self.cfg.base_dir)
         self._pool = ServerPool.from_config(
-            self.server_urls, self.cfg.inference, api_key=self.cfg.inference.api_key
+            self.server_urls,
+            self.cfg.inference,
+            api_key=self.cfg.inference.api_key,
+            model=served_model(self.cfg),  # a LoRA run on vLLM samples from its adapter
         )
         self._pool.start()
         if self.reward is not None:
@@ -1036,33 +982,25 @@ def _place_servers(
     started (up to 600 s)."""
     import ray
 
-    from agentrl.inference.server import embedded_device
-
     inf, dist = cfg.inference, cfg.distributed
     if inf.backend == "external":
         return [], list(inf.urls)
-    device, dtype = embedded_device(cfg)
     server_cls = ray.remote(InferenceServerActor).options(
         num_cpus=0, num_gpus=dist.num_gpus_per_server, **_restarts(cfg)
     )
+    log_dir = str(Path(cfg.trainer.output_dir) / "logs")
     servers: list[Any] = []
     for i in range(inf.num_servers):
-        a = server_cls.remote(
-            model_path,
-            backend=inf.backend,
+        spec = spec_for(
+            cfg,
+            "policy",
             index=i,
-            seed=cfg.trainer.seed + i,
-            max_batch_size=inf.max_batch_size,
-            bind_host=bind_host,
-            log_dir=str(Path(cfg.trainer.output_dir) / "logs"),
-            vllm_python=inf.vllm_python,
-            vllm_extra_args=list(inf.vllm_extra_args),
-            env=threads.servers[i].env() if inf.backend == "embedded" else None,
+            model=model_path,
+            plan=threads,
             api_key=inf.api_key,
-            device=device,
-            dtype=dtype,
-            startup_timeout_s=inf.startup_timeout_s,
+            host=bind_host,
         )
+        a = server_cls.remote(spec, index=i, log_dir=log_dir)
         servers.append(a)
         actors.append(a)
     urls = ray.get([a.start.remote() for a in servers], timeout=inf.startup_timeout_s + 300)

@@ -56,6 +56,7 @@ __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_FILE",
     "METADATA_KEY",
+    "VLLM_LORA_NAME",
     "LoraAdapter",
     "LoraMerger",
     "LoraSpec",
@@ -68,6 +69,8 @@ ADAPTER_FILE = "adapter_model.safetensors"
 """The adapter's file name in a directory (peft's and vLLM's)."""
 ADAPTER_CONFIG = "adapter_config.json"
 """peft's adapter config file name; its presence marks a directory as an adapter."""
+VLLM_LORA_NAME = "agentrl-lora"
+"""The name LoRA pushes load their adapter under on vLLM; generation requests name this model."""
 
 _KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 

@@ -3,8 +3,8 @@
 Why it exists: most agent tasks without a verifier are scored by a model. Here a model reward
 is one entry of ``reward.models`` (a reward model, ``type: reward_model``, or a judge,
 ``type: judge``) with its own servers, started by the run's builder next to the policy servers
-(:func:`start_model_servers`); a data source names it in ``reward.sources`` alone or mixed with
-function rewards (:class:`CombinedReward`: weights, or a user combiner).
+(:func:`agentrl.serving.start_model_servers`); a data source names it in ``reward.sources``
+alone or mixed with function rewards (:class:`CombinedReward`: weights, or a user combiner).
 
 - **Reward model** (:class:`RewardModelReward`): any local Hugging Face
   ``AutoModelForSequenceClassification`` directory, served by the embedded server
@@ -38,7 +38,7 @@ import logging
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,7 +60,6 @@ __all__ = [
     "local_model_servers",
     "parse_judge_score",
     "render_judge_prompt",
-    "start_model_servers",
 ]
 
 logger = logging.getLogger(__name__)
@@ -468,76 +467,3 @@ def model_path(name: str, spec: Any, base_dir: str | Path | None) -> Path:
             "directory (no config.json)"
         )
     return path
-
-
-def model_server_launch(
-    cfg: Any, name: str, i: int, env: Mapping[str, str] | None, logs: Path, api_key: str | None
-) -> tuple[Callable[..., Any], dict[str, Any]]:
-    """The launcher of server ``i`` of ``reward.models.<name>`` and its arguments."""
-    from agentrl.inference.server import embedded_device
-
-    spec = cfg.reward.models[name]
-    path = model_path(name, spec, cfg.base_dir)
-    seed = str(cfg.trainer.seed + i)
-    if spec.backend == "embedded":
-        from agentrl.inference.server import launch_embedded_server
-
-        device, dtype = embedded_device(cfg)
-        task = "score" if spec.type == "reward_model" else "generate"
-        return launch_embedded_server, {
-            "model_dir": path,
-            "api_key": api_key,
-            "log_path": logs / f"reward-{name}-{i}.log",
-            "startup_timeout_s": cfg.inference.startup_timeout_s,
-            "env": env,
-            "extra_args": [
-                *("--task", task, "--max-batch-size", str(cfg.inference.max_batch_size)),
-                *("--seed", seed, "--device", device, "--dtype", dtype),
-            ],
-        }
-    from agentrl.inference.vllm_backend import launch_vllm_server
-
-    runner = ["--runner", "pooling"] if spec.type == "reward_model" else []
-    return launch_vllm_server, {
-        "model_dir": path,
-        "api_key": api_key,
-        "python": cfg.inference.vllm_python,
-        "log_path": logs / f"reward-{name}-vllm-{i}.log",
-        "startup_timeout_s": cfg.inference.startup_timeout_s,
-        "seed": int(seed),
-        "extra_args": [*runner, *spec.vllm_extra_args],
-    }
-
-
-async def start_model_servers(
-    cfg: Any, plan: Any, stack: contextlib.AsyncExitStack, api_key: str | None
-) -> dict[str, list[str]]:
-    """Start the servers of every ``reward.models`` entry in parallel; ``{name: urls}``.
-
-    External models give their ``urls``. Each started server is stopped by ``stack``; if any
-    fails to start, the ones already up are stopped on the way out. Embedded servers get the
-    thread plan's ``reward_servers`` shares, in order.
-    """
-    urls: dict[str, list[str]] = {}
-    launches: list[tuple[str, Awaitable[Any]]] = []
-    logs = Path(cfg.trainer.output_dir) / "logs"
-    shares = iter(plan.reward_servers)
-    for name, spec in cfg.reward.models.items():
-        if spec.backend == "external":
-            urls[name] = list(spec.urls)
-            continue
-        logs.mkdir(parents=True, exist_ok=True)
-        for i in range(spec.num_servers):
-            share = next(shares, None) if spec.backend == "embedded" else None
-            env = share.env() if share is not None else None
-            launch, kwargs = model_server_launch(cfg, name, i, env, logs, api_key)
-            launches.append((name, asyncio.to_thread(launch, **kwargs)))
-    results = await asyncio.gather(*(w for _, w in launches), return_exceptions=True)
-    for (name, _), handle in zip(launches, results, strict=True):
-        if not isinstance(handle, BaseException):
-            stack.callback(handle.stop)
-            urls.setdefault(name, []).append(handle.base_url)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return urls

@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ExperimentConfig
-from agentrl.inference.server import embedded_device
+from agentrl.serving import served_model, start_model_servers, start_servers
 from agentrl.threads import ThreadPlan, make_plan
 from agentrl.training.resolve import (
     Resolved,
@@ -189,51 +189,6 @@ def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:
     return tok
 
 
-def server_launch(
-    cfg: ExperimentConfig,
-    path: Path,
-    i: int,
-    plan: ThreadPlan,
-    logs: Path,
-    api_key: str | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """The launcher function of server ``i`` and its keyword arguments (nothing started)."""
-    inf = cfg.inference
-    seed = cfg.trainer.seed + i
-    if inf.backend == "embedded":
-        from agentrl.inference.server import launch_embedded_server
-
-        device, dtype = embedded_device(cfg)
-        return launch_embedded_server, {
-            "model_dir": path,
-            "api_key": api_key,
-            "log_path": logs / f"server-{i}.log",
-            "startup_timeout_s": inf.startup_timeout_s,
-            "env": plan.servers[i].env() if i < len(plan.servers) else None,
-            "extra_args": [
-                *("--max-batch-size", str(inf.max_batch_size), "--seed", str(seed)),
-                *("--device", device, "--dtype", dtype),
-            ],
-        }
-    from agentrl.inference.vllm_backend import launch_vllm_server
-
-    trust = ["--trust-remote-code"] if cfg.model.trust_remote_code else []
-    lora = cfg.model.lora
-    if lora.rank > 0:  # adapter-only pushes load as a LoRA adapter (docs/inference.md)
-        trust += ["--enable-lora", "--max-lora-rank", str(max(8, lora.rank))]
-    return launch_vllm_server, {
-        "env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if lora.rank > 0 else None,
-        "model_dir": path,
-        "api_key": api_key,
-        "python": inf.vllm_python,
-        "log_path": logs / f"vllm-{i}.log",
-        "startup_timeout_s": inf.startup_timeout_s,
-        "threads": plan.servers[i] if i < len(plan.servers) else None,
-        "seed": seed,
-        "extra_args": ["--max-num-seqs", str(inf.max_batch_size), *trust, *inf.vllm_extra_args],
-    }
-
-
 def server_api_key(cfg: ExperimentConfig, *, launching: bool) -> str | None:
     """The inference servers' bearer token: ``inference.api_key``, else ``$AGENTRL_API_KEY``,
     else (for servers this run launches) a fresh random key that only this run knows."""
@@ -244,52 +199,6 @@ def server_api_key(cfg: ExperimentConfig, *, launching: bool) -> str | None:
     if key is None and launching:
         key = secrets.token_urlsafe(32)
     return key
-
-
-def served_model(cfg: ExperimentConfig) -> str | None:
-    """The model name rollouts ask for: vLLM serves a LoRA run's adapter under its own name."""
-    if cfg.model.lora.rank > 0 and cfg.inference.backend == "vllm":
-        from agentrl.training.checkpoint_engine import VLLM_LORA_NAME
-
-        return VLLM_LORA_NAME
-    return None
-
-
-def _launch_one(
-    cfg: ExperimentConfig, path: Path, i: int, plan: ThreadPlan, logs: Path, api_key: str | None
-) -> Any:
-    launch, kwargs = server_launch(cfg, path, i, plan, logs, api_key)
-    return launch(**kwargs)
-
-
-async def start_servers(
-    cfg: ExperimentConfig,
-    path: Path,
-    plan: ThreadPlan,
-    stack: contextlib.AsyncExitStack,
-    api_key: str | None = None,
-) -> list[str]:
-    """Launch ``inference.num_servers`` servers in parallel; each is stopped by ``stack``.
-
-    If any fails to start, the others (already registered) are stopped on the way out.
-    """
-    inf = cfg.inference
-    if inf.backend == "external":
-        return list(inf.urls)
-    logs = Path(cfg.trainer.output_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    launches = [
-        asyncio.to_thread(_launch_one, cfg, path, i, plan, logs, api_key)
-        for i in range(inf.num_servers)
-    ]
-    results = await asyncio.gather(*launches, return_exceptions=True)
-    handles = [r for r in results if not isinstance(r, BaseException)]
-    for h in handles:
-        stack.callback(h.stop)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return [h.base_url for h in handles]
 
 
 def _engine(
@@ -340,7 +249,6 @@ async def build_serving(
     load the actor meanwhile; its result is ``serving.timings["models"]``'s work.
     """
     from agentrl.inference.pool import ServerPool
-    from agentrl.rollout.model_rewards import start_model_servers
 
     async with contextlib.AsyncExitStack() as own:
         stack = stack or own

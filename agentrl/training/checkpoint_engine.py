@@ -77,7 +77,14 @@ from agentrl.inference.client import (
     PauseMode,
     PolicyClient,
 )
-from agentrl.inference.lora import ADAPTER_CONFIG, ADAPTER_FILE, METADATA_KEY, LoraAdapter, LoraSpec
+from agentrl.inference.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_FILE,
+    METADATA_KEY,
+    VLLM_LORA_NAME,
+    LoraAdapter,
+    LoraSpec,
+)
 from agentrl.inference.weights import SafetensorsPayload, WeightServer
 from agentrl.types import Generation, SamplingParams
 
@@ -104,8 +111,6 @@ PAUSE_MARGIN_S = 60.0
 """The server-side pause deadline is ``push_timeout_s`` plus this (a safety net only)."""
 STAGES = ("stage", "pause", "transfer", "verify", "resume")
 """The parts of a push that :meth:`PushReport.metrics` times."""
-VLLM_LORA_NAME = "agentrl-lora"
-"""The name LoRA pushes load their adapter under on vLLM; generation requests name this model."""
 
 
 class WeightPushError(RuntimeError):

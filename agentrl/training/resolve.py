@@ -386,16 +386,6 @@ def _lora(cfg: ExperimentConfig) -> None:
             f"{cfg.trainer.world_size}: LoRA is trained on one rank in this version; use "
             "trainer.world_size: 1 (LoRA's memory saving is the point) or full fine-tuning"
         )
-    if (
-        cfg.model.lora.rank > 0
-        and cfg.distributed.backend == "ray"
-        and cfg.inference.backend == "vllm"
-    ):
-        raise RegistryError(
-            "model.lora with inference.backend: vllm on distributed.backend: ray is not wired in "
-            "this version (the Ray server actors start vLLM without --enable-lora); use the "
-            "embedded servers on Ray, or vLLM with distributed.backend: local"
-        )
 
 
 def _transport(cfg: ExperimentConfig) -> None:

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from agentrl.config import load_config
-from agentrl.training import build
+from agentrl.serving import ServerHandle, ServerSpec, launcher
 from agentrl.training.trainer import Trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -62,19 +62,19 @@ def test_a_model_that_fails_to_load_while_servers_start_stops_them(
 def test_a_second_server_that_fails_to_start_stops_the_first(
     tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    launch = build._launch_one
+    launch = launcher.launch
     started: list[int] = []
 
-    def flaky(cfg, path, i, plan, logs, api_key):  # type: ignore[no-untyped-def]
-        if i == 1:
+    def flaky(spec: ServerSpec) -> ServerHandle:
+        if spec.log_path is not None and spec.log_path.name == "server-1.log":
             while not started:  # the first server is up, then this one fails
                 time.sleep(0.1)
             raise RuntimeError("server 1 failed its health check")
-        handle = launch(cfg, path, i, plan, logs, api_key)
+        handle = launch(spec)
         started.append(handle.pid)
         return handle
 
-    monkeypatch.setattr(build, "_launch_one", flaky)
+    monkeypatch.setattr(launcher, "launch", flaky)
     with pytest.raises(RuntimeError, match="server 1 failed"):
         Trainer(_cfg(tiny_model_dir, tmp_path)).run_sync()
     assert started and _gone(), "the first server outlived the failed start"

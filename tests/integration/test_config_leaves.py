@@ -148,9 +148,9 @@ def _run_config(tiny_model_dir: Path, out: Path) -> ExperimentConfig:
 def test_every_config_leaf_is_read_by_the_run(tiny_model_dir: Path, tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
+    from agentrl.serving import launch_call, spec_for, start_servers
     from agentrl.threads import make_plan
     from agentrl.training.actor import wrap_lora
-    from agentrl.training.build import server_launch, start_servers
     from agentrl.training.critic import CriticConfig
     from agentrl.training.trainer import Trainer
 
@@ -166,7 +166,7 @@ def test_every_config_leaf_is_read_by_the_run(tiny_model_dir: Path, tmp_path: Pa
         result = Trainer(cfg).run_sync()
         CriticConfig.from_config(gae)
         wrap_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), lora.model.lora)
-        server_launch(vllm, tiny_model_dir, 0, make_plan(1), tmp_path)
+        launch_call(spec_for(vllm, model=tiny_model_dir, plan=make_plan(1), log_dir=tmp_path))
         asyncio.run(
             start_servers(external, tiny_model_dir, make_plan(0), contextlib.AsyncExitStack())
         )

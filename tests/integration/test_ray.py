@@ -26,6 +26,7 @@ from agentrl.distributed.ray_backend import (
     run_with_ray,
 )
 from agentrl.rollout.manager import WorkerConfig
+from agentrl.serving import ServerSpec
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
@@ -116,7 +117,11 @@ def _alive(pid: int) -> bool:
 def test_actor_state_pickles(tiny_model_dir: Path, tmp_path: Path) -> None:
     cfg = _cfg(tiny_model_dir, tmp_path)
     objs = [
-        InferenceServerActor(str(tiny_model_dir), index=1, seed=3, log_dir=str(tmp_path)),
+        InferenceServerActor(
+            ServerSpec(backend="embedded", model=tiny_model_dir, seed=3),
+            index=1,
+            log_dir=str(tmp_path),
+        ),
         RewardWorkerActor(cfg.reward),
         AgentLoopWorkerActor(cfg, ["http://127.0.0.1:1"], str(tiny_model_dir), WorkerConfig()),
         TrainerActor(cfg, stop_after_step=1),
@@ -125,12 +130,12 @@ def test_actor_state_pickles(tiny_model_dir: Path, tmp_path: Path) -> None:
         clone = pickle.loads(pickle.dumps(obj))
         assert type(clone) is type(obj)
     server = pickle.loads(pickle.dumps(objs[0]))
-    assert (server.index, server.seed, server.url()) == (1, 3, "")
+    assert (server.index, server.spec.seed, server.url()) == (1, 3, "")
     worker = pickle.loads(pickle.dumps(objs[2]))
     assert worker.server_urls == ["http://127.0.0.1:1"] and worker.counts() == {}
     assert pickle.loads(pickle.dumps(objs[3])).cfg == cfg
     with pytest.raises(ValueError, match=r"inference\.backend"):
-        InferenceServerActor(str(tiny_model_dir), backend="external")
+        ServerSpec(backend="external", model=tiny_model_dir)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(400)
@@ -201,7 +206,8 @@ def test_killed_server_actor_does_not_orphan_its_server(
 
     ray.init(address=ray_cluster, log_to_driver=False)
     try:
-        actor = ray.remote(InferenceServerActor).options(num_cpus=0).remote(str(tiny_model_dir))
+        spec = ServerSpec(backend="embedded", model=tiny_model_dir, device="cpu")
+        actor = ray.remote(InferenceServerActor).options(num_cpus=0).remote(spec)
         url = ray.get(actor.start.remote(), timeout=240)
         assert url.startswith("http://127.0.0.1:") and ray.get(actor.healthy.remote(), timeout=30)
         pid = ray.get(actor.info.remote(), timeout=30)["server_pid"]

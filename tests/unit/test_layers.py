@@ -37,9 +37,11 @@ LAYERS: list[tuple[str, ...]] = [
     ("agentrl.inference",),
     # 4: the agent loop, rewards, datasets, the recording proxy
     ("agentrl.rollout",),
-    # 5: training, evaluation, the rollout-service SDK
+    # 5: server specs and launch: every server (policy, reward model, judge; local or Ray)
+    ("agentrl.serving",),
+    # 6: training, evaluation, the rollout-service SDK
     ("agentrl.training", "agentrl.evaluation", "agentrl.client"),
-    # 6: placement and services built from the rest
+    # 7: placement and services built from the rest
     ("agentrl.service", "agentrl.distributed"),
 ]
 ENTRY_POINTS = (
