@@ -173,6 +173,10 @@ def apply_smoke(args: argparse.Namespace) -> None:
     args.steps, args.batch_tasks, args.n_samples, args.max_tokens, args.max_turns = 2, 2, 2, 24, 2
 
 
+REQUIRED = ("model_dir", "tasks", "mode", "threads", "out")
+"""Arguments a full run must give (``--smoke`` fills them)."""
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """The command line; ``--model-dir``, ``--tasks``, ``--mode``, ``--threads`` and ``--out``
     are required unless ``--smoke`` fills them."""
@@ -200,9 +204,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     if missing:
         p.error(f"{', '.join(missing)} required (or --smoke, which fills them)")
     return args
-
-
-REQUIRED = ("model_dir", "tasks", "mode", "threads", "out")
 
 
 def main(argv: list[str] | None = None) -> int:
