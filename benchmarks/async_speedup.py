@@ -25,6 +25,7 @@ asynchronous schedule beats ``S / max(G, T)``. The report gives that ``limit_spe
 wrong, so the JSON says so).
 
     .venv/bin/python benchmarks/async_speedup.py --steps 8 --latency 0.02
+    .venv/bin/python benchmarks/async_speedup.py --smoke   # 2 steps of 2 x 2 (CI; numbers meaningless)
 """
 
 from __future__ import annotations
@@ -68,14 +69,19 @@ _DONE_KEYS = ("async/consumed_total", "async/buffer_ready_groups", "async/buffer
 
 
 async def _no_training(
-    trajs: list, policies: Any, plan: Any, *, pad_token_id: int, **_: Any
+    trajs: list, policies: Any, plan: Any, *, pad_token_id: int, **kw: Any
 ) -> Any:
     """Stands in for ``agentrl.training.step.train_step`` in the generation-capacity run: the
-    batch is built (the loop's metrics read it), nothing trains."""
+    batch, its rewards and advantages are built (the loop's metrics read them), no model runs."""
     from agentrl.batch import trajectories_to_batch
-    from agentrl.training.step import StepOutput
+    from agentrl.training.step import StepOutput, compute_advantages, compute_rewards
 
-    return StepOutput(trajectories_to_batch(list(trajs), pad_token_id=pad_token_id))
+    batch = trajectories_to_batch(list(trajs), pad_token_id=pad_token_id)
+    metrics: dict[str, float] = {}
+    compute_rewards(batch, plan, metrics)
+    baselines = kw.get("reward_baselines")
+    compute_advantages(batch, plan, baselines, [t.reward_info for t in trajs])
+    return StepOutput(batch, metrics)
 
 
 def run_mode(
@@ -156,7 +162,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--latency", type=float, default=0.02, help="seconds per generated token")
     p.add_argument("--tail-alpha", type=float, default=1.5, help="Pareto shape of episode length")
     p.add_argument("--tail-cap", type=float, default=8.0, help="cap of the long-tail factor")
+    p.add_argument("--smoke", action="store_true", help="2 steps of 2 tasks x 2 samples (CI)")
     args = p.parse_args(argv)
+    if args.smoke:  # 2 steps: the first is excluded from the measurement, one is measured
+        args.steps, args.batch_size, args.n_samples, args.max_tokens = 2, 2, 2, 8
+        args.latency = 0.001
 
     from agentrl.inference.server import launch_embedded_server
     from agentrl.inference.tiny_model import build_tiny_model

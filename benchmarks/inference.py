@@ -18,6 +18,7 @@ ratio; and the two targets: embedded >= 1.2x vLLM at concurrency 32, and >= 4x t
 
     python benchmarks/inference.py [--rounds 3] [--num-requests 128] [--max-tokens 32]
         [--concurrency 1 8 32 64] [--skip-vllm] [--model-dir DIR]
+    python benchmarks/inference.py --smoke [--skip-vllm]   # 1 round of 4 requests x 4 tokens (CI)
 """
 
 from __future__ import annotations
@@ -212,7 +213,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--vllm-python", default=None, help="default: AGENTRL_VLLM_PYTHON/.venv-vllm"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="1 round, 4 requests of 4 tokens at concurrency 1 and 32, 2 loop requests (CI)",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.rounds, args.num_requests, args.loop_requests = 1, 4, 2
+        args.max_tokens, args.concurrency = 4, [1, 32]
 
     # Before torch loads OpenMP: the loop's multi-threaded setting must not spin-wait on a
     # shared machine (measured 10x slower than one thread at load ~10 without this).

@@ -20,6 +20,9 @@ device, so only its time cost shows); ``small_micro`` (a quarter of the token bu
 ``checkpointing+small_micro`` (the two composed).
 
 Usage: ``python benchmarks/memory_savers.py [--device cpu] [--rounds 2]``; prints JSON.
+``--smoke`` runs ``offload`` and ``checkpointing+small_micro`` (every saver's code path; each child
+costs ~6 s of imports) once, one update of 2 x 32 tokens on a 2-layer model, one thread per
+child (the CI check; numbers meaningless).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 MODEL: dict[str, Any] = dict(
     num_layers=6, hidden_size=384, num_heads=6, num_kv_heads=2, intermediate_size=1024
+)
+SMOKE_MODEL: dict[str, Any] = dict(
+    num_layers=2, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=128
 )
 VARIANTS: dict[str, dict[str, Any]] = {
     "baseline": {},
@@ -173,13 +179,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true", help="two variants once, tiny (CI)")
     args = parser.parse_args(argv)
     if args.variant:
         print(json.dumps(child(args)))
         return 0
+    shape = MODEL
+    env = None
+    if args.smoke:
+        shape = SMOKE_MODEL
+        args.rounds, args.updates, args.rows, args.prompt, args.response = 1, 1, 2, 8, 24
+        args.variants = "offload,checkpointing+small_micro"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     from agentrl.inference.tiny_model import build_tiny_model
 
-    model = build_tiny_model(Path(tempfile.mkdtemp(prefix="agentrl-mem-")) / "qwen2", **MODEL)
+    model = build_tiny_model(Path(tempfile.mkdtemp(prefix="agentrl-mem-")) / "qwen2", **shape)
     names = args.variants.split(",")
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(args.rounds):
@@ -189,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"--{k}={getattr(args, k)}"
                 for k in ("device", "updates", "rows", "prompt", "response")
             ]
-            out = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            out = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             if out.returncode != 0:
                 raise SystemExit(f"variant {name} failed:\n{out.stderr[-3000:]}")
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -203,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         summary[name]["micro_batch_max_tokens"] = rs[0]["micro_batch_max_tokens"]
     report = {
         "device": args.device,
-        "model": MODEL,
+        "model": shape,
         "tokens_per_update": args.rows * (args.prompt + args.response),
         "rounds": args.rounds,
         "median": summary,

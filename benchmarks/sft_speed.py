@@ -10,6 +10,7 @@ interleaved (A, B, A, B), each round a fresh copy of the shipped warm start trai
 (min / median over rounds), the final losses (equal up to float rounding) and the load.
 
     python benchmarks/sft_speed.py [--steps 40] [--rounds 3]
+    python benchmarks/sft_speed.py --smoke      # 2 steps, 1 round, one thread (CI; numbers meaningless)
 """
 
 from __future__ import annotations
@@ -85,7 +86,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="torch thread counts to compare too (default: the thread plan's share only)",
     )
     p.add_argument("--model-dir", type=Path, default=ROOT / "checkpoints" / "calculator-sft")
+    p.add_argument("--smoke", action="store_true", help="2 steps, 1 round, one thread (CI)")
     args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.rounds, args.threads = 2, 1, [1]
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -21,7 +21,8 @@ the task's ``a op b``, spaces ignored), ``accuracy``, ``accuracy_with_tool`` and
 
 Run: ``python benchmarks/sft_warmstart_eval.py checkpoints/calculator-sft [--n 64] [--seed 777]``
 (greedy and temperature 1 by default, then greedy with the ``<tool_call>`` opener forced, which
-measures the calls the model writes when it decides to call the tool).
+measures the calls the model writes when it decides to call the tool). ``--smoke`` runs the same
+three evaluations on 4 tasks with one thread (the CI check; rates meaningless).
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 
 def _generate(
@@ -243,11 +245,13 @@ def evaluate_warmstart(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     import torch
 
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("model_dir", nargs="?", default="checkpoints/calculator-sft")
+    parser.add_argument(
+        "model_dir", nargs="?", default=str(ROOT / "checkpoints" / "calculator-sft")
+    )
     parser.add_argument("--n", type=int, default=64, help="held-out tasks")
     parser.add_argument("--seed", type=int, default=777, help="task seed (the SFT data used 1234)")
     parser.add_argument("--min-digits", type=int, default=2)
@@ -256,7 +260,10 @@ def main() -> None:
         "--temperatures", type=float, nargs="+", default=[0.0, 1.0], help="0 = greedy"
     )
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+    parser.add_argument("--smoke", action="store_true", help="4 tasks, one thread (CI)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.n, args.threads = 4, 1
     torch.set_num_threads(args.threads)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -290,6 +297,7 @@ def main() -> None:
         )
     )
     print(json.dumps(results, indent=2))
+    return results
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ the push time per step (median and max over all steps after the first), the rewa
 three steps, held-out accuracy before and after, and the 1-minute load average after each run.
 
     python benchmarks/threads.py [--steps 10] [--rounds 2] [--variants default omp1 ...]
+    python benchmarks/threads.py --smoke   # the default variant, 2 steps of 2 x 2 (CI)
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ VARIANTS: dict[str, tuple[dict[str, str], list[str]]] = {
 whole machine); ``one_server`` changes the layout, not only threads (1 server + trainer)."""
 
 
+SMOKE_OVERRIDES = [
+    "data.batch_size=2",
+    "data.n_samples=2",
+    "trainer.mini_batch_size=2",
+    "data.generator_val_size=2",
+    "inference.max_tokens_per_turn=16",
+    # On a loaded CI machine a niced server can miss its start-up deadline; the smoke checks
+    # plumbing, not speed.
+    "distributed.server_nice=0",
+]
+"""What ``--smoke`` adds to every run: the smallest batch and evaluation (numbers meaningless)."""
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     walls = [r["wall_s"] for r in runs]
     steps = [median_after_first(r["metrics"]["timing_s/step"]) for r in runs]
@@ -91,7 +105,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     p.add_argument("--model-dir", type=Path, default=ROOT / "checkpoints" / "calculator-sft")
+    p.add_argument("--smoke", action="store_true", help="default variant, 2 tiny steps (CI)")
     args = p.parse_args(argv)
+    smoke = SMOKE_OVERRIDES if args.smoke else []
+    if args.smoke:  # 2 steps: the push of step 2 is the first one measured
+        args.steps, args.rounds, args.variants = 2, 1, ["default"]
 
     work = Path(tempfile.mkdtemp(prefix="agentrl-threads-"))
     names = list(args.variants)
@@ -109,7 +127,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             res = run_train(
                 ROOT / "configs" / "quickstart.yaml",
                 work / f"{name}-{r}",
-                [f"model.path={args.model_dir}", f"trainer.total_steps={args.steps}", *overrides],
+                [
+                    f"model.path={args.model_dir}",
+                    f"trainer.total_steps={args.steps}",
+                    *smoke,
+                    *overrides,
+                ],
                 env={**_CLEAR, **env},
             )
             runs[name].append(res)

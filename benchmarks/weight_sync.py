@@ -28,6 +28,7 @@ failed.
 
     python benchmarks/weight_sync.py [--sizes 1M,10M,100M] [--servers 1,2,4] [--repeats 2]
         [--transports shared_dir,http,collective] [--bucket-mb 256] [--no-verify]
+    python benchmarks/weight_sync.py --smoke   # 1M model, 1 server, 1 push per transport (CI)
 
 Memory: 4 servers on the 100M model hold 4 x 0.4 GB of weights, plus a transient copy per
 server while loading (about 4 GB peak in all).
@@ -342,7 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-verify", action="store_true", help="skip the verify probe (transfer only)"
     )
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="1M model, 1 server, 1 timed push per transport, one thread everywhere (CI)",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.servers, args.repeats = "1M", "1", 1
+        os.environ["OMP_NUM_THREADS"] = "1"  # the servers inherit it
+        torch.set_num_threads(1)
     report = asyncio.run(run(args))
     print(json.dumps(report, indent=2))
     return 0

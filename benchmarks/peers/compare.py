@@ -21,6 +21,7 @@ over step time), the mean reward of the first and of the last three steps, the w
 whole command, and the load average after each run.
 
     python benchmarks/peers/compare.py [--steps 10] [--rounds 2] [--settings single tool]
+    python benchmarks/peers/compare.py --smoke   # the tool setting, 2 steps of 2 x 2, 1 round (CI)
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from cli_runs import run_train  # noqa: E402
 
 SYSTEM_PROMPT = "Use the calculator tool for arithmetic. Answer with the result as \\boxed{N}."
+
+
+SMOKE = {
+    "steps": 2, "rounds": 1, "settings": ["tool"], "batch_tasks": 2, "n_samples": 2,
+    "max_tokens": 24, "max_turns": 2, "num_tasks": 8,
+}  # fmt: skip
+"""``--smoke``: both systems' plumbing (2 steps: the first is excluded from the step times)."""
 
 
 def write_tasks(work: Path, n: int, seed: int) -> dict[str, Path]:
@@ -172,7 +180,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument(
         "--agentrl-overrides", nargs="*", default=[], help="extra `agentrl train` overrides"
     )
+    p.add_argument("--smoke", action="store_true", help="tool setting, 2 tiny steps (CI)")
     args = p.parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE.items():
+            setattr(args, key, value)
+        # A niced server can miss its start-up deadline on a loaded CI machine: un-niced.
+        args.agentrl_overrides = ["distributed.server_nice=0", *args.agentrl_overrides]
     if not args.trl_python.is_file():
         raise SystemExit(f"no TRL python at {args.trl_python}; run `make setup-peers` first")
 

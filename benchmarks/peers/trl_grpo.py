@@ -23,6 +23,11 @@ template in place of the function.
 
     .venv-trl/bin/python benchmarks/peers/trl_grpo.py --model-dir DIR --tasks T.jsonl \\
         --tools-json TOOLS.json --mode tool --steps 10 --out result.json
+    .venv-trl/bin/python benchmarks/peers/trl_grpo.py --smoke   # 2 steps of 2 x 2, tool mode (CI)
+
+``--smoke`` needs no other argument: the shipped warm start, four built-in tasks, one thread,
+2 steps of 2 tasks x 2 samples; it writes the same JSON (to a temporary ``--out`` unless one is
+given) and prints it.
 """
 
 from __future__ import annotations
@@ -126,12 +131,60 @@ def _use_schema(tokenizer: Any, schemas: list[dict]) -> None:
     tokenizer.apply_chat_template = apply_chat_template
 
 
-def main(argv: list[str] | None = None) -> int:
+ROOT = Path(__file__).resolve().parents[2]
+SMOKE_SYSTEM_PROMPT = (
+    "Use the calculator tool for arithmetic. Answer with the result as \\boxed{N}."
+)
+SMOKE_TASKS = [
+    ("12", "+", "34", "46"),
+    ("7", "*", "8", "56"),
+    ("90", "-", "15", "75"),
+    ("6", "*", "11", "66"),
+]
+"""``--smoke``'s tasks: (a, op, b, answer), asked as agentrl's calculator tasks ask them."""
+
+
+def write_smoke_tasks(path: Path) -> Path:
+    """The four ``--smoke`` tasks as the driver's JSONL rows (this venv cannot import agentrl)."""
+    rows = [
+        {
+            "prompt": [
+                {"role": "system", "content": SMOKE_SYSTEM_PROMPT},
+                {"role": "user", "content": f"What is {a} {op} {b}? Use the calculator tool."},
+            ],
+            "answer": answer,
+        }
+        for a, op, b, answer in SMOKE_TASKS
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def apply_smoke(args: argparse.Namespace) -> None:
+    """Fill ``--smoke``'s defaults: the shipped warm start, built-in tasks, 2 tiny steps."""
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="trl-grpo-smoke-"))
+    args.model_dir = args.model_dir or str(ROOT / "checkpoints" / "calculator-sft")
+    args.tasks = args.tasks or str(write_smoke_tasks(work / "tasks.jsonl"))
+    args.mode = args.mode or "tool"
+    args.out = args.out or str(work / "result.json")
+    args.threads = args.threads or 1
+    args.steps, args.batch_tasks, args.n_samples, args.max_tokens, args.max_turns = 2, 2, 2, 24, 2
+
+
+REQUIRED = ("model_dir", "tasks", "mode", "threads", "out")
+"""Arguments a full run must give (``--smoke`` fills them)."""
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line; ``--model-dir``, ``--tasks``, ``--mode``, ``--threads`` and ``--out``
+    are required unless ``--smoke`` fills them."""
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    p.add_argument("--model-dir", required=True)
-    p.add_argument("--tasks", required=True, help="JSONL rows {prompt: [messages], answer}")
+    p.add_argument("--model-dir", default=None, help="required unless --smoke")
+    p.add_argument("--tasks", default=None, help="JSONL rows {prompt: [messages], answer}")
     p.add_argument("--tools-json", default=None, help="the tool schemas agentrl shows")
-    p.add_argument("--mode", choices=["single", "tool"], required=True)
+    p.add_argument("--mode", choices=["single", "tool"], default=None)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--batch-tasks", type=int, default=8)
     p.add_argument("--n-samples", type=int, default=4)
@@ -139,11 +192,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-turns", type=int, default=3)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, required=True, help="torch threads (from the plan)")
-    p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (from the plan)")
+    p.add_argument("--out", default=None)
     p.add_argument("--snapshot-every", type=int, default=0, help="save the model every K steps")
     p.add_argument("--snapshot-dir", default=None)
+    p.add_argument("--smoke", action="store_true", help="2 tiny steps on built-in tasks (CI)")
     args = p.parse_args(argv)
+    if args.smoke:
+        apply_smoke(args)
+    missing = [f"--{k.replace('_', '-')}" for k in REQUIRED if getattr(args, k) is None]
+    if missing:
+        p.error(f"{', '.join(missing)} required (or --smoke, which fills them)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
 
     import torch
 
@@ -254,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
         "snapshots": snapshots,
     }
     Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.smoke:
+        print(json.dumps(result, indent=1))
     return 0
 
 
