@@ -50,6 +50,7 @@ from agentrl.service.models import (
 )
 from agentrl.service.sessions import SessionService
 from agentrl.service.store import Store
+from agentrl.service.supervisor import ServerSupervisor
 from agentrl.service.weights import WeightError, WeightService
 
 __all__ = ["RolloutService", "ServiceSettings", "create_app", "run_service"]
@@ -93,6 +94,8 @@ class ServiceSettings(BaseModel):
     """Idle SSE streams get a comment line this often."""
     retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     """Finished jobs (and their unacknowledged trajectories) are purged after this long."""
+    max_server_restarts: int = Field(default=3, ge=0)
+    """Restarts of each inference server the service launched, once it dies (0: never)."""
 
 
 class RolloutService:
@@ -105,10 +108,17 @@ class RolloutService:
         self.started = time.time()
         store_path = settings.store or str(Path(cfg.trainer.output_dir) / "service.sqlite")
         self.store = Store(store_path, durable=settings.durable)
+        self.servers = ServerSupervisor(
+            serving,
+            max_restarts=settings.max_server_restarts,
+            interval_s=cfg.inference.health_check_interval_s,
+        )
         self.weights = WeightService(
             serving,
             temperature=cfg.inference.temperature or 1.0,
             weights_dirs=[Path(d) for d in settings.weights_dirs],
+            servers=self.servers,
+            state_dir=weights_state_dir(store_path),
         )
         self.jobs = JobManager(
             serving,
@@ -129,43 +139,63 @@ class RolloutService:
         )
 
     async def start(self) -> None:
-        """Purge old jobs and resume the unfinished ones (:meth:`JobManager.start`)."""
+        """Restore the saved weights (:meth:`WeightService.restore`), watch the servers, then
+        purge old jobs and resume the unfinished ones (:meth:`JobManager.start`): a resumed
+        episode samples from the weights the service had when it stopped."""
+        await self.weights.restore()
+        self.servers.start(self.weights.catch_up)
         await self.jobs.start()
 
     async def close(self) -> None:
-        """Stop every job and close the store (:meth:`JobManager.close`)."""
+        """Stop every job and close the store (:meth:`JobManager.close`), then stop watching
+        the servers (and stop the ones the supervisor restarted)."""
         await self.jobs.close()
+        await self.servers.aclose()
+
+    def health(self) -> dict[str, Any]:
+        """``ok``, or ``degraded`` with every server out of the pool (which, why, since when)."""
+        degraded = self.servers.degraded()
+        if not degraded:
+            return {"status": "ok"}
+        return {"status": "degraded", "servers": degraded}
 
     async def status(self) -> dict[str, Any]:
         """Servers and health, versions, jobs, sessions, pushes and the store."""
         pool = self.serving.pool
-        servers = [
-            {
-                "url": s.url,
-                "alive": s.alive,
-                "outstanding": s.outstanding,
-                "completed": s.completed,
-                "failures": s.failures,
-                "sessions": s.sessions,
-            }
-            for s in pool.stats().values()
-        ]
+        stats = pool.stats()
+        servers = []
+        for slot in self.servers.slots:
+            s = stats.get(slot.url)
+            servers.append(
+                {
+                    **slot.describe(),
+                    "alive": bool(s and s.alive and slot.state == "serving"),
+                    "outstanding": s.outstanding if s else 0,
+                    "completed": s.completed if s else 0,
+                    "failures": s.failures if s else 0,
+                    "sessions": s.sessions if s else 0,
+                }
+            )
         pending = await self.jobs.db.call(self.store.pending_total)
         return {
             "version": self.weights.version,
+            "health": self.health(),
             "uptime_s": time.time() - self.started,
             "servers": servers,
+            "server_counts": dict(self.servers.counts),
             "jobs": self.jobs.stats(),
             "sessions": self.sessions.stats(),
-            "weights": {
-                **self.weights.pushes,
-                "last_push_ok": None
-                if self.weights.last_push is None
-                else self.weights.last_push.ok,
-            },
+            "weights": self.weights.describe(),
             "rewards": self.serving.rewards.metrics(),
             "store": {"path": Path(self.store.path).name, "pending_trajectories": pending},
         }
+
+
+def weights_state_dir(store_path: str) -> Path:
+    """Where the service saves its latest verified weights: ``<store stem>-weights/`` next to
+    its SQLite store (a restart on the same store resumes jobs and weights together)."""
+    store = Path(store_path)
+    return store.with_name(f"{store.stem}-weights")
 
 
 @contextlib.asynccontextmanager
@@ -415,6 +445,21 @@ def _metrics_text(status: dict[str, Any]) -> bytes:
     )
     for k in ("ok", "failed", "refused"):
         pushes.labels(outcome=k).set(status["weights"][k])
+    gauge(
+        "degraded",
+        "1 while any inference server is out of the pool",
+        float(status["health"]["status"] != "ok"),
+    )
+    gauge(
+        "server_restarts",
+        "Restarts of inference servers the service launched",
+        status["server_counts"]["restarts"],
+    )
+    gauge(
+        "server_ejections",
+        "Inference servers taken out of the pool",
+        status["server_counts"]["ejected"],
+    )
     return generate_latest(registry)
 
 
@@ -430,9 +475,10 @@ def create_app(service: RolloutService) -> Any:
     _add_error_handlers(app)
 
     @app.get("/health", tags=["operations"])
-    async def health() -> dict[str, str]:
-        """Liveness (no auth)."""
-        return {"status": "ok"}
+    async def health() -> dict[str, Any]:
+        """Liveness (no auth): ``ok``, or ``degraded`` (still 200: the service serves) with
+        the servers out of the pool, why and since when."""
+        return service.health()
 
     @app.get("/v1/status", tags=["operations"])
     async def status() -> dict[str, Any]:

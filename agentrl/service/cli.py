@@ -60,6 +60,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a directory dataset.path may read from (repeatable; none = refused)",
     )
     parser.add_argument("--heartbeat-s", type=float, default=15.0, help="SSE keep-alive period")
+    parser.add_argument(
+        "--max-server-restarts",
+        type=int,
+        default=3,
+        help="restarts of each inference server the service launched, once it dies (0: never)",
+    )
     from agentrl.training.run_log import add_log_level_argument
 
     add_log_level_argument(parser)
@@ -85,6 +91,7 @@ def settings_from_args(args: argparse.Namespace) -> Any:
         weights_dirs=list(args.weights_dir),
         data_dirs=list(args.data_dir),
         heartbeat_s=args.heartbeat_s,
+        max_server_restarts=args.max_server_restarts,
     )
 
 

@@ -187,6 +187,8 @@ class ServerPush(_Model):
     error: str | None
     verify_max_abs_diff: float | None
     seconds: float
+    digest: str | None = None
+    """The server's content digest of the weights it serves after the push."""
 
 
 class WeightPushResponse(_Model):
@@ -197,6 +199,12 @@ class WeightPushResponse(_Model):
     verified: bool
     """Every server's probe logprobs were compared with the pushed weights' own."""
     servers: dict[str, ServerPush]
+    """The live servers the push reached."""
+    ejected: dict[str, str] = Field(default_factory=dict)
+    """Servers out of the pool (dead, or restarting), by URL, with the reason: not failures;
+    each rejoins at the current version (docs/operations.md)."""
+    persisted: bool = False
+    """The push was saved as the service's latest weights (reloaded when it restarts)."""
     num_bytes: int
     sha256: str
     """Of the safetensors bytes received: compare with yours to rule out a corrupted upload."""
@@ -211,7 +219,13 @@ class WeightsInfo(_Model):
     """``GET /v1/weights``: the service's version and each server's."""
 
     version: int
+    sha256: str | None = None
+    """Of the saved safetensors bytes of ``version`` (None: the launch weights of model.path)."""
+    digest: str | None = None
+    """The servers' content digest of ``version`` (their ``/weight_info`` digest)."""
     servers: dict[str, int | None]
+    ejected: dict[str, str] = Field(default_factory=dict)
+    """Servers out of the pool, with the reason."""
     last_push: WeightPushResponse | None = None
 
 

@@ -21,14 +21,21 @@ Guarantees:
 - versions only move forward: a version not above the current one is a 409; pushes are
   serialized (one at a time);
 - the response is the CheckpointEngine's report per server (version, paused, stage, verify
-  diff, error); a push that failed on any server is answered 502 with that report, and the
-  service's version moves only when every server took it.
+  diff, error); a push that failed on any live server is answered 502 with that report, and
+  the service's version moves only when every live server took it. Servers the
+  :class:`~agentrl.service.supervisor.ServerSupervisor` ejected (dead, or dead after failing
+  this push) are listed under ``ejected`` with their reason, not as failures; with no live
+  server at all a push is a 503 and nothing moves;
+- the latest verified push is durable (:mod:`agentrl.service.weight_state`): saved atomically
+  with its version and digests before the response, reloaded and pushed to every server by
+  :meth:`WeightService.restore` when the service starts, and pushed to a server that rejoins
+  (:meth:`WeightService.catch_up`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import copy
 import logging
 import math
 import os
@@ -38,6 +45,13 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.service.models import ServerPush, WeightPushResponse, WeightsInfo
+from agentrl.service.weight_state import (
+    SavedWeights,
+    WeightStateError,
+    load_latest,
+    save_latest,
+    sha256_of,
+)
 from agentrl.training.checkpoint_engine import PushReport
 
 __all__ = ["WeightError", "WeightService"]
@@ -154,20 +168,16 @@ def _read_safetensors(path: Path) -> dict[str, Any]:
         raise WeightError(400, f"not a readable safetensors file: {exc}", "weights") from None
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _finite_or_none(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else None
 
 
 class WeightService:
-    """Owns the service's weight version and serializes pushes (module docstring)."""
+    """Owns the service's weight version and serializes pushes (module docstring).
+
+    ``servers`` is the service's :class:`~agentrl.service.supervisor.ServerSupervisor` (None:
+    every server of the engine, none ever ejected); ``state_dir`` where the latest verified
+    push is saved (None: not durable)."""
 
     def __init__(
         self,
@@ -176,13 +186,21 @@ class WeightService:
         temperature: float,
         weights_dirs: list[Path] | None = None,
         spool_dir: Path | None = None,
+        servers: Any = None,
+        state_dir: Path | None = None,
     ) -> None:
         self.serving = serving
         self.version = int(serving.version)
         self.weights_dirs = [Path(d).resolve() for d in (weights_dirs or [])]
         self.spool_dir = spool_dir
+        self.servers = servers
+        self.state_dir = state_dir
+        self.saved: SavedWeights | None = None
+        """The persisted latest verified push (None: the launch weights of ``model.path``)."""
         self.last_push: WeightPushResponse | None = None
-        self.pushes = {"ok": 0, "failed": 0, "refused": 0}
+        self.pushes = {"ok": 0, "failed": 0, "refused": 0, "catch_ups": 0}
+        self.persist_error: str | None = None
+        """Why the last verified push could not be saved (None when it was)."""
         self._scorer = _ProbeScorer(Path(serving.model_dir), temperature)
         self._lock = asyncio.Lock()
 
@@ -234,6 +252,25 @@ class WeightService:
             )
         return version
 
+    async def _score(self, prompt_ids: list[int], token_ids: list[int]) -> list[float]:
+        """:meth:`_ProbeScorer.score` of the scoring model, off the event loop."""
+        return await asyncio.to_thread(self._scorer.score, prompt_ids, token_ids)
+
+    async def _live_engine(self) -> Any:
+        """The engine, reaching the live servers only (hold the lock); 503 when none is."""
+        engine = self.serving.engine
+        if self.servers is None:
+            return engine
+        await self.servers.before_push()
+        engine.clients = self.servers.live_clients()
+        if not engine.clients:
+            raise WeightError(
+                503,
+                "no live inference server to push to (every one is ejected: "
+                f"{self.servers.ejected()}); retry when GET /v1/status reports one serving",
+            )
+        return engine
+
     async def push_file(self, path: Path, version: int | None) -> tuple[WeightPushResponse, bool]:
         """Validate the safetensors file at ``path`` and push it as ``version``."""
         async with self._lock:
@@ -241,27 +278,54 @@ class WeightService:
                 target = self._check_version(version)
                 tensors = await asyncio.to_thread(_read_safetensors, path)
                 await asyncio.to_thread(self._scorer.validate, tensors)
-                digest = await asyncio.to_thread(_sha256, path)
+                digest = await asyncio.to_thread(sha256_of, path)
+                engine = await self._live_engine()
             except WeightError:
                 self.pushes["refused"] += 1
                 raise
             await asyncio.to_thread(self._scorer.load, tensors)
-
-            async def score(prompt_ids: list[int], token_ids: list[int]) -> list[float]:
-                """:meth:`score` of the scoring model, off the event loop."""
-                return await asyncio.to_thread(self._scorer.score, prompt_ids, token_ids)
-
-            report = await self.serving.engine.push(tensors, target, score=score)
-            response = self._response(report, digest)
-            if report.ok:
+            report = await engine.push(tensors, target, score=self._score)
+            ejected = await self._settle(report)
+            response = self._response(report, digest, ejected)
+            if response.ok:
                 self.version = target
                 self.pushes["ok"] += 1
+                response.persisted = await self._persist(path, target, digest, response)
             else:
                 self.pushes["failed"] += 1
             self.last_push = response
-            return response, report.ok
+            return response, response.ok
 
-    def _response(self, report: PushReport, digest: str) -> WeightPushResponse:
+    async def _settle(self, report: PushReport) -> dict[str, str]:
+        """Eject the servers that failed and are dead now; ``{url: reason}`` of every ejected."""
+        if self.servers is None:
+            return {}
+        failed = {u: s.error or s.stage for u, s in report.servers.items() if not s.ok}
+        await self.servers.after_push(failed)
+        return self.servers.ejected()
+
+    async def _persist(
+        self, path: Path, version: int, sha256: str, response: WeightPushResponse
+    ) -> bool:
+        """Save a verified push as the latest (False, logged and reported, when it fails)."""
+        if self.state_dir is None:
+            return False
+        digests = {s.digest for s in response.servers.values()}
+        content = digests.pop() if len(digests) == 1 else None
+        try:
+            self.saved = await asyncio.to_thread(
+                save_latest, self.state_dir, path, version, sha256, content
+            )
+        except OSError as exc:
+            self.persist_error = f"saving version {version} under {self.state_dir}: {exc}"
+            logger.error("weights are not durable: %s", self.persist_error)
+            return False
+        self.persist_error = None
+        return True
+
+    def _response(
+        self, report: PushReport, digest: str, ejected: dict[str, str]
+    ) -> WeightPushResponse:
         servers = {
             url: ServerPush(
                 version=s.version,
@@ -270,17 +334,21 @@ class WeightService:
                 error=s.error,
                 verify_max_abs_diff=_finite_or_none(s.verify_max_abs_diff),
                 seconds=s.seconds,
+                digest=s.digest,
             )
             for url, s in report.servers.items()
+            if url not in ejected
         }
         verify_on = bool(getattr(self.serving.engine, "verify", True))
+        ok = bool(servers) and all(s.ok for u, s in report.servers.items() if u not in ejected)
         return WeightPushResponse(
             version=report.version,
-            ok=report.ok,
-            verified=report.ok
+            ok=ok,
+            verified=ok
             and verify_on
             and all(s.verify_max_abs_diff is not None for s in servers.values()),
             servers=servers,
+            ejected=ejected,
             num_bytes=report.num_bytes,
             sha256=digest,
             max_abs_diff=_finite_or_none(report.max_abs_diff),
@@ -290,8 +358,78 @@ class WeightService:
             transport=report.transport,
         )
 
+    # ---- durability -------------------------------------------------------------------------
+    async def restore(self) -> None:
+        """Reload the latest saved push (if any) and push it to every live server at its
+        version; a server that fails that push is ejected (it must not serve other weights).
+        Raises :class:`WeightStateError` when the saved weights cannot be trusted."""
+        if self.state_dir is None:
+            return
+        saved = await asyncio.to_thread(load_latest, self.state_dir)
+        if saved is None:
+            return
+        try:
+            tensors = await self._load_saved(saved)
+        except WeightError as exc:
+            raise WeightStateError(
+                f"{saved.path} does not fit model.path ({exc.message}); serve the model it was "
+                f"pushed for, or delete {self.state_dir} to start from model.path"
+            ) from None
+        async with self._lock:
+            self.version, self.saved = saved.version, saved
+            engine = await self._live_engine()
+            report = await engine.push(tensors, saved.version, score=self._score)
+            for url, s in report.servers.items():
+                if not s.ok and self.servers is not None:
+                    await self.servers.eject_now(
+                        url, f"restoring version {saved.version}: {s.error}"
+                    )
+        logger.info(
+            "restored weight version %d (sha256 %s) from %s",
+            saved.version,
+            saved.sha256[:12],
+            saved.path,
+        )
+
+    async def _load_saved(self, saved: SavedWeights) -> dict[str, Any]:
+        """The saved tensors, validated and loaded into the scoring model."""
+        tensors = await asyncio.to_thread(_read_safetensors, saved.path)
+        await asyncio.to_thread(self._scorer.validate, tensors)
+        await asyncio.to_thread(self._scorer.load, tensors)
+        return tensors
+
+    async def catch_up(self, client: Any, join: Any) -> str | None:
+        """Bring ``client``'s server to the current version and call ``join()``, both under the
+        push lock; None on success, else why not (:data:`~agentrl.service.supervisor.CatchUp`)."""
+        async with self._lock:
+            try:
+                info = await asyncio.wait_for(client.weight_info(), timeout=30.0)
+            except Exception as exc:  # reported to the supervisor, which tries again
+                return f"weight_info failed: {type(exc).__name__}: {exc}"
+            at_version = info.get("weight_version") == self.version
+            same = self.saved is None or self.saved.digest in (None, info.get("digest"))
+            if at_version and same:
+                join()
+                return None
+            if self.saved is None:
+                return (
+                    f"it serves version {info.get('weight_version')}, the service "
+                    f"{self.version}, and no pushed weights are saved to bring it there"
+                )
+            tensors = await self._load_saved(self.saved)
+            one = copy.copy(self.serving.engine)  # the same writer, transport and settings
+            one.clients = [client]
+            report = await one.push(tensors, self.version, score=self._score)
+            if not report.ok:
+                return report.describe()
+            self.pushes["catch_ups"] += 1
+            join()
+            return None
+
+    # ---- reporting ------------------------------------------------------------------------
     async def info(self) -> WeightsInfo:
-        """The service's version and each server's (None when a server cannot be asked)."""
+        """The service's version and digests, each server's version (None when it cannot be
+        asked) and the ejected servers."""
 
         async def one(client: Any) -> int | None:
             """A server's weight version, or None when it cannot be asked within 30 s."""
@@ -300,10 +438,31 @@ class WeightService:
             except Exception:  # an unreachable server is reported as None, never raised
                 return None
 
-        clients = list(self.serving.engine.clients)
+        clients = (
+            list(self.serving.engine.clients)
+            if self.servers is None
+            else [s.client for s in self.servers.slots]
+        )
         versions = await asyncio.gather(*(one(c) for c in clients))
         return WeightsInfo(
             version=self.version,
+            sha256=self.saved.sha256 if self.saved else None,
+            digest=self.saved.digest if self.saved else None,
             servers={c.base_url: v for c, v in zip(clients, versions, strict=True)},
+            ejected={} if self.servers is None else self.servers.ejected(),
             last_push=self.last_push,
         )
+
+    def describe(self) -> dict[str, Any]:
+        """The weights part of ``/v1/status``: version, digests, push counts, durability."""
+        saved = self.saved
+        return {
+            **self.pushes,
+            "version": self.version,
+            "sha256": saved.sha256 if saved else None,
+            "digest": saved.digest if saved else None,
+            "saved_at": saved.saved_at if saved else None,
+            "persisted": saved is not None and saved.version == self.version,
+            "persist_error": self.persist_error,
+            "last_push_ok": None if self.last_push is None else self.last_push.ok,
+        }

@@ -11,6 +11,7 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
+from agentrl.inference.handle import ServerHandle
 from agentrl.serving.from_config import spec_for
 from agentrl.serving.launcher import launch_all
 from agentrl.threads import ThreadPlan
@@ -24,8 +25,10 @@ async def start_servers(
     plan: ThreadPlan,
     stack: contextlib.AsyncExitStack,
     api_key: str | None = None,
+    handles: list[ServerHandle] | None = None,
 ) -> list[str]:
-    """Launch the ``inference.num_servers`` policy servers of ``path``; their URLs."""
+    """Launch the ``inference.num_servers`` policy servers of ``path``; their URLs (and their
+    handles appended to ``handles`` when given, in the same order)."""
     inf = cfg.inference
     if inf.backend == "external":
         return list(inf.urls)
@@ -35,7 +38,10 @@ async def start_servers(
         spec_for(cfg, "policy", index=i, model=path, plan=plan, log_dir=logs, api_key=api_key)
         for i in range(inf.num_servers)
     ]
-    return [h.base_url for h in await launch_all(specs, stack)]
+    started = await launch_all(specs, stack)
+    if handles is not None:
+        handles.extend(started)
+    return [h.base_url for h in started]
 
 
 async def start_model_servers(

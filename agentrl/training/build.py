@@ -138,6 +138,11 @@ class Serving:
     timings: dict[str, float] = field(default_factory=dict)
     loaded: Any = None
     """What ``load_models`` returned (loaded while the servers started)."""
+    handles: list[Any] = field(default_factory=list)
+    """The :class:`~agentrl.inference.handle.ServerHandle` of each server this run launched, in
+    the order of ``server_urls`` (empty for external servers or given URLs)."""
+    api_key: str | None = None
+    """The inference servers' bearer token (what a relaunched server must require too)."""
 
     def make_manager(
         self,
@@ -262,10 +267,11 @@ async def build_serving(
         models = asyncio.to_thread(load_models) if load_models is not None else None
         launching = server_urls is None and cfg.inference.backend != "external"
         key = server_api_key(cfg, launching=launching)
+        handles: list[Any] = []
         servers = (
             _given(server_urls)
             if server_urls is not None
-            else start_servers(cfg, path, plan, stack, key)
+            else start_servers(cfg, path, plan, stack, key, handles)
         )
         # Model rewards (reward models, judges) get their own servers, started alongside.
         reward_key = key or server_api_key(cfg, launching=bool(cfg.reward.models))
@@ -299,6 +305,8 @@ async def build_serving(
             version=max(versions),
             timings={"startup": time.perf_counter() - t0},
             loaded=results[2] if models else None,
+            handles=handles,
+            api_key=key,
         )
         yield serving
 

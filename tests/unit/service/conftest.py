@@ -34,6 +34,19 @@ class FakePool(ScriptedPolicy):
     def stats(self) -> dict[str, Any]:
         return {}
 
+    def add_server(self, url: str) -> str:
+        self.members.add(url)
+        return url
+
+    async def remove_server(self, url: str) -> bool:
+        self.members.discard(url)
+        return True
+
+    @property
+    def members(self) -> set[str]:
+        """URLs routed to (what the supervisor added and removed; starts as every fake)."""
+        return vars(self).setdefault("_members", {"http://fake0", "http://fake1"})
+
 
 @dataclasses.dataclass
 class FakeServing:
