@@ -1,21 +1,32 @@
 """Faults under ``agentrl serve`` (real subprocesses, SIGKILL):
 
 - one of two inference servers dies mid-job: the job completes, every episode is a trajectory
-  or a counted drop, none is delivered twice;
+  or a counted drop, none is delivered twice; the next weight push succeeds on the survivor
+  and ``/health`` says degraded;
 - the service itself is killed mid-stream and restarted on the same store: the SDK reader
-  reconnects and resumes from its cursor; every episode arrives exactly once.
+  reconnects and resumes from its cursor; every episode arrives exactly once, and the service
+  comes back at its last pushed version and digest, not model.path's;
+- one of the service's own servers is SIGKILLed: the next push succeeds on the other (version
+  monotonic, the dead one listed as ejected), ``/health`` says degraded, and the restarted
+  server rejoins at the current version; nothing outlives the service.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import signal
+import time
 from collections import Counter
 
+import httpx
 import pytest
 
 from agentrl.client import RolloutClient
 from agentrl.inference.handle import free_port
 from tests.integration.service_helpers import (
     API_KEY,
+    CHECKPOINT,
     ServiceProcess,
     running_service,
     start_inference_servers,
@@ -63,6 +74,12 @@ def test_killing_one_of_two_servers_mid_job_loses_and_duplicates_nothing(servers
                 victim.kill()
         status = client.job(job.id)
         service_status = client.status()
+        # a push goes on on the survivor; the dead server given as a URL is ejected, not failed
+        pushed = client.push_weights((CHECKPOINT / "model.safetensors").read_bytes())
+        health = httpx.get(svc.url + "/health").json()
+    assert pushed["ok"] and list(pushed["servers"]) == [handles[1].base_url]
+    assert victim.base_url in pushed["ejected"] and pushed["version"] > service_status["version"]
+    assert health["status"] == "degraded" and health["servers"][0]["url"] == victim.base_url
     assert not at_kill.done and at_kill.counts["finished"] < TASKS * N  # really mid-job
     keys = Counter(_key(t) for t in seen)
     assert max(keys.values()) == 1, "a trajectory was delivered twice"
@@ -80,9 +97,11 @@ def test_killing_and_restarting_the_service_mid_stream_resumes_exactly_once(serv
     handles, tmp = servers
     alive = [h for h in handles if h.is_running()]
     config = write_config(tmp, [h.base_url for h in alive])
+    weights = (CHECKPOINT / "model.safetensors").read_bytes()
     svc = ServiceProcess(config, free_port(), tmp / "restart.sqlite", tmp / "restart.log").start()
     try:
         with RolloutClient(svc.url, api_key=API_KEY) as client:
+            pushed = client.push_weights(weights, version=client.weights()["version"] + 5)
             job = client.submit(dataset={"split": "train", "limit": TASKS}, n=N)
             seen: list = []
             restarted = False
@@ -94,8 +113,15 @@ def test_killing_and_restarting_the_service_mid_stream_resumes_exactly_once(serv
                     svc.start()  # same port, same store
                     restarted = True
             status = client.job(job.id)
+            info, service_status = client.weights(), client.status()
     finally:
         svc.stop()
+    # the weights are durable: the restarted service is at the pushed version and digest
+    assert pushed["ok"] and pushed["persisted"]
+    assert info["version"] == service_status["version"] == pushed["version"]
+    assert info["sha256"] == pushed["sha256"] == hashlib.sha256(weights).hexdigest()
+    assert info["digest"] is not None and info["digest"] == service_status["weights"]["digest"]
+    assert set(info["servers"].values()) == {pushed["version"]}
     keys = Counter(_key(t) for t in seen)
     assert restarted and max(keys.values()) == 1, "a trajectory was delivered twice"
     assert set(keys) == _expected(), "a trajectory was lost"
@@ -132,3 +158,49 @@ def test_sigterm_mid_stream_exits_promptly_and_the_job_resumes(servers, report_m
     assert status.status == "finished" and status.counts["dropped"] == 0
     assert exit_s < 15, f"SIGTERM took {exit_s:.1f} s"
     report_metric("service_sigterm_exit_s", exit_s)
+
+
+def _gone(pid: int, timeout_s: float = 10.0) -> bool:
+    """True once no process ``pid`` exists (within ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def test_a_killed_server_is_ejected_restarted_and_rejoins_at_the_current_version(
+    tmp_path, report_metric
+):
+    config = write_config(tmp_path, [], backend="embedded", num_servers=2)
+    weights = (CHECKPOINT / "model.safetensors").read_bytes()
+    with (
+        running_service(config, tmp_path, name="own-servers") as svc,
+        RolloutClient(svc.url, api_key=API_KEY) as client,
+    ):
+        assert client.push_weights(weights)["version"] == 1
+        victim, other = client.status()["servers"]
+        os.kill(victim["pid"], signal.SIGKILL)
+        t0 = time.monotonic()
+        report = client.push_weights(weights)  # the next push: on the live server
+        health = httpx.get(svc.url + "/health").json()
+        while time.monotonic() - t0 < 120:
+            status = client.status()
+            if status["health"]["status"] == "ok":
+                break
+            time.sleep(0.5)
+        rejoin_s = time.monotonic() - t0
+        info = client.weights()
+    assert report["ok"] and report["version"] == 2 and report["persisted"]
+    assert list(report["servers"]) == [other["url"]] and victim["url"] in report["ejected"]
+    assert health["status"] == "degraded" and health["servers"][0]["url"] == victim["url"]
+    back = status["servers"][0]
+    assert status["health"]["status"] == "ok", status["health"]
+    assert back["state"] == "serving" and back["restarts"] == 1 and back["pid"] != victim["pid"]
+    assert status["server_counts"]["restarts"] == 1 and status["version"] == 2
+    assert info["version"] == 2 and set(info["servers"].values()) == {2}  # rejoined at 2
+    assert _gone(back["pid"]) and _gone(other["pid"]), "a server outlived agentrl serve"
+    report_metric("server_restart_rejoin_s", rejoin_s)
