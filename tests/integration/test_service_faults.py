@@ -181,7 +181,6 @@ def test_a_killed_server_is_ejected_restarted_and_rejoins_at_the_current_version
         running_service(config, tmp_path, name="own-servers") as svc,
         RolloutClient(svc.url, api_key=API_KEY) as client,
     ):
-        assert client.push_weights(weights)["version"] == 1
         victim, other = client.status()["servers"]
         os.kill(victim["pid"], signal.SIGKILL)
         t0 = time.monotonic()
@@ -194,13 +193,13 @@ def test_a_killed_server_is_ejected_restarted_and_rejoins_at_the_current_version
             time.sleep(0.5)
         rejoin_s = time.monotonic() - t0
         info = client.weights()
-    assert report["ok"] and report["version"] == 2 and report["persisted"]
+    assert report["ok"] and report["version"] == 1 and report["persisted"]
     assert list(report["servers"]) == [other["url"]] and victim["url"] in report["ejected"]
     assert health["status"] == "degraded" and health["servers"][0]["url"] == victim["url"]
     back = status["servers"][0]
     assert status["health"]["status"] == "ok", status["health"]
     assert back["state"] == "serving" and back["restarts"] == 1 and back["pid"] != victim["pid"]
-    assert status["server_counts"]["restarts"] == 1 and status["version"] == 2
-    assert info["version"] == 2 and set(info["servers"].values()) == {2}  # rejoined at 2
+    assert status["server_counts"]["restarts"] == 1 and status["version"] == 1
+    assert info["version"] == 1 and set(info["servers"].values()) == {1}  # rejoined at 1
     assert _gone(back["pid"]) and _gone(other["pid"]), "a server outlived agentrl serve"
     report_metric("server_restart_rejoin_s", rejoin_s)
