@@ -29,7 +29,7 @@ Guarantees:
 - restarts are bounded per slot and counted (``counts["restarts"]``); a failed launch counts.
 
 Shutdown: :meth:`ServerSupervisor.aclose` stops the watchers, stops the servers it launched and
-closes the clients it made (the servers ``build_serving`` launched are stopped by its stack).
+closes every slot's client (the servers ``build_serving`` launched are stopped by its stack).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class ServerSupervisor:
         *,
         max_restarts: int = 3,
         interval_s: float = 5.0,
-        health_timeout_s: float = 2.0,
+        health_timeout_s: float = 3.0,
         relaunch: Relaunch | None = None,
         make_client: Callable[[str], PolicyClient] | None = None,
         clock: Callable[[], float] = time.time,
@@ -182,7 +182,9 @@ class ServerSupervisor:
         self._tasks = []
         await asyncio.gather(*(asyncio.to_thread(h.stop) for h in self._started))
         self._started = []
-        mine = [s.client for s in self.slots if s.restarts] + self._old_clients
+        # The engine closes the clients it holds at its own exit; closing twice is harmless, and
+        # an ejected slot's client may no longer be among them.
+        mine = [s.client for s in self.slots] + self._old_clients
         await asyncio.gather(*(c.aclose() for c in mine), return_exceptions=True)
 
     async def _watch(self, slot: Slot) -> None:
