@@ -198,6 +198,8 @@ class WeightService:
         self.saved: SavedWeights | None = None
         """The persisted latest verified push (None: the launch weights of ``model.path``)."""
         self.last_push: WeightPushResponse | None = None
+        self.tried = self.version
+        """The highest version a push sent to the servers (ok or not)."""
         self.pushes = {"ok": 0, "failed": 0, "refused": 0, "catch_ups": 0}
         self.persist_error: str | None = None
         """Why the last verified push could not be saved (None when it was)."""
@@ -241,13 +243,20 @@ class WeightService:
 
     # ---- push -----------------------------------------------------------------------------
     def _check_version(self, version: int | None) -> int:
+        """The version of the next push: above the current one and above every version a push
+        already sent to the servers (a failed push may have left some of them on it, and they
+        refuse it again: versions only grow on a server)."""
+        floor = max(self.version, self.tried)
         if version is None:
-            return self.version + 1
-        if version <= self.version:
+            return floor + 1
+        if version <= floor:
+            tried = (
+                f", and version {self.tried} was tried already" if self.tried > self.version else ""
+            )
             raise WeightError(
                 409,
-                f"version {version} is not above the current version {self.version}; versions "
-                "only move forward (omit 'version' to use current + 1)",
+                f"version {version} is not above the current version {self.version}{tried}; "
+                f"versions only move forward (omit 'version' to use {floor + 1})",
                 "version",
             )
         return version
@@ -284,6 +293,7 @@ class WeightService:
                 self.pushes["refused"] += 1
                 raise
             await asyncio.to_thread(self._scorer.load, tensors)
+            self.tried = target
             report = await engine.push(tensors, target, score=self._score)
             ejected = await self._settle(report)
             response = self._response(report, digest, ejected)
@@ -377,6 +387,7 @@ class WeightService:
             ) from None
         async with self._lock:
             self.version, self.saved = saved.version, saved
+            self.tried = max(self.tried, saved.version)
             engine = await self._live_engine()
             report = await engine.push(tensors, saved.version, score=self._score)
             for url, s in report.servers.items():

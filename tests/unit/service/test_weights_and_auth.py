@@ -105,6 +105,15 @@ async def test_verification_failure_is_a_502_with_the_report(service_factory, ti
         assert all("verify" in s["error"] for s in report["servers"].values())
         assert all(not s["paused"] for s in report["servers"].values())
         assert (await h.get("/v1/weights")).json()["version"] == 0  # did not move
+        # version 1 was sent (a server may hold it): a retry must go above it
+        r = await h.post(
+            "/v1/weights", params={"version": 1}, **_octet(save(_weights(tiny_model_dir)))
+        )
+        assert (
+            r.status_code == 409 and "version 1 was tried already" in r.json()["error"]["message"]
+        )
+        r = await h.post("/v1/weights", **_octet(save(_weights(tiny_model_dir))))
+        assert r.status_code == 502 and r.json()["version"] == 2
 
 
 async def test_bearer_auth_on_every_route_but_health(service_factory):
