@@ -186,5 +186,11 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ResolutionError, ValueError) as exc:
         print(f"agentrl serve: error: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(cfg, settings))
+    from agentrl.service.weight_state import WeightStateError
+
+    try:
+        asyncio.run(_serve(cfg, settings))
+    except WeightStateError as exc:  # saved weights that cannot be trusted: say which and why
+        print(f"agentrl serve: error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -388,19 +388,26 @@ class WeightService:
         async with self._lock:
             self.version, self.saved = saved.version, saved
             self.tried = max(self.tried, saved.version)
-            engine = await self._live_engine()
-            report = await engine.push(tensors, saved.version, score=self._score)
-            for url, s in report.servers.items():
-                if not s.ok and self.servers is not None:
-                    await self.servers.eject_now(
-                        url, f"restoring version {saved.version}: {s.error}"
-                    )
+            await self._push_restored(tensors, saved.version)
         logger.info(
             "restored weight version %d (sha256 %s) from %s",
             saved.version,
             saved.sha256[:12],
             saved.path,
         )
+
+    async def _push_restored(self, tensors: dict[str, Any], version: int) -> None:
+        """Push the restored weights to every live server (hold the lock); eject the servers
+        that did not take them (each catches up later, or says why not)."""
+        try:
+            engine = await self._live_engine()
+        except WeightError as exc:  # no live server: each one catches up when it rejoins
+            logger.warning("restored version %d reached no server yet: %s", version, exc.message)
+            return
+        report = await engine.push(tensors, version, score=self._score)
+        for url, s in report.servers.items():
+            if not s.ok and self.servers is not None:
+                await self.servers.eject_now(url, f"restoring version {version}: {s.error}")
 
     async def _load_saved(self, saved: SavedWeights) -> dict[str, Any]:
         """The saved tensors, validated and loaded into the scoring model."""

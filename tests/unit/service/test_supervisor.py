@@ -137,3 +137,18 @@ async def test_a_restarted_service_comes_back_at_its_last_verified_push(
     assert info["version"] == 7 and info["sha256"] == hashlib.sha256(data).hexdigest()
     assert status["version"] == 7 and status["weights"]["persisted"]
     assert r.status_code == 409  # versions still only move forward
+
+
+async def test_a_service_whose_saved_weights_are_corrupt_refuses_to_start(
+    service_factory, tiny_model_dir
+):
+    from agentrl.service.weight_state import WeightStateError
+
+    first, app, _ = await service_factory()
+    async with http(app) as h:
+        assert (await h.post("/v1/weights", **_octet(save(_weights(tiny_model_dir))))).is_success
+    await first.close()
+    assert first.weights.saved is not None
+    first.weights.saved.path.write_bytes(b"not the pushed bytes")
+    with pytest.raises(WeightStateError, match="delete"):
+        await service_factory(make_serving(tiny_model_dir))
