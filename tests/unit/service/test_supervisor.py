@@ -56,6 +56,9 @@ async def test_a_dead_server_is_ejected_the_push_goes_on_and_it_rejoins_at_the_v
         status = (await h.get("/v1/status")).json()
         assert status["health"]["status"] == "degraded" and status["server_counts"]["ejected"] == 1
         assert status["weights"]["version"] == 2 and status["weights"]["persisted"]
+        metrics = (await h.get("/metrics")).text
+        assert "agentrl_service_degraded 1.0" in metrics
+        assert "agentrl_service_server_ejections 1.0" in metrics
 
         await service.servers.check(service.servers.slots[0])  # still down: stays out
         assert service.servers.slots[0].state == "ejected"
