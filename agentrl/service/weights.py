@@ -449,8 +449,13 @@ class WeightService:
         """The service's version and digests, each server's version (None when it cannot be
         asked) and the ejected servers."""
 
+        ejected = {} if self.servers is None else self.servers.ejected()
+
         async def one(client: Any) -> int | None:
-            """A server's weight version, or None when it cannot be asked within 30 s."""
+            """A server's weight version; None when it is ejected (not asked: it may hang) or
+            cannot be asked within 30 s."""
+            if client.base_url in ejected:
+                return None
             try:
                 return await asyncio.wait_for(client.weight_version(), timeout=30.0)
             except Exception:  # an unreachable server is reported as None, never raised
@@ -467,7 +472,7 @@ class WeightService:
             sha256=self.saved.sha256 if self.saved else None,
             digest=self.saved.digest if self.saved else None,
             servers={c.base_url: v for c, v in zip(clients, versions, strict=True)},
-            ejected={} if self.servers is None else self.servers.ejected(),
+            ejected=ejected,
             last_push=self.last_push,
         )
 
