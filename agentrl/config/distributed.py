@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from agentrl.config.section import Section
 
@@ -23,6 +23,12 @@ class DistributedConfig(Section):
     """GPUs per inference server (Ray placement)."""
     num_trainer_gpus: float = Field(default=0.0, ge=0.0)
     """GPUs for the trainer (Ray placement)."""
+    placement: Literal["default", "spread"] = "default"
+    """Ray scheduling of the server and worker actors: `default` (Ray's: fill a node first) or `spread` (across the nodes, so losing one node takes fewer of each)."""
+    resources: dict[Literal["server", "worker", "reward", "trainer"], dict[str, float]] = Field(
+        default_factory=dict
+    )
+    """Custom Ray resources each role's actors request, e.g. `{server: {serving: 1}}` with nodes started `--resources '{"serving": 4}'`: places a role on the nodes that offer them."""
     max_actor_restarts: int = Field(default=3, ge=-1)
     """Ray restarts of each server, worker and reward actor that dies (-1 = no limit, 0 = none); see docs/distributed.md."""
     cpus: list[int] | int | None = None
@@ -35,3 +41,17 @@ class DistributedConfig(Section):
     """Pin the trainer and each embedded server to disjoint CPUs (when there are enough)."""
     server_nice: int | None = Field(default=None, ge=0, le=19)
     """Niceness added to each local embedded server (0-19); null = 10 when the plan has more threads than CPUs and nothing is pinned (the trainer, the critical path, wins contention), else 0."""
+
+    @field_validator("resources")
+    @classmethod
+    def _custom_resources(cls, value: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for role, wanted in value.items():
+            for name, amount in wanted.items():
+                if name in ("CPU", "GPU", "memory") or not name:
+                    raise ValueError(
+                        f"{role}: {name!r} is not a custom resource; GPUs are "
+                        "distributed.num_gpus_per_server / num_trainer_gpus"
+                    )
+                if not amount > 0:
+                    raise ValueError(f"{role}.{name}={amount}; request an amount above 0")
+        return value

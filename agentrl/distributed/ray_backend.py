@@ -222,6 +222,7 @@ class InferenceServerActor:
         return {
             "index": self.index,
             "actor_pid": os.getpid(),
+            "node_id": _node_id(),
             "server_pid": h.pid if h is not None else None,
             "url": self._url,
             "launch_id": self._launch_id,
@@ -470,6 +471,7 @@ class AgentLoopWorkerActor:
         servers it uses."""
         return {
             "actor_pid": os.getpid(),
+            "node_id": _node_id(),
             "episodes": self.episodes,
             "running": self.running,
             "worker_id": self.worker_id,
@@ -719,13 +721,15 @@ class RayRankLauncher:
 
 
 def trainer_bundles(cfg: ExperimentConfig) -> list[dict[str, float]] | None:
-    """The placement-group bundles of the trainer ranks: one ``{"GPU": num_trainer_gpus}`` per
-    rank when ``trainer.world_size`` > 1 and the trainer asks for GPUs (so that Ray reserves
-    them together; strategy ``PACK``), else None (no placement group)."""
+    """The placement-group bundles of the trainer ranks: one ``{"GPU": num_trainer_gpus}``
+    (plus ``distributed.resources.trainer``) per rank when ``trainer.world_size`` > 1 and the
+    trainer asks for GPUs (so that Ray reserves them together; strategy ``PACK``), else None
+    (no placement group)."""
     gpus = cfg.distributed.num_trainer_gpus
     if cfg.trainer.world_size == 1 or gpus <= 0:
         return None
-    return [{"GPU": gpus} for _ in range(cfg.trainer.world_size)]
+    extra = dict(cfg.distributed.resources.get("trainer", {}))
+    return [{"GPU": gpus, **extra} for _ in range(cfg.trainer.world_size)]
 
 
 class TrainerActor:
@@ -927,6 +931,25 @@ def run_with_ray(
             disconnect()
 
 
+def _role_options(cfg: ExperimentConfig, role: str) -> dict[str, Any]:
+    """Ray ``.options()`` placing a role's actors: ``distributed.resources[role]`` (custom
+    resources) and, for servers and workers, ``distributed.placement: spread``."""
+    dist = cfg.distributed
+    options: dict[str, Any] = {}
+    if dist.resources.get(role):  # type: ignore[call-overload]  # a role name of the Literal
+        options["resources"] = dict(dist.resources[role])  # type: ignore[index]
+    if dist.placement == "spread" and role in ("server", "worker"):
+        options["scheduling_strategy"] = "SPREAD"
+    return options
+
+
+def _node_id() -> str:
+    """The Ray node this process runs on (hex)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
 def _restarts(cfg: ExperimentConfig) -> dict[str, Any]:
     """Ray ``.options()`` of the actors that are restarted when they die (servers, workers, the
     reward actor). ``max_task_retries`` stays 0: Ray never runs a call again by itself; the run
@@ -945,9 +968,14 @@ def _place_workers(
     """The reward actor and ``rollout.num_workers`` worker actors (added to ``actors``)."""
     import ray
 
-    reward = ray.remote(RewardWorkerActor).options(num_cpus=0, **_restarts(cfg)).remote(cfg)
+    reward_cls = ray.remote(RewardWorkerActor).options(
+        num_cpus=0, **_restarts(cfg), **_role_options(cfg, "reward")
+    )
+    reward = reward_cls.remote(cfg)
     actors.append(reward)
-    worker_cls = ray.remote(AgentLoopWorkerActor).options(num_cpus=0, **_restarts(cfg))
+    worker_cls = ray.remote(AgentLoopWorkerActor).options(
+        num_cpus=0, **_restarts(cfg), **_role_options(cfg, "worker")
+    )
     workers = [
         worker_cls.remote(cfg, urls, model_path, workers_cfg, reward=reward, worker_id=i)
         for i in range(cfg.rollout.num_workers)
@@ -986,7 +1014,10 @@ def _place_servers(
     if inf.backend == "external":
         return [], list(inf.urls)
     server_cls = ray.remote(InferenceServerActor).options(
-        num_cpus=0, num_gpus=dist.num_gpus_per_server, **_restarts(cfg)
+        num_cpus=0,
+        num_gpus=dist.num_gpus_per_server,
+        **_restarts(cfg),
+        **_role_options(cfg, "server"),
     )
     log_dir = str(Path(cfg.trainer.output_dir) / "logs")
     servers: list[Any] = []
@@ -1029,7 +1060,11 @@ def _run_trainer(
     try:
         trainer = (
             ray.remote(TrainerActor)
-            .options(num_cpus=0, num_gpus=cfg.distributed.num_trainer_gpus, **_in_bundle(group, 0))
+            .options(
+                num_cpus=0,
+                num_gpus=cfg.distributed.num_trainer_gpus,
+                **(_in_bundle(group, 0) or _role_options(cfg, "trainer")),
+            )
             .remote(cfg, resume=resume, stop_after_step=stop_after_step, placement_group=group)
         )
         actors.append(trainer)

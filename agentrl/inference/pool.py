@@ -25,6 +25,10 @@ Invariants:
   plus a grace, so a slow server answers (aborted) before the client gives up;
 - a dead server gets no new requests until a health check finds it healthy again; the
   background health loop (``health_check_interval_s``) probes every server, dead or alive;
+- when no server is alive, a request waits up to ``wait_for_server_s`` for one to come back
+  (a restarting server, a replacement added on a new URL, a lost node's servers placed
+  elsewhere) before it fails; every server down at once is an outage to ride out, not a
+  reason to fail every episode in flight;
 - membership may change at run time (:meth:`ServerPool.add_server`,
   :meth:`ServerPool.remove_server`, :meth:`ServerPool.set_servers`: a restarted server comes
   back on a new URL): a removed server gets no new request and its sessions move on their next
@@ -129,12 +133,14 @@ class ServerPool:
         model: str | None = None,
         client_factory: Callable[[str], PolicyClient] | None = None,
         api_key: str | None = None,
+        wait_for_server_s: float = 0.0,
     ) -> None:
         """``health_check_interval_s=None`` disables the background loop (call
         :meth:`check_health` yourself). ``max_attempts`` bounds how many servers one request
         may try (default: twice the number of servers). ``client_factory(url)`` builds the
         per-server client (tests pass in-process transports). ``api_key`` (default
-        ``$AGENTRL_API_KEY``) is sent to every server."""
+        ``$AGENTRL_API_KEY``) is sent to every server. ``wait_for_server_s``: how long a
+        request waits for a live server when none is alive."""
         if not urls:
             raise ValueError("ServerPool needs at least one server URL in 'urls'")
         if len(set(urls)) != len(urls):
@@ -164,6 +170,7 @@ class ServerPool:
         self.max_sessions = max_sessions
         self.max_attempts = max_attempts or 2 * len(urls)
         self.retry_backoff_s = retry_backoff_s
+        self.wait_for_server_s = wait_for_server_s
         self.failure_probe_timeout_s = min(2.0, connect_timeout_s)
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
@@ -187,6 +194,7 @@ class ServerPool:
             max_attempts=config.max_retries + 1,
             api_key=api_key,
             model=model,
+            wait_for_server_s=config.wait_for_server_s,
         )
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -305,6 +313,8 @@ class ServerPool:
                 tried.clear()
                 server = self._pick(session_id, tried)
             if server is None:
+                server = await self._wait_for_live(session_id)
+            if server is None:
                 break
             server.outstanding += 1
             try:
@@ -349,6 +359,24 @@ class ServerPool:
             f"dead servers: {self.dead_servers()}; last error: {last_error}",
             connection_failed=True,
         )
+
+    async def _wait_for_live(self, session_id: str | None) -> _Server | None:
+        """A live server once one is back (health loop, a replacement added), polling for up to
+        ``wait_for_server_s``; None after that."""
+        if self.wait_for_server_s <= 0:
+            return None
+        logger.warning(
+            "no live server (dead: %s); waiting up to %g s for one to come back",
+            self.dead_servers(),
+            self.wait_for_server_s,
+        )
+        deadline = asyncio.get_running_loop().time() + self.wait_for_server_s
+        while asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.25)
+            server = self._pick(session_id, set())
+            if server is not None:
+                return server
+        return None
 
     # ---- membership -----------------------------------------------------------------------
     def add_server(self, url: str) -> str:

@@ -35,6 +35,8 @@ READ_ELSEWHERE = {
     "distributed.num_gpus_per_server": "Ray placement of server actors (agentrl/distributed)",
     "distributed.num_trainer_gpus": "Ray placement of the trainer actor (agentrl/distributed)",
     "distributed.max_actor_restarts": "Ray restarts (tests/integration/test_ray_faults.py)",
+    "distributed.placement": "Ray placement (tests/integration/test_ray_multinode.py)",
+    "distributed.resources": "Ray placement (tests/unit/distributed/test_placement.py)",
     "trainer.max_failed_episode_share": "agentrl train's exit status (test_first_hour.py)",
     "data.reasoning_gym.tasks": "the reasoning_gym generator (test_reasoning_gym.py)",
     "data.reasoning_gym.system_prompt": "the reasoning_gym generator (test_reasoning_gym.py)",

@@ -328,3 +328,20 @@ async def test_when_every_server_cuts_the_answer_the_agent_sees_abort():
     # tried once more on the other server, then reported: no endless retries
     assert sum(len(f.completed) for f in fakes) == 2
     assert sum(s.aborted for s in pool.stats().values()) == 2
+
+
+async def test_with_every_server_down_a_request_waits_for_one_to_come_back():
+    """A lost node can take every server at once; a request rides out the restart
+    (``wait_for_server_s``) instead of failing (seen on a two-node Ray run: RunFailed)."""
+    pool, (a, b) = make_pool(health_check_interval_s=0.05, wait_for_server_s=10.0)
+    async with pool:
+        for f in (a, b):
+            f.alive = False
+        await pool.check_health()
+        assert sorted(pool.dead_servers()) == sorted(pool.urls)
+        request = asyncio.ensure_future(pool.generate([1], SP))
+        await asyncio.sleep(0.3)
+        assert not request.done()  # waiting, not failed
+        b.alive = True  # the health loop finds it again
+        gen = await asyncio.wait_for(request, timeout=5)
+        assert gen.token_ids and len(b.generate_requests) == 1
