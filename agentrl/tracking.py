@@ -13,7 +13,9 @@ characters MLflow rejects become ``_``); non-finite values are skipped and count
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -132,19 +134,10 @@ class MlflowTracker(Tracker):
         import mlflow
 
         self._mlflow = mlflow
-        uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
-        if not uri:
-            local = Path(local_dir).resolve()
-            local.mkdir(parents=True, exist_ok=True)
-            uri = f"sqlite:///{local / 'mlflow.db'}"
-            os.environ.setdefault("MLFLOW_ARTIFACT_ROOT", str(local / "artifacts"))
+        uri = store_uri(tracking_uri, local_dir)
         self.tracking_uri = uri
         mlflow.set_tracking_uri(uri)
-        if mlflow.get_experiment_by_name(experiment) is None:
-            artifact_root = None
-            if uri.startswith("sqlite:///"):
-                artifact_root = (Path(uri[len("sqlite:///") :]).parent / "artifacts").as_uri()
-            mlflow.create_experiment(experiment, artifact_location=artifact_root)
+        ensure_experiment(uri, experiment)
         mlflow.set_experiment(experiment)
         name = None if run_id else (run_name or fresh_run_name())
         self._run = mlflow.start_run(run_id=run_id, run_name=name)
@@ -228,6 +221,49 @@ def fresh_run_name() -> str:
     except (ImportError, AttributeError):  # MLflow moved its word lists: a plain unique name
         words = ["run", secrets.token_hex(3)]
     return f"{words[0]}-{words[1]}-{rng.randrange(1000)}"
+
+
+def store_uri(tracking_uri: str | None, local_dir: str | Path) -> str:
+    """``tracking_uri``, else ``$MLFLOW_TRACKING_URI``, else a sqlite store in ``local_dir``
+    (its artifacts beside it: ``MLFLOW_ARTIFACT_ROOT`` is set unless set already)."""
+    uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri:
+        return uri
+    local = Path(local_dir).resolve()
+    local.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MLFLOW_ARTIFACT_ROOT", str(local / "artifacts"))
+    return f"sqlite:///{local / 'mlflow.db'}"
+
+
+def ensure_experiment(uri: str, experiment: str) -> None:
+    """Create ``experiment`` in the store at ``uri`` unless it exists (a sqlite store keeps its
+    artifacts in ``artifacts/`` beside the database). The first call on a new sqlite store
+    creates and migrates it: seconds, which :func:`warm_store` moves off the critical path."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    if client.get_experiment_by_name(experiment) is not None:
+        return
+    artifact_root = None
+    if uri.startswith("sqlite:///"):
+        artifact_root = (Path(uri[len("sqlite:///") :]).parent / "artifacts").as_uri()
+    with contextlib.suppress(Exception):  # another process created it meanwhile: fine
+        client.create_experiment(experiment, artifact_location=artifact_root)
+
+
+def warm_store(cfg: Any) -> None:
+    """Create and migrate the run's MLflow store and experiment ahead of its tracker (run in a
+    thread while the servers start; start-up was servers, *then* 2-3 s of store set-up). Does
+    nothing when tracking is off; an error here is left for the tracker itself to raise."""
+    t = cfg.tracking
+    if not t.enabled or t.backend != "mlflow":
+        return
+    try:
+        ensure_experiment(
+            store_uri(t.tracking_uri, Path(cfg.trainer.output_dir) / "mlruns"), t.experiment
+        )
+    except Exception as exc:  # the tracker raises it again, in context
+        logging.getLogger(__name__).debug("warming the MLflow store failed: %s", exc)
 
 
 def make_tracker(

@@ -33,6 +33,7 @@ from agentrl.tracking import (
     Tracker,
     log_run_plots,
     tracker_for,
+    warm_store,
 )
 from agentrl.training.build import Run, build_run, build_serving
 from agentrl.training.loop import TrainResult, push_weights, train
@@ -143,6 +144,8 @@ class Trainer:
         if saved is not None:
             dataset.load_state_dict(saved.dataset)
         t1 = time.perf_counter()
+        # The MLflow store is created (and migrated) while the servers start, not after.
+        warm = asyncio.ensure_future(asyncio.to_thread(warm_store, cfg))
         async with build_run(
             cfg,
             resolved=resolved,
@@ -157,6 +160,7 @@ class Trainer:
             if saved is not None:
                 self._restore(run, saved)
             t2 = time.perf_counter()
+            await warm
             tracker = self._tracker(saved)
             phases.done("tracking ready", t2)
             run.tracker = tracker
