@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from agentrl.distributed.ray_backend import await_ref
+from agentrl.distributed.actors import await_ref
 from agentrl.inference.client import PolicyClient
 from agentrl.training.checkpoint_engine import PushReport, ServerPushStatus, WeightPushError
 from agentrl.training.trainer import Trainer
@@ -59,7 +59,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class ServerDirectory:
     """The URLs of the servers that serve rollouts now, and a generation number that changes
-    with them. :class:`~agentrl.distributed.ray_backend.RemoteWorker` sends a snapshot with
+    with them. :class:`~agentrl.distributed.actors.RemoteWorker` sends a snapshot with
     each episode, so every worker actor's pool follows (a restarted actor included)."""
 
     urls: list[str] = field(default_factory=list)

@@ -49,7 +49,7 @@ from agentrl.inference.client import InferenceError, PolicyClient
 from agentrl.inference.collective import BucketLayout, WeightGroup, WeightGroupError, dtype_name
 from agentrl.inference.lora import LoraSpec
 from agentrl.inference.weights import local_address_for
-from agentrl.training.checkpoint_engine import StagedWeights, WeightTransport
+from agentrl.training.weight_transports import StagedWeights, WeightTransport
 
 __all__ = ["CollectiveTransport", "VllmCommunicatorFactory", "vllm_packed_chunks"]
 

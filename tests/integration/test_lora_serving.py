@@ -155,7 +155,7 @@ def vllm_lora_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFact
     carry ``--enable-lora`` and runtime adapter loading (this is what the refusal of LoRA with
     vLLM on Ray used to guard)."""
     from agentrl.config import load_config
-    from agentrl.distributed.ray_backend import InferenceServerActor
+    from agentrl.distributed.actors import InferenceServerActor
     from agentrl.serving import served_model, spec_for
 
     cfg = load_config(

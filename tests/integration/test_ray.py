@@ -18,13 +18,8 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import load_config
-from agentrl.distributed.ray_backend import (
-    AgentLoopWorkerActor,
-    InferenceServerActor,
-    RewardWorkerActor,
-    TrainerActor,
-    run_with_ray,
-)
+from agentrl.distributed.actors import AgentLoopWorkerActor, InferenceServerActor, RewardWorkerActor
+from agentrl.distributed.ray_backend import TrainerActor, run_with_ray
 from agentrl.rollout.manager import WorkerConfig
 from agentrl.serving import ServerSpec
 

@@ -15,13 +15,13 @@ import pytest
 import torch
 from ray.exceptions import ActorDiedError, ActorUnavailableError
 
-from agentrl.distributed.faults import ServerDirectory, ServerRegistry
-from agentrl.distributed.ray_backend import (
+from agentrl.distributed.actors import (
     AgentLoopWorkerActor,
     RemoteScorer,
     RemoteWorker,
     wait_reachable,
 )
+from agentrl.distributed.faults import ServerDirectory, ServerRegistry
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.pool import ServerPool
 from agentrl.rollout.manager import WorkerConfig
