@@ -48,6 +48,7 @@ from typing import Any
 
 from agentrl.distributed.actors import await_ref
 from agentrl.inference.client import PolicyClient
+from agentrl.serving.watch import Watchers
 from agentrl.training.checkpoint_engine import PushReport, ServerPushStatus, WeightPushError
 from agentrl.training.trainer import Trainer
 
@@ -152,23 +153,16 @@ class ServerRegistry:
         self.counts = {"replaced": 0, "joined": 0, "detached": 0}
         self._lock = asyncio.Lock()
         self._changed = asyncio.Event()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._watchers: Watchers[_Slot] = Watchers()
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         """Start polling every server actor (needs a running event loop)."""
-        if not self._tasks:
-            loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._watch(s)) for s in self.slots]
+        self._watchers.start(self._watch, self.slots)
 
     async def aclose(self) -> None:
         """Stop polling."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks = []
+        await self._watchers.aclose()
 
     async def _watch(self, slot: _Slot) -> None:
         while slot.state != "retired":

@@ -35,7 +35,6 @@ closes every slot's client (the servers ``build_serving`` launched are stopped b
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import time
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.inference.client import PolicyClient
+from agentrl.serving.watch import Watchers
 
 __all__ = ["CatchUp", "ServerSupervisor", "Slot", "launcher_for"]
 
@@ -154,7 +154,7 @@ class ServerSupervisor:
         self.clock = clock
         self.counts = {"ejected": 0, "restarts": 0, "rejoined": 0}
         self._catch_up: CatchUp | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._watchers: Watchers[Slot] = Watchers()
         self._started: list[Any] = []
         """Handles this supervisor launched (it stops them)."""
         self._old_clients: list[PolicyClient] = []
@@ -168,18 +168,11 @@ class ServerSupervisor:
         """Watch every slot (needs a running event loop); ``catch_up`` brings a server to the
         current version (:meth:`WeightService.catch_up`)."""
         self._catch_up = catch_up
-        if not self._tasks:
-            loop = asyncio.get_running_loop()
-            self._tasks = [loop.create_task(self._watch(s)) for s in self.slots]
+        self._watchers.start(self._watch, self.slots)
 
     async def aclose(self) -> None:
         """Stop watching, stop the servers launched here, close the clients made here."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-        self._tasks = []
+        await self._watchers.aclose()
         await asyncio.gather(*(asyncio.to_thread(h.stop) for h in self._started))
         self._started = []
         # The engine closes the clients it holds at its own exit; closing twice is harmless, and

@@ -13,7 +13,9 @@ servers and the Ray server actors all go through the same two steps::
 - :mod:`agentrl.serving.launcher`: :func:`launch`, :func:`launch_call` (the launcher and its
   arguments, nothing started), :func:`launch_all` (in parallel, on an exit stack);
 - :mod:`agentrl.serving.servers`: :func:`start_servers` / :func:`start_model_servers`, every
-  server of a run.
+  server of a run;
+- :mod:`agentrl.serving.watch`: :class:`Watchers`, one background task per watched server
+  (the service's supervisor and the Ray run's registry).
 """
 
 from agentrl.inference.handle import ServerHandle
