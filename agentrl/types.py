@@ -325,6 +325,9 @@ class Trajectory(BaseModel):
     turn_samples: list[TurnSample] = Field(default_factory=list)
     """With ``agent.history: per_turn``: each model turn as the server saw it; the trainer
     trains these (:meth:`per_turn_samples`) instead of the concatenated response."""
+    teacher_logprobs: list[float] = Field(default_factory=list)
+    """With a teacher (``teacher.path``): log π_teacher of each response token, at the sampling
+    temperature; 0.0 where the mask is 0; empty without a teacher."""
     turns: list[TurnRecord] = Field(default_factory=list)
     """Each model turn and environment answer with its timing, tokens and weight version
     (MLflow traces are built from it); display only."""
@@ -339,6 +342,11 @@ class Trajectory(BaseModel):
                     f"trajectory {self.uid!r}: {name} has {got} entries but response_ids has {n}; "
                     "every response token needs exactly one entry in each per-token list"
                 )
+        if self.teacher_logprobs and len(self.teacher_logprobs) != n:
+            raise TrajectoryError(
+                f"trajectory {self.uid!r}: teacher_logprobs has {len(self.teacher_logprobs)} "
+                f"entries but response_ids has {n}; give one per response token (or none)"
+            )
         if not self._per_token_fields_ok():
             self._raise_first_per_token_error()
         if not self.prompt_ids:
