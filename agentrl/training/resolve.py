@@ -290,7 +290,10 @@ def _teacher(cfg: ExperimentConfig) -> None:
     if cfg.teacher.enabled:
         from agentrl.rollout.teacher import check_teacher
 
-        check_teacher(cfg, model_dir(cfg))
+        try:
+            check_teacher(cfg, model_dir(cfg))
+        except FileNotFoundError as exc:
+            raise RegistryError(str(exc)) from None
 
 
 def _parser(cfg: ExperimentConfig) -> Any:
