@@ -91,3 +91,29 @@ def test_a_teacher_with_another_tokenizer_fails_before_any_server_starts(tmp_pat
     err = _refused(tmp_path / "b", str(other))
     assert "teacher.path" in err and str(other) in err
     assert "tokenizer differs from the policy's" in err and "same tokenizer" in err
+
+
+async def test_a_vllm_teacher_gives_the_logprobs_of_a_lone_forward(
+    vllm_server, tiny_model_dir: Path
+) -> None:
+    """The vLLM route (/v1/completions with prompt_logprobs) of the same Teacher client: the
+    teacher's logprob of each token equals transformers' at temperature 1."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.rollout.teacher import Teacher
+
+    ids = [5, 9, 200, 17, 3, 88, 41]
+    teacher = Teacher(
+        backend="vllm", mode="advantage", coef=1.0, temperature=1.0, timeout_s=60, max_concurrency=2
+    )
+    teacher.connect([vllm_server.base_url], getattr(vllm_server, "api_key", None))
+    try:
+        got = await teacher.sequence_logprobs(ids)
+    finally:
+        await teacher.aclose()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, :-1]
+    want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert got == pytest.approx(want.tolist(), abs=1e-3)
