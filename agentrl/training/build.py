@@ -152,17 +152,24 @@ class Serving:
         temperature: float | None = None,
         greedy_baseline: bool = False,
     ) -> Any:
-        """An ``AgentLoopManager`` over the pool with the config's tools, rewards and limits."""
+        """An ``AgentLoopManager`` over the pool with the config's tools, rewards and limits;
+        with a ``temperature`` (validation, ``agentrl eval``) the teacher does not score."""
         import functools
 
         from agentrl.rollout.manager import AgentLoopManager
 
         rollout = self.cfg.rollout
+        reward = self.rewards
+        if temperature is not None and getattr(reward, "teacher", None) is not None:
+            import copy
+
+            reward = copy.copy(reward)  # held-out episodes are measured, not distilled
+            reward.teacher = None
         return AgentLoopManager(
             self.pool,
             self.tokenizer,
             tools=functools.partial(build_toolset, self.cfg),
-            reward=self.rewards,
+            reward=reward,
             config=worker_config(
                 self.cfg, temperature=temperature, greedy_baseline=greedy_baseline
             ),
