@@ -116,3 +116,16 @@ async def test_vllm_prompt_logprobs_are_read_per_token():
     )
     teacher.connect(["http://v"], transport=httpx.MockTransport(handler))
     assert await teacher.sequence_logprobs([1, 2, 3]) == [-0.1, -0.2]
+
+
+def test_a_connected_teacher_pickles_without_its_connections():
+    import pickle
+
+    teacher = Teacher(
+        backend="embedded", mode="reward", coef=0.5, temperature=1, timeout_s=5, max_concurrency=2
+    )
+    teacher.connect(["http://t"], "key", transport=_scripted([], []))
+    back = pickle.loads(pickle.dumps(teacher))
+    assert back.servers is not None and back.servers.urls == ["http://t"]
+    assert back.servers.api_key == "key" and back.servers.transport is None
+    assert (back.mode, back.coef) == ("reward", 0.5)
