@@ -3,7 +3,7 @@ sampled tokens, and the reverse KL to it becomes an advantage or a reward term.
 
 Why it exists: the teacher is served like a reward model (``teacher`` config section; its own
 embedded or vLLM servers, started by the run's builder next to the policy servers with the same
-launchers as ``reward.models``) and is asked, the moment an episode is scored, for its logprob of
+serving layer as ``reward.models``: :func:`agentrl.serving.start_teacher_servers`) and is asked, the moment an episode is scored, for its logprob of
 every token of the episode (prompt + response, one request):
 
 - embedded (``agentrl serve-model --task logprobs``): ``POST /pooling`` with ``task:
@@ -28,11 +28,9 @@ without its term; the teacher pickles (URLs and key, no connections).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +42,6 @@ __all__ = [
     "TeacherError",
     "check_teacher",
     "local_teacher_servers",
-    "start_teacher_servers",
     "teacher_path",
 ]
 
@@ -194,67 +191,3 @@ def local_teacher_servers(cfg: Any) -> int:
     """How many embedded teacher servers ``cfg`` starts on this machine (thread plan)."""
     t = cfg.teacher
     return t.num_servers if t.enabled and t.backend == "embedded" else 0
-
-
-def _launch(cfg: Any, i: int, env: Any, logs: Path, api_key: str | None) -> Any:
-    """Start teacher server ``i`` with the launchers the policy and ``reward.models`` use."""
-    from agentrl.inference.server import embedded_device
-
-    t, path = cfg.teacher, teacher_path(cfg)
-    seed = cfg.trainer.seed + i
-    if t.backend == "embedded":
-        from agentrl.inference.server import launch_embedded_server
-
-        device, dtype = embedded_device(cfg)
-        return launch_embedded_server(
-            path,
-            api_key=api_key,
-            log_path=logs / f"teacher-{i}.log",
-            startup_timeout_s=cfg.inference.startup_timeout_s,
-            env=env,
-            extra_args=[
-                *("--task", "logprobs", "--max-batch-size", str(cfg.inference.max_batch_size)),
-                *("--seed", str(seed), "--device", device, "--dtype", dtype),
-            ],
-        )
-    from agentrl.inference.vllm_backend import launch_vllm_server
-
-    return launch_vllm_server(
-        path,
-        api_key=api_key,
-        python=cfg.inference.vllm_python,
-        log_path=logs / f"teacher-vllm-{i}.log",
-        startup_timeout_s=cfg.inference.startup_timeout_s,
-        seed=seed,
-        extra_args=list(t.vllm_extra_args),
-    )
-
-
-async def start_teacher_servers(
-    cfg: Any, plan: Any, stack: contextlib.AsyncExitStack, api_key: str | None
-) -> list[str]:
-    """Start ``teacher.num_servers`` servers in parallel (none without a teacher); their URLs.
-
-    Each started server is stopped by ``stack`` (the ones up are stopped if another fails).
-    Embedded servers take the thread plan's ``reward_servers`` shares after the model rewards'.
-    """
-    if not cfg.teacher.enabled:
-        return []
-    from agentrl.rollout.model_rewards import local_model_servers
-
-    logs = Path(cfg.trainer.output_dir) / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    shares = list(plan.reward_servers)[local_model_servers(cfg) :]
-    launches: list[Awaitable[Any]] = []
-    for i in range(cfg.teacher.num_servers):
-        share = shares[i] if cfg.teacher.backend == "embedded" and i < len(shares) else None
-        env = share.env() if share is not None else None
-        launches.append(asyncio.to_thread(_launch, cfg, i, env, logs, api_key))
-    results = await asyncio.gather(*launches, return_exceptions=True)
-    for handle in results:
-        if not isinstance(handle, BaseException):
-            stack.callback(handle.stop)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return [h.base_url for h in results]  # type: ignore[union-attr]  # no exceptions left

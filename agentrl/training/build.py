@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ExperimentConfig
-from agentrl.serving import served_model, start_model_servers, start_servers
+from agentrl.serving import served_model, start_model_servers, start_servers, start_teacher_servers
 from agentrl.threads import ThreadPlan, make_plan
 from agentrl.training.resolve import (
     Resolved,
@@ -262,7 +262,7 @@ async def build_serving(
     load the actor meanwhile; its result is ``serving.timings["models"]``'s work.
     """
     from agentrl.inference.pool import ServerPool
-    from agentrl.rollout.teacher import Teacher, start_teacher_servers
+    from agentrl.rollout.teacher import Teacher
 
     async with contextlib.AsyncExitStack() as own:
         stack = stack or own

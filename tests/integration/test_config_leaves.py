@@ -46,7 +46,7 @@ READ_ELSEWHERE = {
         f"teacher.{k}": "a distillation run with teacher.path set (test_distill.py)"
         for k in ("backend", "num_servers", "max_concurrency", "timeout_s", "mode", "coef")
     },
-    "teacher.vllm_extra_args": "a vLLM teacher's launch (agentrl/rollout/teacher.py _launch)",
+    "teacher.vllm_extra_args": "a vLLM teacher's spec (tests/unit/serving/test_launch.py)",
 }
 
 
