@@ -104,11 +104,6 @@ class ExperimentConfig(Section):
                 "vLLM's prompt_logprobs are temperature-1 logprobs, not comparable with the "
                 "student's; use teacher.backend: embedded (any temperature) or temperature 1"
             )
-        if self.teacher.enabled and self.distributed.backend == "ray":
-            raise ValueError(
-                "teacher.path is set with distributed.backend='ray': the Ray reward actors do "
-                "not reach a teacher yet; use distributed.backend: local for distillation"
-            )
         if self.teacher.enabled and self.agent.history == "per_turn":
             raise ValueError(
                 "teacher.path is set with agent.history='per_turn': the teacher scores each "

@@ -575,7 +575,6 @@ def test_config_pickles() -> None:
             "prompt_logprobs are temperature-1",
         ),
         (["agent.history=per_turn"], "agent.history: concat"),
-        (["distributed.backend=ray"], "distributed.backend: local"),
     ],
 )
 def test_teacher_combinations_that_cannot_work_are_refused(overrides, words) -> None:
