@@ -118,26 +118,3 @@ async def test_a_vllm_teacher_gives_the_logprobs_of_a_lone_forward(
         logits = model(torch.tensor([ids])).logits[0, :-1]
     want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
     assert got == pytest.approx(want.tolist(), abs=1e-3)
-
-
-@pytest.mark.ray
-@pytest.mark.timeout(400)
-def test_the_reward_actor_reaches_the_teacher_on_ray(
-    ray_cluster: str, tiny_model_dir: Path, other_teacher: Path, tmp_path: Path
-) -> None:
-    """On Ray the workers score through the reward actor: it is told the teacher's servers
-    (started by the trainer actor's builder) and every trained episode carries its term."""
-    from agentrl.distributed.ray_backend import run_with_ray
-    from tests.integration.test_ray import _cfg
-
-    cfg = _cfg(
-        tiny_model_dir,
-        tmp_path / "run",
-        f"distributed.ray_address={ray_cluster}",
-        f"teacher.path={other_teacher}",
-        "data.generator_val_size=0",
-    )
-    result = run_with_ray(cfg)
-    assert result.steps == 2
-    rkl = [v for _, v in result.history["teacher/reverse_kl_mean"]]
-    assert len(rkl) == 2 and all(math.isfinite(x) and x > 0.1 for x in rkl)
