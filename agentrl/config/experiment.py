@@ -104,11 +104,6 @@ class ExperimentConfig(Section):
                 "vLLM's prompt_logprobs are temperature-1 logprobs, not comparable with the "
                 "student's; use teacher.backend: embedded (any temperature) or temperature 1"
             )
-        if self.teacher.enabled and self.agent.history == "per_turn":
-            raise ValueError(
-                "teacher.path is set with agent.history='per_turn': the teacher scores each "
-                "episode as one sequence; use agent.history: concat (or teacher.path: null)"
-            )
         mini = self.trainer.mini_batch_size  # None follows data.batch_size
         if mini is not None and self.data.batch_size % mini != 0:
             raise ValueError(

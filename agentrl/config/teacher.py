@@ -6,9 +6,9 @@ reward model (embedded or vLLM, its own servers); each finished episode's sample
 scored by it, and the reverse KL ``logp_student - logp_teacher`` enters the advantages (mode
 ``advantage``) or the reward (mode ``reward``). ``path: null`` (the default) turns it off.
 
-Guarantees: a teacher has a path; it is not combined with ``agent.history: per_turn`` (the
-episode is scored as one sequence); the path and the tokenizer are checked before any server
-starts (:func:`agentrl.rollout.teacher.check_teacher`).
+Guarantees: a vLLM teacher only with temperature 1 (its prompt logprobs are raw); the path and
+the tokenizer are checked before any server starts (:func:`agentrl.rollout.teacher.check_teacher`).
+With ``agent.history: per_turn`` each turn is scored as the server saw it.
 """
 
 from __future__ import annotations

@@ -165,22 +165,44 @@ class Teacher:
             raise TeacherError(f"teacher: {len(out)} logprobs for {len(ids)} tokens, or not finite")
         return out
 
+    async def response_logprobs(
+        self, prompt: list[int], response: list[int], mask: list[int]
+    ) -> list[float]:
+        """The teacher's logprob of each ``response`` token after ``prompt``; 0.0 where
+        ``mask`` is 0 (tokens the student did not sample)."""
+        full = await self.sequence_logprobs([*prompt, *response])
+        return [lp if m else 0.0 for lp, m in zip(full[len(prompt) - 1 :], mask, strict=True)]
+
     async def apply(self, traj: Trajectory) -> Trajectory:
         """A copy of ``traj`` with ``teacher_logprobs``, ``timings["teacher"]`` and
         ``reward_info["teacher_reverse_kl"]`` (the sum over sampled tokens) set; in mode
-        ``reward`` its reward is lowered by ``coef`` times that sum."""
+        ``reward`` its reward is lowered by ``coef`` times that sum. With ``turn_samples``
+        (``agent.history: per_turn``) each turn is scored as the server saw it, and carries its
+        own ``teacher_logprobs``."""
         start = time.perf_counter()
-        full = await self.sequence_logprobs([*traj.prompt_ids, *traj.response_ids])
-        response = full[len(traj.prompt_ids) - 1 :]
-        lps = [lp if m else 0.0 for lp, m in zip(response, traj.loss_mask, strict=True)]
-        rkl = sum(
-            s - t for s, t, m in zip(traj.rollout_logprobs, lps, traj.loss_mask, strict=True) if m
-        )
-        update: dict[str, Any] = {
-            "teacher_logprobs": lps,
-            "timings": {**traj.timings, "teacher": time.perf_counter() - start},
-            "reward_info": {**traj.reward_info, "teacher_reverse_kl": rkl},
-        }
+        update: dict[str, Any] = {}
+        if traj.turn_samples:
+            samples = [
+                s.model_copy(
+                    update={
+                        "teacher_logprobs": await self.response_logprobs(
+                            s.prompt_ids, s.token_ids, [1] * len(s.token_ids)
+                        )
+                    }
+                )
+                for s in traj.turn_samples
+            ]
+            update["turn_samples"] = samples
+            rkl = sum(
+                a - b for s in samples for a, b in zip(s.logprobs, s.teacher_logprobs, strict=True)
+            )
+        else:
+            lps = await self.response_logprobs(traj.prompt_ids, traj.response_ids, traj.loss_mask)
+            update["teacher_logprobs"] = lps
+            pairs = zip(traj.rollout_logprobs, lps, traj.loss_mask, strict=True)
+            rkl = sum(a - b for a, b, m in pairs if m)
+        update["timings"] = {**traj.timings, "teacher": time.perf_counter() - start}
+        update["reward_info"] = {**traj.reward_info, "teacher_reverse_kl": rkl}
         if self.mode == "reward":
             update["reward"] = traj.reward - self.coef * rkl
         return traj.model_copy(update=update)

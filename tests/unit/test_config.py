@@ -574,7 +574,6 @@ def test_config_pickles() -> None:
             ["teacher.backend=vllm", "inference.temperature=0.7"],
             "prompt_logprobs are temperature-1",
         ),
-        (["agent.history=per_turn"], "agent.history: concat"),
     ],
 )
 def test_teacher_combinations_that_cannot_work_are_refused(overrides, words) -> None:

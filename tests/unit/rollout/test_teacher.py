@@ -129,3 +129,34 @@ def test_a_connected_teacher_pickles_without_its_connections():
     assert back.servers is not None and back.servers.urls == ["http://t"]
     assert back.servers.api_key == "key" and back.servers.transport is None
     assert (back.mode, back.coef) == ("reward", 0.5)
+
+
+async def test_per_turn_samples_are_scored_each_as_the_server_saw_it():
+    from agentrl.types import TurnSample
+
+    seen: list[Any] = []
+    teacher = Teacher(
+        backend="embedded", mode="reward", coef=1.0, temperature=1, timeout_s=5, max_concurrency=2
+    )
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        import json
+
+        ids = json.loads(request.content)["input"]
+        seen.append(ids)
+        return httpx.Response(200, json={"data": [{"data": [-1.0] * (len(ids) - 1)}]})
+
+    teacher.connect(["http://t"], transport=httpx.MockTransport(handler))
+    turns = [
+        TurnSample(prompt_ids=[1, 2], token_ids=[3, 4], logprobs=[-0.5, -2.0], versions=[0, 0]),
+        TurnSample(prompt_ids=[1, 2, 3, 9], token_ids=[5], logprobs=[-0.25], versions=[1]),
+    ]
+    traj = _traj([1, 2], [3, 4, 7, 5], [1, 1, 0, 1], [-0.5, -2.0, 0.0, -0.25])
+    out = await teacher.apply(traj.model_copy(update={"turn_samples": turns}))
+    assert seen == [[1, 2, 3, 4], [1, 2, 3, 9, 5]]  # each turn's own (re-rendered) prompt
+    assert [s.teacher_logprobs for s in out.turn_samples] == [[-1.0, -1.0], [-1.0]]
+    rkl = (-0.5 + 1.0) + (-2.0 + 1.0) + (-0.25 + 1.0)  # 0.25
+    assert out.reward_info["teacher_reverse_kl"] == pytest.approx(rkl)
+    assert out.reward == pytest.approx(1.0 - rkl)
+    rows = out.per_turn_samples()  # the rows the trainer trains carry them
+    assert [r.teacher_logprobs for r in rows] == [[-1.0, -1.0], [-1.0]]
