@@ -235,6 +235,8 @@ class TurnSample(BaseModel):
     token_ids: list[int]
     logprobs: list[float]
     versions: list[int]
+    teacher_logprobs: list[float] = Field(default_factory=list)
+    """With a teacher: its logprob of each of ``token_ids``; empty without one."""
 
     @model_validator(mode="after")
     def _aligned(self) -> TurnSample:
@@ -243,6 +245,10 @@ class TurnSample(BaseModel):
             raise ValueError(
                 f"turn sample has {n} token_ids, {len(self.logprobs)} logprobs and "
                 f"{len(self.versions)} versions; they must be equal"
+            )
+        if self.teacher_logprobs and len(self.teacher_logprobs) != n:
+            raise ValueError(
+                f"turn sample has {n} token_ids but {len(self.teacher_logprobs)} teacher_logprobs"
             )
         return self
 
@@ -325,6 +331,10 @@ class Trajectory(BaseModel):
     turn_samples: list[TurnSample] = Field(default_factory=list)
     """With ``agent.history: per_turn``: each model turn as the server saw it; the trainer
     trains these (:meth:`per_turn_samples`) instead of the concatenated response."""
+    teacher_logprobs: list[float] = Field(default_factory=list)
+    """With a teacher (``teacher.path``): log π_teacher of each response token, at the sampling
+    temperature; 0.0 where the mask is 0; empty without a teacher (and with ``turn_samples``,
+    whose entries carry their own)."""
     turns: list[TurnRecord] = Field(default_factory=list)
     """Each model turn and environment answer with its timing, tokens and weight version
     (MLflow traces are built from it); display only."""
@@ -339,6 +349,11 @@ class Trajectory(BaseModel):
                     f"trajectory {self.uid!r}: {name} has {got} entries but response_ids has {n}; "
                     "every response token needs exactly one entry in each per-token list"
                 )
+        if self.teacher_logprobs and len(self.teacher_logprobs) != n:
+            raise TrajectoryError(
+                f"trajectory {self.uid!r}: teacher_logprobs has {len(self.teacher_logprobs)} "
+                f"entries but response_ids has {n}; give one per response token (or none)"
+            )
         if not self._per_token_fields_ok():
             self._raise_first_per_token_error()
         if not self.prompt_ids:
@@ -437,6 +452,7 @@ class Trajectory(BaseModel):
                         "loss_mask": [1] * len(s.token_ids),
                         "rollout_logprobs": list(s.logprobs),
                         "policy_version": list(s.versions),
+                        "teacher_logprobs": list(s.teacher_logprobs),
                         "reward": self.reward + extra,
                         "turn_rewards": [],
                         "turn_samples": [],

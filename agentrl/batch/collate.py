@@ -94,10 +94,28 @@ def trajectories_to_batch(
         },
         batch_size=[len(trajs)],
     )
+    if any(t.teacher_logprobs for t in trajs):
+        batch["teacher_log_probs"] = _teacher_column(trajs, fitted, r_max)
     batch["uid"] = _string_stack([t.uid for t in trajs])
     batch["agent"] = _string_stack([t.agent for t in trajs])
     batch["data_source"] = _string_stack([t.data_source for t in trajs])
     return check_batch(batch, "trajectories_to_batch")
+
+
+def _teacher_column(
+    trajs: Sequence[Trajectory], fitted: list[tuple[list[int], int]], r_max: int
+) -> torch.Tensor:
+    """``[B, R]`` teacher logprobs (0 on padding); every row with a response must have them."""
+    col = torch.zeros((len(trajs), r_max), dtype=torch.float32)
+    for row, (traj, (_, r_len)) in enumerate(zip(trajs, fitted, strict=True)):
+        if r_len and not traj.teacher_logprobs:
+            raise BatchError(
+                f"{_name(traj, row)} has no teacher_logprobs while others in the batch do; a "
+                "distillation batch needs the teacher's logprobs on every row"
+            )
+        if r_len:
+            col[row, :r_len] = torch.tensor(traj.teacher_logprobs[:r_len], dtype=torch.float32)
+    return col
 
 
 def _fit(

@@ -101,6 +101,7 @@ _KEYS: tuple[tuple[str, str, torch.dtype | None, bool, str], ...] = (
     ("rollout_is_weights",  "B R",   _FLOAT, False, "truncated IS weights (the correction)"),
     ("train_log_probs",     "B R",   _FLOAT, False, "π_train that the Σπ² baseline belongs to"),
     ("sum_pi_squared",      "B R",   _FLOAT, False, "Σ_v π(v)² per token (Σπ² baselines)"),
+    ("teacher_log_probs",   "B R",   _FLOAT, False, "log π_teacher (distillation), 0 where unmasked"),
     ("prox_alpha",          "B R",   _FLOAT, False, "log-linear π_old weight α (proximal=loglinear)"),
 )
 # fmt: on

@@ -11,7 +11,7 @@ fails before any server starts, with the full key path and the closest valid key
 
 Where things are: the schema is one module per top-level key (``model``, ``data``, ``agent``,
 ``environment``, ``tools``, ``reward``, ``inference``, ``rollout``, ``algorithm``, ``trainer``, ``checkpoint``,
-``tracking``, ``distributed``; the SFT sections sit beside their RL namesakes), on the
+``tracking``, ``distributed``, ``teacher``; the SFT sections sit beside their RL namesakes), on the
 :class:`Section` base (``section``), assembled by ``experiment``; reading a config is
 ``yaml_io`` (YAML 1.2 scalars), ``overrides`` (``a.b.c=value``) and ``loading`` (validation with
 readable errors, ``kind:`` dispatch); ``docs`` renders the reference and ``__main__`` is
@@ -80,6 +80,7 @@ from agentrl.config.reward import (
 )
 from agentrl.config.rollout import RolloutConfig
 from agentrl.config.section import ConfigError, Section
+from agentrl.config.teacher import TeacherConfig
 from agentrl.config.tools import PythonToolConfig, SearchToolConfig, ToolsConfig
 from agentrl.config.tracking import TrackingConfig
 from agentrl.config.trainer import OptimizerFields, SFTTrainerConfig, TrainerConfig
@@ -122,6 +123,7 @@ __all__ = [
     "SFTTrainerConfig",
     "SearchToolConfig",
     "Section",
+    "TeacherConfig",
     "TinyModelConfig",
     "ToolsConfig",
     "TrackingConfig",

@@ -24,6 +24,7 @@ from agentrl.config.model import PolicyModelConfig, SFTModelConfig
 from agentrl.config.reward import RewardConfig
 from agentrl.config.rollout import RolloutConfig
 from agentrl.config.section import Section
+from agentrl.config.teacher import TeacherConfig
 from agentrl.config.tools import ToolsConfig
 from agentrl.config.tracking import TrackingConfig
 from agentrl.config.trainer import SFTTrainerConfig, TrainerConfig
@@ -67,6 +68,8 @@ class ExperimentConfig(Section):
     """Experiment tracking."""
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     """Placement."""
+    teacher: TeacherConfig = Field(default_factory=TeacherConfig)
+    """On-policy distillation from a teacher model (off unless `teacher.path` is set)."""
 
     @model_validator(mode="after")
     def _cross_checks(self) -> ExperimentConfig:
@@ -90,6 +93,16 @@ class ExperimentConfig(Section):
             raise ValueError(
                 f"reward.overlong_buffer_len={buf} is over agent.max_response_tokens={budget}; "
                 "the penalty starts at max_response_tokens - overlong_buffer_len: lower it"
+            )
+        if (
+            self.teacher.enabled
+            and self.teacher.backend == "vllm"
+            and (self.inference.temperature not in (0.0, 1.0))
+        ):
+            raise ValueError(
+                f"teacher.backend 'vllm' with inference.temperature={self.inference.temperature}: "
+                "vLLM's prompt_logprobs are temperature-1 logprobs, not comparable with the "
+                "student's; use teacher.backend: embedded (any temperature) or temperature 1"
             )
         mini = self.trainer.mini_batch_size  # None follows data.batch_size
         if mini is not None and self.data.batch_size % mini != 0:

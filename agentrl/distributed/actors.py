@@ -254,9 +254,21 @@ class RewardWorkerActor:
             self._manager = build_rewards(self.cfg)
         return self._manager
 
-    def connect_models(self, urls: dict[str, list[str]], api_key: str | None) -> None:
-        """Reach the servers of the model rewards (started by the trainer actor's builder)."""
-        self._rewards().connect_models(urls, api_key)
+    def connect_models(
+        self,
+        urls: dict[str, list[str]],
+        api_key: str | None,
+        teacher_urls: list[str] | None = None,
+    ) -> None:
+        """Reach the servers of the model rewards and of the distillation teacher (started by
+        the trainer actor's builder)."""
+        manager = self._rewards()
+        manager.connect_models(urls, api_key)
+        if teacher_urls:
+            from agentrl.rollout.teacher import Teacher
+
+            manager.teacher = Teacher.from_config(self.cfg)
+            manager.teacher.connect(teacher_urls, api_key)
 
     async def score(self, traj: Trajectory, task: Task) -> Trajectory:
         """``traj`` scored by the config's reward functions (see ``RewardManager.score``)."""

@@ -245,14 +245,17 @@ class TrainerActor:
         same order) let the run follow servers that restart on new URLs
         (:class:`~agentrl.distributed.faults.ServerRegistry`). ``reward`` (the
         :class:`RewardWorkerActor` the workers score through) is told the servers of the model
-        rewards (``reward.models``) this actor's builder started.
+        rewards (``reward.models``) and of the teacher this actor's builder started.
         """
         from agentrl.distributed.faults import RayTrainer, ServerDirectory
         from agentrl.training.ranks import launcher_scope
 
         async def connect_rewards(run: Any) -> None:
-            if reward is not None and self.cfg.reward.models:
-                await await_ref(reward.connect_models.remote(*run.rewards.model_servers()))
+            if reward is not None and (self.cfg.reward.models or self.cfg.teacher.enabled):
+                teacher = run.rewards.teacher
+                teacher_urls = teacher.servers.urls if teacher is not None else None
+                ref = reward.connect_models.remote(*run.rewards.model_servers(), teacher_urls)
+                await await_ref(ref)
 
         directory = ServerDirectory(urls=list(server_urls))
         workers = [RemoteWorker(h, i, directory=directory) for i, h in enumerate(worker_handles)]

@@ -1,4 +1,5 @@
-"""The scoring engine: batched reward-model scores over a Hugging Face sequence classifier.
+"""The scoring engine: batched reward-model scores over a Hugging Face sequence classifier, or
+a causal LM's logprobs of given tokens (a distillation teacher, ``task="logprobs"``).
 
 Why it exists: a reward model (any local ``AutoModelForSequenceClassification`` directory) is
 served like the policy, by the embedded server (``agentrl serve-model --task score``), so a run
@@ -12,7 +13,11 @@ sequence of token ids and returns a future; the thread takes every queued sequen
 model's pad token and runs one forward pass. The score of a sequence is exactly what
 ``AutoModelForSequenceClassification`` gives for it alone: the head reads the last token that is
 not the pad token (decoder classifiers) or the first token (encoder classifiers); right padding
-is invisible to causal attention and masked for bidirectional attention.
+is invisible to causal attention and masked for bidirectional attention. With
+``task="logprobs"`` the model is an ``AutoModelForCausalLM`` and a sequence's answer is the
+logprob of each of its tokens after the first given the ones before,
+``log softmax(logits / temperature)`` (:func:`agentrl.algos.logits.logprobs_from_logits`, the
+trainer's convention), ``len(ids) - 1`` floats.
 
 Invariants:
 
@@ -70,6 +75,8 @@ class ScoringEngine:
         max_batch_tokens: most padded tokens (sequences x longest) in one forward pass; a
             longer sequence alone is still run.
         max_model_len: longest accepted sequence; defaults to ``max_position_embeddings``.
+        task: ``classify`` (a sequence classifier's logits) or ``logprobs`` (a causal LM's
+            per-token logprobs of the sequence itself).
     """
 
     def __init__(
@@ -81,16 +88,19 @@ class ScoringEngine:
         max_batch_size: int = 32,
         max_batch_tokens: int = 32768,
         max_model_len: int | None = None,
+        task: str = "classify",
     ) -> None:
-        from transformers import AutoModelForSequenceClassification
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+        if task not in ("classify", "logprobs"):
+            raise ValueError(f"task={task!r}; use 'classify' or 'logprobs'")
+        self.task = task
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size}; it must be >= 1")
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
-        self.model: Any = AutoModelForSequenceClassification.from_pretrained(
-            str(self.model_dir), dtype=dtype
-        )
+        auto = AutoModelForCausalLM if task == "logprobs" else AutoModelForSequenceClassification
+        self.model: Any = auto.from_pretrained(str(self.model_dir), dtype=dtype)
         self.model.to(self.device)
         self.model.eval()
         text_cfg = self.model.config.get_text_config()
@@ -100,14 +110,16 @@ class ScoringEngine:
         self.max_model_len: int = int(max_model_len or limit)
         pad = getattr(text_cfg, "pad_token_id", None)
         self.pad_token_id: int | None = None if pad is None else int(pad)
-        self.max_batch_size = max_batch_size if self.pad_token_id is not None else 1
+        # logprobs read only real positions of right-padded rows: any pad id will do
+        batched = self.pad_token_id is not None or task == "logprobs"
+        self.max_batch_size = max_batch_size if batched else 1
         self.max_batch_tokens = max_batch_tokens
         self.weight_version = 0
         """Reward models are frozen: the version is always 0 (``/health`` reports it)."""
         self.is_paused = False
         self.stats: collections.defaultdict[str, int] = collections.defaultdict(int)
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[list[int], concurrent.futures.Future[Any]]]
+        self._queue: collections.deque[_Item]
         self._queue = collections.deque()
         self._running = 0
         self._closing = False
@@ -148,20 +160,25 @@ class ScoringEngine:
                 param,
             )
 
-    def submit(self, ids: list[int]) -> concurrent.futures.Future[list[float]]:
-        """Queue one sequence; its future resolves to its ``num_labels`` raw logits."""
+    def submit(
+        self, ids: list[int], temperature: float = 1.0
+    ) -> concurrent.futures.Future[list[float]]:
+        """Queue one sequence; its future resolves to its ``num_labels`` raw logits (task
+        ``classify``) or its ``len(ids) - 1`` token logprobs at ``temperature`` (``logprobs``)."""
         self.validate(ids)
+        if not temperature > 0:
+            raise EngineRequestError(f"temperature={temperature}; it must be > 0", "temperature")
         fut: concurrent.futures.Future[list[float]] = concurrent.futures.Future()
         with self._cond:
             if self._closing:
                 raise RuntimeError("the scoring engine is closed")
-            self._queue.append((list(ids), fut))
+            self._queue.append((list(ids), fut, float(temperature)))
             self._cond.notify_all()
         return fut
 
-    async def score(self, batch: list[list[int]]) -> list[list[float]]:
-        """The raw logits of every sequence of ``batch`` (one bad sequence fails the call)."""
-        futures = [self.submit(ids) for ids in batch]
+    async def score(self, batch: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        """The answer of every sequence of ``batch`` (one bad sequence fails the call)."""
+        futures = [self.submit(ids, temperature) for ids in batch]
         try:
             return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
         except BaseException:
@@ -202,36 +219,36 @@ class ScoringEngine:
                 self._closing = True
                 left = list(self._queue)
                 self._queue.clear()
-            for _, fut in left:
+            for _, fut, _ in left:
                 if not fut.done():
                     fut.set_exception(RuntimeError("the scoring engine is closed"))
 
-    def _next_batch(self) -> list[tuple[list[int], concurrent.futures.Future[Any]]] | None:
+    def _next_batch(self) -> list[_Item] | None:
         """The next batch to run (live futures only), or None when closing."""
         with self._cond:
             while not self._closing and not self._queue:
                 self._cond.wait(timeout=0.25)
             if self._closing:
                 return None
-            batch: list[tuple[list[int], concurrent.futures.Future[Any]]] = []
+            batch: list[_Item] = []
             longest = 0
             while self._queue and len(batch) < self.max_batch_size:
-                ids, fut = self._queue[0]
+                ids, fut, temperature = self._queue[0]
                 width = max(longest, len(ids))
                 if batch and width * (len(batch) + 1) > self.max_batch_tokens:
                     break
                 self._queue.popleft()
                 if fut.set_running_or_notify_cancel():  # False: its caller gave up
-                    batch.append((ids, fut))
+                    batch.append((ids, fut, temperature))
                     longest = width
             return batch
 
-    def _run(self, batch: list[tuple[list[int], concurrent.futures.Future[Any]]]) -> None:
+    def _run(self, batch: list[_Item]) -> None:
         """Score ``batch`` in one forward pass; on failure, each sequence alone."""
         if not batch:
             return
         try:
-            rows = self._forward([ids for ids, _ in batch])
+            rows = self._forward([ids for ids, _, _ in batch], [t for _, _, t in batch])
         except Exception as exc:
             if len(batch) == 1:
                 self.stats["requests_failed"] += 1
@@ -241,7 +258,7 @@ class ScoringEngine:
             for item in batch:
                 self._run([item])
             return
-        for (_, fut), logits in zip(batch, rows, strict=True):
+        for (_, fut, _), logits in zip(batch, rows, strict=True):
             if all(math.isfinite(v) for v in logits):
                 fut.set_result(logits)
             else:
@@ -249,8 +266,9 @@ class ScoringEngine:
                 fut.set_exception(EngineStepError(f"the model gave non-finite logits {logits}"))
 
     @torch.inference_mode()
-    def _forward(self, seqs: list[list[int]]) -> list[list[float]]:
-        """Raw logits ``[B, num_labels]`` of right-padded ``seqs``, as Python lists."""
+    def _forward(self, seqs: list[list[int]], temperatures: list[float]) -> list[list[float]]:
+        """Raw logits ``[B, num_labels]`` of right-padded ``seqs`` (or each row's token
+        logprobs, task ``logprobs``), as Python lists."""
         width = max(len(s) for s in seqs)
         pad = self.pad_token_id if self.pad_token_id is not None else 0
         ids = torch.full((len(seqs), width), pad, dtype=torch.long)
@@ -263,4 +281,25 @@ class ScoringEngine:
         self.stats["forward_passes"] += 1
         self.stats["forward_ms"] += int((time.perf_counter() - start) * 1000)
         self.stats["sequences_scored"] += len(seqs)
+        if self.task == "logprobs":
+            return _token_logprobs(out.logits, ids.to(self.device), seqs, temperatures)
         return out.logits.float().cpu().tolist()
+
+
+_Item = tuple[list[int], concurrent.futures.Future[Any], float]
+"""A queued sequence: its token ids, its future and its temperature (task ``logprobs``)."""
+
+
+def _token_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, seqs: list[list[int]], temperatures: list[float]
+) -> list[list[float]]:
+    """Per row, ``log softmax(logits[t] / temperature)`` at ``ids[t + 1]`` over the row's real
+    tokens (``[B, W, V]`` logits of right-padded ``[B, W]`` ids): ``len(seq) - 1`` floats each."""
+    from agentrl.algos.logits import logprobs_from_logits
+
+    rows = []
+    for i, (seq, temperature) in enumerate(zip(seqs, temperatures, strict=True)):
+        n = len(seq)
+        lp = logprobs_from_logits(logits[i, : n - 1], ids[i, 1:n], temperature=temperature)
+        rows.append(lp.cpu().tolist())
+    return rows

@@ -150,9 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task",
         default="auto",
-        choices=["auto", "generate", "score"],
-        help="generate (completions, chat, weight updates) or score (a reward model: "
-        "POST /pooling); auto = score when config.json names a *ForSequenceClassification",
+        choices=["auto", "generate", "score", "logprobs"],
+        help="generate (completions, chat, weight updates), score (a reward model: "
+        "POST /pooling) or logprobs (a distillation teacher: POST /pooling task logprobs); "
+        "auto = score when config.json names a *ForSequenceClassification",
     )
     parser.add_argument("--host", default="127.0.0.1", help="bind address")
     parser.add_argument("--port", type=int, default=8000, help="bind port")
@@ -260,13 +261,14 @@ def _load_engine(args: argparse.Namespace) -> Any:
 
     dtype = getattr(torch, args.dtype)
     task = getattr(args, "task", "auto")
-    if task == "score" or (task == "auto" and is_classifier_dir(args.model_dir)):
+    if task in ("score", "logprobs") or (task == "auto" and is_classifier_dir(args.model_dir)):
         return ScoringEngine(
             args.model_dir,
             device=args.device,
             dtype=dtype,
             max_batch_size=args.max_batch_size,
             max_model_len=args.max_model_len,
+            task="logprobs" if task == "logprobs" else "classify",
         )
     from agentrl.inference.engine import InferenceEngine
 

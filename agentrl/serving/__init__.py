@@ -21,7 +21,7 @@ servers and the Ray server actors all go through the same two steps::
 from agentrl.inference.handle import ServerHandle
 from agentrl.serving.from_config import served_model, spec_for
 from agentrl.serving.launcher import launch, launch_all, launch_call
-from agentrl.serving.servers import start_model_servers, start_servers
+from agentrl.serving.servers import start_model_servers, start_servers, start_teacher_servers
 from agentrl.serving.spec import Backend, Role, ServerSpec
 
 __all__ = [
@@ -36,4 +36,5 @@ __all__ = [
     "spec_for",
     "start_model_servers",
     "start_servers",
+    "start_teacher_servers",
 ]

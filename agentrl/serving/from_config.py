@@ -41,6 +41,8 @@ def spec_for(
         if model is None:
             raise ValueError("spec_for(role='policy') needs model= (the run's model directory)")
         return _policy(cfg, Path(model), index, plan, log_dir, api_key, host)
+    if role == "teacher":
+        return _teacher(cfg, index, plan, log_dir, api_key, host)
     if name is None:
         raise ValueError(f"spec_for(role={role!r}) needs name= (a key of reward.models)")
     return _model_reward(cfg, role, name, index, plan, log_dir, api_key, host)
@@ -121,6 +123,41 @@ def _model_reward(
         host=host,
         python=cfg.inference.vllm_python,
         extra_args=() if embedded else tuple(m.vllm_extra_args),
+        api_key=api_key,
+    )
+
+
+def _teacher(
+    cfg: Any,
+    i: int,
+    plan: ThreadPlan | None,
+    log_dir: str | Path | None,
+    api_key: str | None,
+    host: str,
+) -> ServerSpec:
+    """Server ``i`` of the distillation teacher (``teacher``); an embedded one takes the thread
+    share after the embedded model rewards' (:func:`agentrl.rollout.teacher.local_teacher_servers`)."""
+    from agentrl.rollout.model_rewards import local_model_servers
+    from agentrl.rollout.teacher import teacher_path
+
+    t = cfg.teacher
+    embedded = t.backend == "embedded"
+    device, dtype = _device(cfg) if embedded else (None, None)
+    threads = plan.reward_servers if plan is not None and embedded else ()
+    return ServerSpec(
+        backend=t.backend,
+        model=teacher_path(cfg),
+        role="teacher",
+        device=device,
+        dtype=dtype,
+        seed=cfg.trainer.seed + i,
+        max_batch_size=cfg.inference.max_batch_size if embedded else None,
+        threads=_nth(threads, local_model_servers(cfg) + i),
+        startup_timeout_s=cfg.inference.startup_timeout_s,
+        log_path=_log(log_dir, f"teacher-{i}" if embedded else f"teacher-vllm-{i}"),
+        host=host,
+        python=cfg.inference.vllm_python,
+        extra_args=() if embedded else tuple(t.vllm_extra_args),
         api_key=api_key,
     )
 

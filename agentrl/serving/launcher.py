@@ -67,8 +67,8 @@ async def launch_all(
 def _embedded_kwargs(spec: ServerSpec) -> dict[str, Any]:
     """``launch_embedded_server`` arguments: the role's task, batch, seed, device and dtype."""
     args: list[str] = []
-    if spec.role != "policy":  # a model reward names its task; the policy's is found (auto)
-        args += ["--task", "score" if spec.role == "reward_model" else "generate"]
+    if spec.role != "policy":  # the other roles name their task; the policy's is found (auto)
+        args += ["--task", _EMBEDDED_TASKS[spec.role]]
     if spec.max_batch_size is not None:
         args += ["--max-batch-size", str(spec.max_batch_size)]
     args += ["--seed", str(spec.seed)]
@@ -88,6 +88,10 @@ def _embedded_kwargs(spec: ServerSpec) -> dict[str, Any]:
         "env": env or None,
         "extra_args": [*args, *spec.extra_args],
     }
+
+
+_EMBEDDED_TASKS = {"reward_model": "score", "judge": "generate", "teacher": "logprobs"}
+"""The embedded server's ``--task`` of each role but the policy's."""
 
 
 def _vllm_kwargs(spec: ServerSpec) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Start every server of a run from its config: the policy servers and the model rewards'.
+"""Start every server of a run from its config: the policy servers, the model rewards' and the
+distillation teacher's.
 
 Guarantees: servers start in parallel; each started server is stopped by the caller's exit
 stack (also when another fails to start); ``external`` backends start nothing and give their
@@ -16,7 +17,7 @@ from agentrl.serving.from_config import spec_for
 from agentrl.serving.launcher import launch_all
 from agentrl.threads import ThreadPlan
 
-__all__ = ["start_model_servers", "start_servers"]
+__all__ = ["start_model_servers", "start_servers", "start_teacher_servers"]
 
 
 async def start_servers(
@@ -69,3 +70,19 @@ async def start_model_servers(
     for name, handle in zip(names, await launch_all(specs, stack), strict=True):
         urls.setdefault(name, []).append(handle.base_url)
     return urls
+
+
+async def start_teacher_servers(
+    cfg: Any, plan: ThreadPlan, stack: contextlib.AsyncExitStack, api_key: str | None
+) -> list[str]:
+    """Start the ``teacher.num_servers`` servers of the distillation teacher (none without one,
+    ``teacher.path: null``); their URLs."""
+    if not cfg.teacher.enabled:
+        return []
+    logs = Path(cfg.trainer.output_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    specs = [
+        spec_for(cfg, "teacher", index=i, plan=plan, log_dir=logs, api_key=api_key)
+        for i in range(cfg.teacher.num_servers)
+    ]
+    return [h.base_url for h in await launch_all(specs, stack)]

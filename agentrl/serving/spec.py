@@ -28,10 +28,11 @@ __all__ = ["BACKENDS", "ROLES", "Backend", "Role", "ServerSpec"]
 
 Backend = Literal["embedded", "vllm"]
 """Servers this project starts (``external`` servers are URLs: nothing to launch)."""
-Role = Literal["policy", "reward_model", "judge"]
-"""What the server is for: the policy being trained, a reward model (scores), an LLM judge."""
+Role = Literal["policy", "reward_model", "judge", "teacher"]
+"""What the server is for: the policy being trained, a reward model (scores), an LLM judge, a
+distillation teacher (its logprobs of given tokens)."""
 BACKENDS: tuple[str, ...] = ("embedded", "vllm")
-ROLES: tuple[str, ...] = ("policy", "reward_model", "judge")
+ROLES: tuple[str, ...] = ("policy", "reward_model", "judge", "teacher")
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class ServerSpec:
     model: Path
     """The Hugging Face model directory served."""
     role: Role = "policy"
-    """``policy``, ``reward_model`` (embedded ``--task score``; vLLM ``--runner pooling``) or
-    ``judge`` (embedded ``--task generate``)."""
+    """``policy``, ``reward_model`` (embedded ``--task score``; vLLM ``--runner pooling``),
+    ``judge`` (embedded ``--task generate``) or ``teacher`` (embedded ``--task logprobs``; vLLM
+    serves it as a generator and is asked for ``prompt_logprobs``)."""
     device: str | None = None
     """Embedded: the torch device (``cpu``, ``cuda``); None = the server's default (cpu).
     vLLM places itself."""

@@ -201,6 +201,9 @@ class AlgorithmPlan:
     kl_in_reward: KLInReward | None
     mask_truncated: bool = False
     """Zero the response mask of episodes that stopped on a length budget (before the update)."""
+    teacher_coef: float | None = None
+    """Weight of the teacher's reverse KL in the advantages (``teacher.mode: advantage``); None =
+    not in the advantages (no teacher, or mode ``reward``)."""
 
     @property
     def needs_critic(self) -> bool:

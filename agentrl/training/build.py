@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.config import ExperimentConfig
-from agentrl.serving import served_model, start_model_servers, start_servers
+from agentrl.serving import served_model, start_model_servers, start_servers, start_teacher_servers
 from agentrl.threads import ThreadPlan, make_plan
 from agentrl.training.resolve import (
     Resolved,
@@ -72,6 +72,7 @@ def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
     """The run's CPU-thread plan: the trainer and each local embedded server (policy, and the
     model rewards' reward models and judges) get a share."""
     from agentrl.rollout.model_rewards import local_model_servers
+    from agentrl.rollout.teacher import local_teacher_servers
 
     d, inf = cfg.distributed, cfg.inference
     return make_plan(
@@ -83,7 +84,7 @@ def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
         server_nice=d.server_nice,
         # vLLM binds its own threads; external servers are not ours to size.
         external_servers=inf.backend != "embedded",
-        reward_servers=local_model_servers(cfg),
+        reward_servers=local_model_servers(cfg) + local_teacher_servers(cfg),
     )
 
 
@@ -151,17 +152,24 @@ class Serving:
         temperature: float | None = None,
         greedy_baseline: bool = False,
     ) -> Any:
-        """An ``AgentLoopManager`` over the pool with the config's tools, rewards and limits."""
+        """An ``AgentLoopManager`` over the pool with the config's tools, rewards and limits;
+        with a ``temperature`` (validation, ``agentrl eval``) the teacher does not score."""
         import functools
 
         from agentrl.rollout.manager import AgentLoopManager
 
         rollout = self.cfg.rollout
+        reward = self.rewards
+        if temperature is not None and getattr(reward, "teacher", None) is not None:
+            import copy
+
+            reward = copy.copy(reward)  # held-out episodes are measured, not distilled
+            reward.teacher = None
         return AgentLoopManager(
             self.pool,
             self.tokenizer,
             tools=functools.partial(build_toolset, self.cfg),
-            reward=self.rewards,
+            reward=reward,
             config=worker_config(
                 self.cfg, temperature=temperature, greedy_baseline=greedy_baseline
             ),
@@ -254,6 +262,7 @@ async def build_serving(
     load the actor meanwhile; its result is ``serving.timings["models"]``'s work.
     """
     from agentrl.inference.pool import ServerPool
+    from agentrl.rollout.teacher import Teacher
 
     async with contextlib.AsyncExitStack() as own:
         stack = stack or own
@@ -274,10 +283,17 @@ async def build_serving(
             else start_servers(cfg, path, plan, stack, key, handles)
         )
         # Model rewards (reward models, judges) get their own servers, started alongside.
-        reward_key = key or server_api_key(cfg, launching=bool(cfg.reward.models))
+        reward_key = key or server_api_key(
+            cfg, launching=bool(cfg.reward.models) or cfg.teacher.enabled
+        )
         reward_servers = start_model_servers(cfg, plan, stack, reward_key)
+        teacher_servers = start_teacher_servers(cfg, plan, stack, reward_key)
         results = await asyncio.gather(
-            servers, reward_servers, *([models] if models else []), return_exceptions=True
+            servers,
+            reward_servers,
+            teacher_servers,
+            *([models] if models else []),
+            return_exceptions=True,
         )
         for r in results:
             if isinstance(r, BaseException):
@@ -290,6 +306,9 @@ async def build_serving(
         stack.push_async_callback(_close_engine, engine, transport is None)
         stack.push_async_callback(rewards.aclose)
         rewards.connect_models(results[1], reward_key)  # type: ignore[arg-type]  # checked above
+        if cfg.teacher.enabled:
+            rewards.teacher = Teacher.from_config(cfg)
+            rewards.teacher.connect(results[2], reward_key)  # type: ignore[arg-type]  # checked above
         pool.start()
         versions = [await c.weight_version() for c in engine.clients]
         serving = Serving(
@@ -304,7 +323,7 @@ async def build_serving(
             workers=workers,
             version=max(versions),
             timings={"startup": time.perf_counter() - t0},
-            loaded=results[2] if models else None,
+            loaded=results[3] if models else None,
             handles=handles,
             api_key=key,
         )

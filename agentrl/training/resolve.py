@@ -257,6 +257,7 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
         _check_sources(rewards, [*train, *val], problems)
         _check_reasoning_gym_rewards(cfg, rewards, problems)
     _check(problems, lambda: _transport(cfg))
+    _check(problems, lambda: _teacher(cfg))
     _check(problems, lambda: _lora(cfg))
     _check(problems, lambda: _sandbox(cfg))
     if not problems and train:
@@ -273,9 +274,26 @@ def _algorithm(cfg: ExperimentConfig) -> Any:
     from agentrl.training.algorithm import build_algorithm
 
     try:
-        return build_algorithm(cfg.algorithm, base_dir=cfg.base_dir)
+        plan = build_algorithm(cfg.algorithm, base_dir=cfg.base_dir)
     except ConfigError as exc:
         raise RegistryError(str(exc)) from None
+    t = cfg.teacher
+    if t.enabled and t.mode == "advantage":
+        import dataclasses
+
+        plan = dataclasses.replace(plan, teacher_coef=t.coef)
+    return plan
+
+
+def _teacher(cfg: ExperimentConfig) -> None:
+    """The teacher's directory exists and its tokenizer is the policy's (before any server)."""
+    if cfg.teacher.enabled:
+        from agentrl.rollout.teacher import check_teacher
+
+        try:
+            check_teacher(cfg, model_dir(cfg))
+        except FileNotFoundError as exc:
+            raise RegistryError(str(exc)) from None
 
 
 def _parser(cfg: ExperimentConfig) -> Any:

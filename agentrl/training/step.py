@@ -55,6 +55,7 @@ __all__ = [
     "PolicyModel",
     "StepOutput",
     "anchor_log_probs",
+    "apply_teacher",
     "compute_advantages",
     "compute_rewards",
     "expand_turn_samples",
@@ -214,6 +215,29 @@ def compute_advantages(
     batch["returns"] = returns
 
 
+def apply_teacher(
+    batch: TensorDict, trajs: Sequence[Trajectory], plan: AlgorithmPlan, m: dict[str, float]
+) -> None:
+    """The distillation term: ``advantages -= teacher_coef * (log π_rollout - log π_teacher)``
+    on sampled tokens when the plan puts it in the advantages (``teacher.mode: advantage``);
+    logs ``teacher/reverse_kl_mean`` and ``teacher/score_seconds`` (mean per episode) in both
+    modes. The student side is π_rollout, the policy that sampled the tokens
+    (:mod:`agentrl.rollout.teacher` says why)."""
+    from agentrl.algos.distill import add_teacher_advantage
+
+    adv, metrics = add_teacher_advantage(
+        batch["advantages"],
+        batch["rollout_log_probs"],
+        batch["teacher_log_probs"],
+        batch["response_mask"],
+        plan.teacher_coef or 0.0,
+    )
+    if plan.teacher_coef is not None:
+        batch["advantages"] = adv
+    m.update(metrics)
+    m["teacher/score_seconds"] = _mean([t.timings.get("teacher", 0.0) for t in trajs])
+
+
 def fuses_old_log_probs(plan: AlgorithmPlan, actor: Any, num_rows: int) -> bool:
     """True when π_old can come from the update's own first forward instead of a pass of its
     own: decoupled mode, the update is one optimizer step (:meth:`Actor.fuses_old_log_probs`),
@@ -296,6 +320,8 @@ async def train_step(
         batch["values"] = await _off_loop(policies.critic.compute_values, batch)
         m["timing_s/values"] = time.perf_counter() - t0
     compute_advantages(batch, plan, reward_baselines, [t.reward_info for t in trajs])
+    if batch.get("teacher_log_probs") is not None:
+        apply_teacher(batch, trajs, plan, m)
     if corr.opsm_threshold is not None:
         assert train_lp is not None  # OPSM needs π_train before the update (the plan says so)
         m.update(apply_opsm(batch, train_lp, corr))

@@ -42,6 +42,11 @@ READ_ELSEWHERE = {
     "data.reasoning_gym.system_prompt": "the reasoning_gym generator (test_reasoning_gym.py)",
     "data.reasoning_gym.answer_tag": "the reasoning_gym generator (test_reasoning_gym.py)",
     "environment.kwargs": "an environment's constructor (tests/unit/agents/test_environment.py)",
+    **{
+        f"teacher.{k}": "a distillation run with teacher.path set (test_distill.py)"
+        for k in ("backend", "num_servers", "max_concurrency", "timeout_s", "mode", "coef")
+    },
+    "teacher.vllm_extra_args": "a vLLM teacher's spec (tests/unit/serving/test_launch.py)",
 }
 
 

@@ -44,6 +44,7 @@ FAMILIES = [
     "timing_per_token_ms",
     "timing_s",
     "tool_call_counts",
+    "teacher",
     "tools",
     "trainer",
     "val",
@@ -66,6 +67,8 @@ CONDITIONAL = {
     "reward/<source>/<component>/mean": "a reward returning numbers beside score (test_environment.py)",
     "reward/secret_number/probes/mean": "examples/secret_number (test_environment_example.py)",
     "reward/<source>/terms/<term>/mean": "a reward mix (tests/unit/agents/test_environment.py)",
+    "teacher/reverse_kl_mean": "a distillation teacher: teacher.path (test_distill.py)",
+    "teacher/score_seconds": "a distillation teacher: teacher.path (test_distill.py)",
     **{
         f"grad_noise/{k}": "not yet: the page says the actor does not call the probe"
         for k in (

@@ -9,6 +9,7 @@ failure here, not a skip.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import socket
@@ -135,7 +136,14 @@ def test_actor_state_pickles(tiny_model_dir: Path, tmp_path: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_train_two_steps_on_ray(ray_cluster: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    cfg = _cfg(tiny_model_dir, tmp_path / "run", f"distributed.ray_address={ray_cluster}")
+    # With a distillation teacher (the model itself: the wiring is what is tested here; the
+    # term's value is tested in test_distill.py): the reward actor must be told its servers.
+    cfg = _cfg(
+        tiny_model_dir,
+        tmp_path / "run",
+        f"distributed.ray_address={ray_cluster}",
+        f"teacher.path={tiny_model_dir}",
+    )
     info: dict = {}
     result = run_with_ray(cfg, placement_info=info)
     assert result.steps == 2 and result.version == 2
@@ -152,6 +160,8 @@ def test_train_two_steps_on_ray(ray_cluster: str, tiny_model_dir: Path, tmp_path
     assert worker["episodes"] >= 4
     assert info["reward"]["scored"] >= 4
     assert info["trainer"]["actor_pid"] not in (os.getpid(), worker["actor_pid"])
+    rkl = [v for _, v in result.history["teacher/reverse_kl_mean"]]
+    assert len(rkl) == 2 and all(math.isfinite(x) for x in rkl)
 
 
 def _wait_dead(pid: int, timeout_s: float = 60.0) -> bool:

@@ -98,6 +98,7 @@ def test_all_sections_of_design_exist() -> None:
         "checkpoint",
         "tracking",
         "distributed",
+        "teacher",
     ]
 
 
@@ -564,3 +565,20 @@ def test_config_pickles() -> None:
     assert (
         again.algorithm.correction.explicit_fields() == cfg.algorithm.correction.explicit_fields()
     )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        (
+            ["teacher.backend=vllm", "inference.temperature=0.7"],
+            "prompt_logprobs are temperature-1",
+        ),
+    ],
+)
+def test_teacher_combinations_that_cannot_work_are_refused(overrides, words) -> None:
+    with pytest.raises(ConfigError, match=words):
+        load_config(None, ["teacher.path=some/teacher", *overrides])
+    load_config(
+        None, ["teacher.path=some/teacher"]
+    )  # alone it validates (the path is checked later)

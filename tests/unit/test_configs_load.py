@@ -68,3 +68,17 @@ def test_quickstart_uses_the_warm_start_system_prompt() -> None:
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "999 * 999"}}\n'
     call_tokens = len(tok.encode(call + "</tool_call><|im_end|>", add_special_tokens=False))
     assert cfg.inference.max_tokens_per_turn >= 1.5 * call_tokens, call_tokens
+
+
+def test_the_distillation_example_loads_and_its_pure_distillation_estimator_gives_zeros() -> None:
+    import torch
+
+    from agentrl.training.algorithm import build_algorithm
+
+    example = CONFIGS.parent / "examples" / "distill" / "config.yaml"
+    cfg = load_any_config(example)
+    assert isinstance(cfg, ExperimentConfig)
+    assert cfg.teacher.enabled and cfg.teacher.mode == "advantage"
+    plan = build_algorithm(cfg.algorithm, base_dir=cfg.base_dir)
+    adv, returns = plan.advantage(torch.ones(2, 3), torch.ones(2, 3))
+    assert not adv.any() and not returns.any()  # the teacher's term is the only signal

@@ -1,4 +1,5 @@
-"""The scoring route of a reward-model server: ``POST /pooling`` (vLLM's subset).
+"""The scoring route of a reward-model or teacher server: ``POST /pooling`` (vLLM's subset, plus
+a ``logprobs`` task for a distillation teacher).
 
 Why vLLM's ``/pooling``: vLLM serves a sequence classifier with ``--runner pooling`` on CPU and
 GPU, and answers ``POST /pooling`` with one vector per input; the embedded server answers the
@@ -12,6 +13,12 @@ unless ``add_generation_prompt``); ``use_activation`` (default true, as vLLM: si
 label, softmax for several; false returns the raw logits a reward model is trained on).
 Response: ``{"id", "object": "list", "created", "model", "data": [{"index", "object":
 "pooling", "data": [float, ...]}], "usage"}``, one entry per input, in order.
+
+A teacher server (``--task logprobs``: a causal LM in a ScoringEngine) answers ``task:
+"logprobs"`` (with ``temperature``, default 1): each input's ``data`` is the logprob of each of
+its tokens after the first, ``log softmax(logits / temperature)`` as the trainer computes it
+(``len(input) - 1`` floats). vLLM has no such task; a vLLM teacher is asked through
+``/v1/completions`` with ``prompt_logprobs`` (:mod:`agentrl.rollout.teacher`).
 
 Guarantees: a batch is scored together with every other request in flight (the engine batches
 across requests); a bad input (empty, out-of-vocabulary ids, over the context limit, a task
@@ -55,6 +62,8 @@ class PoolingRequest(BaseModel):
     add_special_tokens: bool | None = None
     """Tokenizer special tokens for string inputs (default true) and chats (default false)."""
     add_generation_prompt: bool = False
+    temperature: float = 1.0
+    """Task ``logprobs``: the softmax temperature of the logprobs (> 0)."""
 
 
 async def _inputs(st: ServerState, req: PoolingRequest) -> list[list[int]]:
@@ -113,17 +122,24 @@ async def pooling(st: ServerState, req: PoolingRequest, request: Request) -> JSO
             f"The model `{req.model}` does not exist; this server serves `{st.model_name}`",
             param="model",
         )
-    if req.task not in (None, "classify"):
+    serves = getattr(st.engine, "task", "classify")
+    if (req.task or "classify") != serves:
+        what = "a causal LM's token logprobs" if serves == "logprobs" else "a sequence classifier"
         raise APIError(
-            400,
-            f"task={req.task!r}: this server serves a sequence classifier; use 'classify'",
-            param="task",
+            400, f"task={req.task!r}: this server serves {what}; use {serves!r}", param="task"
         )
+    if not req.temperature > 0:
+        raise APIError(400, f"temperature={req.temperature}; it must be > 0", param="temperature")
     seqs = await _inputs(st, req)
     try:
         for i, ids in enumerate(seqs):
             st.engine.validate(ids, param=f"input[{i}]" if len(seqs) > 1 else "input")
-        rows = await until_disconnect(request, st.engine.score(seqs))
+        work = (
+            st.engine.score(seqs, req.temperature)
+            if serves == "logprobs"
+            else st.engine.score(seqs)
+        )
+        rows = await until_disconnect(request, work)
     except EngineRequestError as e:
         raise APIError(400, str(e), param=e.param) from e
     except EngineStepError as e:
@@ -140,7 +156,11 @@ async def pooling(st: ServerState, req: PoolingRequest, request: Request) -> JSO
         "created": int(time.time()),
         "model": st.model_name,
         "data": [
-            {"index": i, "object": "pooling", "data": _activate(row, req.use_activation)}
+            {
+                "index": i,
+                "object": "pooling",
+                "data": row if serves == "logprobs" else _activate(row, req.use_activation),
+            }
             for i, row in enumerate(rows)
         ],
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0},

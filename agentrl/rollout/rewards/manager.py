@@ -23,6 +23,10 @@ Guarantees:
 - ``score`` returns a copy of the trajectory; the manager pickles (pools, semaphores and HTTP
   clients are recreated in the process and event loop that use it).
 
+With a distillation teacher (:attr:`RewardManager.teacher`, set by the builder), every scored
+episode is then scored by it too (:meth:`agentrl.rollout.teacher.Teacher.apply`); a teacher that
+fails is a :class:`~agentrl.rollout.rewards.base.RewardError` like a failed reward.
+
 Shutdown: :meth:`RewardManager.close` stops the thread pool (never waiting for a hung thread)
 and the worker processes; :meth:`RewardManager.aclose` also closes the model rewards' clients.
 """
@@ -116,6 +120,8 @@ class RewardManager:
         )
         self.models: dict[str, ModelReward] = self._sources.models
         """Model rewards by name (``reward.models``)."""
+        self.teacher: Any = None
+        """The distillation :class:`~agentrl.rollout.teacher.Teacher` (``teacher``), or None."""
 
     @classmethod
     def from_config(
@@ -170,7 +176,7 @@ class RewardManager:
         self._counts.observe(elapsed)
         if failure is not None:
             raise failure
-        return traj.model_copy(
+        scored = traj.model_copy(
             update={
                 "reward": score,
                 "turn_rewards": turn_rewards if turn_rewards is not None else traj.turn_rewards,
@@ -178,6 +184,17 @@ class RewardManager:
                 "timings": {**traj.timings, "reward": elapsed},
             }
         )
+        return scored if self.teacher is None else await self._teach(scored, task)
+
+    async def _teach(self, traj: Trajectory, task: Task) -> Trajectory:
+        """``traj`` scored by the teacher; its failure is counted and raised as a RewardError."""
+        from agentrl.rollout.teacher import TeacherError
+
+        try:
+            return await self.teacher.apply(traj)
+        except TeacherError as exc:
+            self._counts.count(task.data_source, "errors")
+            raise self._failure(exc, "teacher", traj, task) from exc
 
     async def _score_once(self, fn: RewardFn, traj: Trajectory, task: Task) -> _Scored:
         """One bounded call, normalized and counted; failures returned as a RewardError."""
@@ -243,6 +260,8 @@ class RewardManager:
         self.close()
         for model in self.models.values():
             await model.aclose()
+        if self.teacher is not None:
+            await self.teacher.aclose()
 
     async def __aenter__(self) -> RewardManager:
         return self

@@ -201,3 +201,46 @@ def test_a_spec_pickles_hides_its_key_and_names_a_wrong_backend(tmp_path: Path) 
         spec_for(_config(tmp_path))
     with pytest.raises(ValueError, match=r"ServerSpec.role='critic'"):
         ServerSpec(backend="embedded", model=tmp_path, role="critic")  # type: ignore[arg-type]
+
+
+def test_the_teacher_launches_from_the_same_spec_with_its_task_and_the_next_share(
+    tmp_path: Path, launched: list
+) -> None:
+    from agentrl.serving import start_teacher_servers
+
+    (tmp_path / "teacher").mkdir()
+    (tmp_path / "teacher" / "config.json").write_text("{}")
+    cfg = _config(tmp_path, f"teacher.path={tmp_path / 'teacher'}")
+    plan = make_plan(1, cpus=4, reward_servers=3)  # rm, judge, then the teacher
+
+    async def local() -> list[str]:
+        async with contextlib.AsyncExitStack() as stack:
+            return await start_teacher_servers(cfg, plan, stack, "key")
+
+    assert asyncio.run(local()) == ["http://127.0.0.1:9001"]
+    ((name, teacher),) = launched
+    base = ["--max-batch-size", "32", "--seed", "7", "--device", "cpu", "--dtype", "float32"]
+    assert name == "launch_embedded_server"
+    assert teacher["extra_args"] == ["--task", "logprobs", *base]
+    assert (
+        teacher["model_dir"] == tmp_path / "teacher"
+        and teacher["env"] == plan.reward_servers[2].env()
+    )
+    vllm = spec_for(
+        _config(
+            tmp_path,
+            f"teacher.path={tmp_path / 'teacher'}",
+            "teacher.backend=vllm",
+            "teacher.vllm_extra_args=[--max-model-len, '512']",
+        ),
+        "teacher",
+    )
+    assert vllm.backend == "vllm" and vllm.extra_args == ("--max-model-len", "512")
+    assert asyncio.run(_no_teacher(_config(tmp_path), plan)) == []
+
+
+async def _no_teacher(cfg: Any, plan: Any) -> list[str]:
+    from agentrl.serving import start_teacher_servers
+
+    async with contextlib.AsyncExitStack() as stack:
+        return await start_teacher_servers(cfg, plan, stack, None)

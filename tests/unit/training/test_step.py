@@ -266,3 +266,31 @@ def test_token_version_metrics_age_each_sampled_token() -> None:
         "async/token_staleness_mean": pytest.approx(0.8),
         "async/mixed_version_episodes": 1.0,
     }
+
+
+async def test_teacher_advantage_mode_subtracts_coef_times_the_reverse_kl_per_token() -> None:
+    import dataclasses
+
+    trajs = random_trajectories(6)
+    taught = [
+        t.model_copy(
+            update={
+                "teacher_logprobs": [
+                    lp - 0.5 * m for lp, m in zip(t.rollout_logprobs, t.loss_mask, strict=True)
+                ]
+            }
+        )
+        for t in trajs
+    ]  # the teacher is 0.5 nats less sure of every sampled token: reverse KL 0.5 each
+    base = plan_of("algorithm.correction.preset=bypass_ppo_clip")
+    plain = await train_step(trajs, Policies(FakeActor()), base, pad_token_id=0)
+    plan = dataclasses.replace(base, teacher_coef=0.2)
+    out = await train_step(taught, Policies(FakeActor()), plan, pad_token_id=0)
+    mask = out.batch["response_mask"].float()
+    expected = plain.batch["advantages"] - 0.2 * 0.5 * mask
+    torch.testing.assert_close(out.batch["advantages"], expected)
+    assert out.metrics["teacher/reverse_kl_mean"] == pytest.approx(0.5)
+    # mode reward (no coef in the plan): the advantages are the estimator's, the metric is logged
+    logged = await train_step(taught, Policies(FakeActor()), base, pad_token_id=0)
+    torch.testing.assert_close(logged.batch["advantages"], plain.batch["advantages"])
+    assert logged.metrics["teacher/reverse_kl_mean"] == pytest.approx(0.5)
