@@ -79,6 +79,8 @@ class TrainerConfig(OptimizerFields):
     """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic; less memory, about one more forward per update); see docs/training.md."""
     cpu_offload: bool = False
     """Keep parameters, gradients and optimizer state of the FSDP2 shards in host memory (the optimizer step runs on CPU; trains through the FSDP2 path even with world_size 1); see docs/training.md."""
+    log_grad_noise: bool = False
+    """Log `grad_noise/*` (McCandlish's gradient noise scale) from the actor's micro-batch gradients: one more copy of the gradients; one rank (world_size 1) only; see docs/tracking.md."""
 
 
 class SFTTrainerConfig(OptimizerFields):

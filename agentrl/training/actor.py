@@ -117,6 +117,8 @@ class ActorConfig(OptimizerSettings):
     kl_loss_type: str
     lora: Any = None
     """The ``model.lora`` section when LoRA is on (rank > 0), else None: full fine-tuning."""
+    grad_noise: bool = False
+    """Log ``grad_noise/*`` from each mini-batch's micro-batch gradients (one rank only)."""
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> ActorConfig:
@@ -130,7 +132,48 @@ class ActorConfig(OptimizerSettings):
             kl_loss_coef=plan.kl_loss_coef,
             kl_loss_type=plan.kl_loss_type,
             lora=cfg.model.lora if cfg.model.lora.rank > 0 else None,
+            grad_noise=t.log_grad_noise,
         )
+
+
+class _NoiseProbe:
+    """:class:`~agentrl.training.metrics.MicroBatchGradProbe` over one mini-batch, sized in the
+    units the loss averages over: tokens (``token-mean``) or sequences (the ``seq-mean`` modes),
+    each micro-batch's loss scaled by its share of the mini-batch's total."""
+
+    def __init__(self, model: Any, per_token: bool, total: float) -> None:
+        from agentrl.training.metrics import MicroBatchGradProbe
+
+        self.probe = MicroBatchGradProbe(model.parameters())
+        self.per_token = per_token
+        self.total = total
+
+    def record(self, mb: TensorDict) -> None:
+        """After the micro-batch's backward."""
+        mask = mb["response_mask"].float()
+        size = float(mask.sum()) if self.per_token else float((mask.sum(dim=1) > 0).sum())
+        if size > 0:
+            self.probe.record(size, size / self.total)
+
+    def metrics(self) -> dict[str, float]:
+        """``grad_noise/*`` (:func:`~agentrl.training.metrics.compute_gradient_noise_metrics`;
+        nothing with fewer than two micro-batches)."""
+        from agentrl.training.metrics import compute_gradient_noise_metrics
+
+        p = self.probe
+        return compute_gradient_noise_metrics(p.sq_norms, p.sizes, p.total_sq_norm())
+
+
+def _noise_probe(
+    model: Any, config: ActorConfig, local: bool, norm: tuple[Any, Any]
+) -> _NoiseProbe | None:
+    """A gradient-noise probe for this mini-batch when asked for, on one process, with
+    something to learn from (``norm``: the mini-batch's token and sequence counts)."""
+    per_token = config.loss_agg_mode == "token-mean"
+    total = float(norm[0] if per_token else norm[1])
+    if not (config.grad_noise and local and total > 0):
+        return None
+    return _NoiseProbe(model, per_token, total)
 
 
 def lr_factor(step: int, c: Any) -> float:
@@ -533,6 +576,7 @@ class Actor(FrozenPolicy):
             plan = self.dist.plan_mini_batch(mb_full, max(1, self.micro_batch_max_tokens))
             norm = (plan.global_tokens, plan.global_seqs)
             micro, indices, loss_scale = plan.micro, plan.rows, plan.loss_scale
+        probe = _noise_probe(self.model, self.config, self.dist is None, norm)
         for mb, rows in zip(micro, indices, strict=True):
             # a padding micro-batch (data-parallel only) keeps the ranks' collectives in step:
             # its loss counts 0 and it records nothing
@@ -548,6 +592,11 @@ class Actor(FrozenPolicy):
             loss.backward()
             if not padding:
                 stats.add_terms(terms, float(mb["response_mask"].float().sum()))
+            if probe is not None:
+                probe.record(mb)
+        if probe is not None:
+            for key, value in probe.metrics().items():
+                stats.add(key, value)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         if self.dist is not None:
             from agentrl.training.fsdp import full_tensor

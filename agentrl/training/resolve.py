@@ -259,6 +259,7 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
     _check(problems, lambda: _transport(cfg))
     _check(problems, lambda: _teacher(cfg))
     _check(problems, lambda: _lora(cfg))
+    _check(problems, lambda: _grad_noise(cfg))
     _check(problems, lambda: _sandbox(cfg))
     if not problems and train:
         _check(problems, lambda: _prompt_lengths(cfg, train))
@@ -403,6 +404,16 @@ def _lora(cfg: ExperimentConfig) -> None:
             f"model.lora.rank={cfg.model.lora.rank} with trainer.world_size="
             f"{cfg.trainer.world_size}: LoRA is trained on one rank in this version; use "
             "trainer.world_size: 1 (LoRA's memory saving is the point) or full fine-tuning"
+        )
+
+
+def _grad_noise(cfg: ExperimentConfig) -> None:
+    t = cfg.trainer
+    if t.log_grad_noise and (t.world_size > 1 or t.cpu_offload):
+        raise RegistryError(
+            f"trainer.log_grad_noise=true with trainer.world_size={t.world_size}, "
+            f"trainer.cpu_offload={str(t.cpu_offload).lower()}: the gradient-noise probe reads "
+            "local, unsharded gradients; use it with world_size 1 and cpu_offload false"
         )
 
 

@@ -70,7 +70,7 @@ CONDITIONAL = {
     "teacher/reverse_kl_mean": "a distillation teacher: teacher.path (test_distill.py)",
     "teacher/score_seconds": "a distillation teacher: teacher.path (test_distill.py)",
     **{
-        f"grad_noise/{k}": "not yet: the page says the actor does not call the probe"
+        f"grad_noise/{k}": "trainer.log_grad_noise: true (tests/unit/training/test_actor.py)"
         for k in (
             "",
             "grad_sq_norm",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -202,3 +203,31 @@ def test_pi_old_needs_its_own_pass_when_something_uses_it_before_the_update(
     minis = Actor(tiny_model_dir, actor_config(mini_batch_size=4), **MODEL_ARGS)
     assert not fuses_old_log_probs(token_is, epochs, 8)
     assert not fuses_old_log_probs(token_is, minis, 8)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_grad_noise_is_logged_from_the_micro_batches_when_asked(
+    tiny_model_dir: Path, mode: str
+) -> None:
+    """``trainer.log_grad_noise``: the actor logs ``grad_noise/*`` from its micro-batches (the
+    estimator itself is checked against hand values in test_metrics.py), and nothing without."""
+    trajs = _trajectories(6, seed=3)
+    cfg = actor_config(micro_batch_max_tokens=12, loss_agg_mode=mode, grad_noise=True)
+    actor = Actor(tiny_model_dir, cfg, **MODEL_ARGS)
+    metrics = actor.update(_prepared_batch(actor, trajs))
+    keys = {"grad_noise/trace_cov", "grad_noise/grad_sq_norm", "grad_noise/micro_grad_norm/mean"}
+    assert keys <= set(metrics), sorted(metrics)
+    assert metrics["grad_noise/micro_grad_norm/mean"] > 0
+    signal, trace = metrics["grad_noise/grad_sq_norm"], metrics["grad_noise/trace_cov"]
+    assert math.isfinite(signal) and math.isfinite(trace)
+    off = Actor(tiny_model_dir, actor_config(micro_batch_max_tokens=12), **MODEL_ARGS)
+    assert not any(k.startswith("grad_noise/") for k in off.update(_prepared_batch(off, trajs)))
+
+
+def test_grad_noise_with_sharded_gradients_is_refused_before_anything_starts() -> None:
+    from agentrl.training.resolve import resolve_experiment
+    from tests.fakes import experiment
+
+    cfg = experiment("trainer.log_grad_noise=true", "trainer.world_size=2")
+    with pytest.raises(Exception, match=r"trainer\.log_grad_noise=true with trainer\.world_size=2"):
+        resolve_experiment(cfg)
