@@ -167,3 +167,41 @@ async def test_a_failed_verify_serves_no_bad_completion(
         stop.set()
         await engine.aclose()
         await client.aclose()
+
+
+async def test_while_a_push_holds_the_lease_nobody_else_touches_weights_or_the_group(
+    own_embedded_server: ServerHandle,
+) -> None:
+    """Every weight-changing route, the collective weight-group ones included, needs the
+    lease's token while a push holds it (409 otherwise); released, they answer as before."""
+    import httpx
+
+    url = own_embedded_server.base_url
+    holder = PolicyClient(url, timeout_s=60)
+    token = await holder.take_push_lease("test push", 60.0, "writer-under-test")
+    assert token
+    join = {
+        "group_id": "g",
+        "master_address": "127.0.0.1",
+        "master_port": 1,
+        "rank": 1,
+        "world_size": 2,
+        "timeout_s": 1,
+    }
+    receive = {"group_id": "g", "version": 99, "buckets": [{"names": []}]}
+    routes = [
+        ("/weight_group/join", join),
+        ("/weight_group/receive", receive),
+        ("/weight_group/leave", {}),
+        ("/update_weights_from_path", {"path": "/nonexistent", "version": 99}),
+    ]
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            for path, body in routes:
+                r = await http.post(path, json=body)
+                assert r.status_code == 409 and "lease" in r.text, (path, r.status_code, r.text)
+            await holder.release_push_lease()
+            r = await http.post("/weight_group/leave", json={})
+            assert r.status_code == 200, r.text  # released: the route answers as before
+    finally:
+        await holder.aclose()

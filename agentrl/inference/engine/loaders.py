@@ -14,7 +14,9 @@ Invariants:
 - nothing changes unless the whole update was read and checked: a short read, a file that is
   not safetensors, a failed broadcast or a tensor that does not fit raises before ``apply``;
 - bytes are received into the store's reused staging buffer and read as views of it; the buffer
-  stays locked (``staging_lock``) until the load that reads it returns;
+  stays locked (``staging_lock``) until the load that reads it returns, and a second load while
+  it is held is refused at once (:class:`VersionConflict`, a 409), never queued: queued loads
+  held the server's worker threads that ``/pause`` and ``/weight_info`` need;
 - a safetensors file whose metadata carries a LoRA spec, or a directory with peft's
   ``adapter_config.json``, is an adapter; anything else is full weights;
 - the server is in at most one weight group; joining one leaves the previous, a broadcast that
@@ -24,16 +26,22 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 
 from agentrl.inference.collective import ALIGN, BucketLayout, WeightGroup, WeightGroupError
 from agentrl.inference.engine.request import EngineRequestError
-from agentrl.inference.engine.weight_store import WeightStore, WeightUpdate, check_version
+from agentrl.inference.engine.weight_store import (
+    VersionConflict,
+    WeightStore,
+    WeightUpdate,
+    check_version,
+)
 from agentrl.inference.lora import ADAPTER_CONFIG, METADATA_KEY, LoraSpec
 from agentrl.inference.weights import (
     MAX_HEADER_BYTES,
@@ -110,6 +118,18 @@ class WeightLoader:
         lora = LoraSpec.from_json(raw, f"{what}: {METADATA_KEY}") if raw is not None else None
         return self.load_update(state, version, lora)
 
+    @contextlib.contextmanager
+    def _staging(self) -> Iterator[None]:
+        """Hold the staging buffer for one load, or refuse at once while another load holds it."""
+        if not self.store.staging_lock.acquire(blocking=False):
+            raise VersionConflict(
+                "another weight update is in progress; retry after it finishes", "staging"
+            )
+        try:
+            yield
+        finally:
+            self.store.staging_lock.release()
+
     def load_weights_from_path(self, path: str | Path, version: int | None = None) -> int:
         """Load every ``*.safetensors`` file of a directory (or one file), read into the staging
         buffer. A directory with peft's ``adapter_config.json`` is a LoRA adapter."""
@@ -127,7 +147,7 @@ class WeightLoader:
                 f"no safetensors weights at {str(p)!r}; pass a directory holding *.safetensors "
                 "files (e.g. one written by save_pretrained) or a .safetensors file"
             )
-        with self.store.staging_lock:
+        with self._staging():
             buf = self.store.staging_buffer(sum(sizes))
             state: dict[str, torch.Tensor] = {}
             offset = 0
@@ -147,7 +167,7 @@ class WeightLoader:
         then load it."""
         if version is not None:
             check_version(version)
-        with self.store.staging_lock:
+        with self._staging():
             buf = fetch_into(
                 url,
                 self.store.staging_buffer,
@@ -158,7 +178,7 @@ class WeightLoader:
 
     def load_weights_from_bytes(self, data: bytes | bytearray, version: int | None = None) -> int:
         """Load a serialized safetensors blob (an HTTP body), copied into the staging buffer."""
-        with self.store.staging_lock:
+        with self._staging():
             buf = self.store.staging_buffer(len(data))
             buf[:] = data
             return self.load_safetensors(buf, version, what="the body")

@@ -40,6 +40,7 @@ __all__ = [
     "ClientGone",
     "RequestLog",
     "ServerState",
+    "check_lease",
     "error_response",
     "install_error_handlers",
     "until_disconnect",
@@ -327,3 +328,14 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     except Exception as exc:  # the work failed while being cancelled: the client is gone anyway
         logger.debug("work of a disconnected client ended with %r", exc)
     raise ClientGone
+
+
+def check_lease(st: ServerState, request: Request) -> None:
+    """409 unless no push lease is held or the request carries its token (``x-push-lease``):
+    every route that changes weights or the weight group calls it."""
+    from agentrl.inference.engine import VersionConflict
+
+    try:
+        st.engine.weights.lease.check(request.headers.get("x-push-lease"))
+    except VersionConflict as e:
+        raise APIError(409, str(e), param="x-push-lease") from e

@@ -13,7 +13,9 @@
   next push); 400 when the received tensors do not fit the model (nothing changed).
 - ``POST /weight_group/leave``: leave the group.
 
-All three are control routes (an API key, or loopback callers on a server without one).
+All three are control routes (an API key, or loopback callers on a server without one), and
+while a push lease is held all three need its token (``x-push-lease``; 409 otherwise): nobody
+but the pushing trainer joins, leaves or loads into the group in the middle of its push.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Literal
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,7 +31,7 @@ from agentrl.inference.collective import BucketLayout, WeightGroup, WeightGroupE
 from agentrl.inference.engine import EngineRequestError
 from agentrl.inference.lora import LoraSpec
 from agentrl.inference.protocol import Version
-from agentrl.inference.routes.common import APIError, ServerState
+from agentrl.inference.routes.common import APIError, ServerState, check_lease
 from agentrl.inference.weights import WeightLoadError, local_address_for
 
 __all__ = ["JoinRequest", "ReceiveRequest", "register"]
@@ -116,14 +118,17 @@ def register(app: FastAPI, st: ServerState) -> None:
     """Add the weight-group routes to ``app``."""
 
     @app.post("/weight_group/join")
-    async def _join(req: JoinRequest) -> JSONResponse:
+    async def _join(req: JoinRequest, request: Request) -> JSONResponse:
+        check_lease(st, request)
         return await join(st, req)
 
     @app.post("/weight_group/receive")
-    async def _receive(req: ReceiveRequest) -> JSONResponse:
+    async def _receive(req: ReceiveRequest, request: Request) -> JSONResponse:
+        check_lease(st, request)
         return await receive(st, req)
 
     @app.post("/weight_group/leave")
-    async def _leave() -> JSONResponse:
+    async def _leave(request: Request) -> JSONResponse:
+        check_lease(st, request)
         left = await asyncio.to_thread(st.engine.leave_weight_group)
         return JSONResponse({"status": "ok", "left": left})

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse
 from agentrl.inference import protocol as P
 from agentrl.inference.engine import EngineRequestError, VersionConflict, check_version
 from agentrl.inference.routes import weight_group
-from agentrl.inference.routes.common import APIError, ServerState
+from agentrl.inference.routes.common import APIError, ServerState, check_lease
 from agentrl.inference.weights import MAX_HEADER_BYTES, WeightLoadError
 
 __all__ = ["register"]
@@ -62,14 +62,6 @@ async def _load(fn: Any, *args: Any, param: str, version_param: str = "version")
         raise APIError(400, str(e), param=version_param if e.param == "version" else e.param) from e
     except RuntimeError as e:  # the engine is closed
         raise APIError(503, str(e)) from e
-
-
-def check_lease(st: ServerState, request: Request) -> None:
-    """409 unless no push lease is held or the request carries its token (``x-push-lease``)."""
-    try:
-        st.engine.weights.lease.check(request.headers.get("x-push-lease"))
-    except VersionConflict as e:
-        raise APIError(409, str(e), param="x-push-lease") from e
 
 
 def _header_version(request: Request) -> int | None:

@@ -504,3 +504,27 @@ def test_bad_updates_change_neither_weights_nor_version(fresh, tmp_path: Path) -
     # A lossless widening is applied and reported.
     assert fresh.load_state_dict({k: v.half() for k, v in state.items()}, 4) == 4
     assert fresh.last_load_casts == {"float16->float32": len(state)}
+
+
+def test_a_second_load_is_refused_at_once_while_one_holds_the_staging_buffer(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Issue 21: loads queued behind a slow one held the server's threads and starved /pause and
+    /weight_info; a load that finds the staging buffer taken is now a 409 at once."""
+    import time
+
+    from agentrl.inference.engine import VersionConflict
+    from agentrl.inference.tiny_model import build_tiny_model
+
+    eng = InferenceEngine(tiny_model_dir, max_batch_size=1)
+    try:
+        other = build_tiny_model(tmp_path / "other", seed=7)
+        with eng.weights.staging_lock:  # a slow pull in progress
+            t0 = time.monotonic()
+            with pytest.raises(VersionConflict, match="another weight update is in progress"):
+                eng.load_weights_from_path(other)
+            assert time.monotonic() - t0 < 1.0
+            assert eng.weight_info()["version"] == 0  # /weight_info still answers
+        assert eng.load_weights_from_path(other) == 1  # and the next load goes through
+    finally:
+        eng.close()
