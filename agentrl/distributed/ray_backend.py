@@ -523,6 +523,7 @@ def _run_trainer(
     The trainer actor itself is not restarted: its state is the run (``--resume`` continues
     it from the last checkpoint)."""
     import ray
+    from ray.exceptions import ActorDiedError
 
     group = _trainer_group(cfg)
     try:
@@ -540,6 +541,8 @@ def _run_trainer(
         t0 = time.perf_counter()
         try:
             return ray.get(trainer.run.remote(urls, workers, servers, reward))
+        except ActorDiedError as exc:
+            raise _trainer_lost(exc) from exc
         finally:
             info["train_wall_s"] = time.perf_counter() - t0
             with contextlib.suppress(Exception):
@@ -552,6 +555,19 @@ def _run_trainer(
 
             with contextlib.suppress(Exception):
                 remove_placement_group(group)
+
+
+def _trainer_lost(exc: BaseException) -> Exception:
+    """The run's end when the trainer actor died (its node lost, the process killed): a
+    :class:`~agentrl.training.loop.RunFailed` that says how to go on."""
+    from agentrl.training.loop import RunFailed
+
+    reason = next((line.strip() for line in str(exc).splitlines() if "died because" in line), "")
+    return RunFailed(
+        f"the trainer actor died ({reason or type(exc).__name__}); the trainer is not restarted: "
+        "`agentrl train ... --resume` continues from the last checkpoint "
+        "(distributed.resources.trainer pins the trainer to the nodes you trust most)"
+    )
 
 
 def _trainer_group(cfg: ExperimentConfig) -> Any:

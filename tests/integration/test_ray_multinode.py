@@ -94,6 +94,7 @@ def test_two_nodes_one_killed_mid_run_the_run_finishes_and_accounts_for_every_ta
         initialize_head=True,
         head_node_args={
             "num_cpus": 1,
+            "resources": {"trainer_node": 1},  # the trainer actor is not restarted: keep it here
             "gcs_server_port": _free_ray_port(),
             "include_dashboard": False,
             "_system_config": FAST_FAILURE_DETECTION,
@@ -114,6 +115,7 @@ def test_two_nodes_one_killed_mid_run_the_run_finishes_and_accounts_for_every_ta
             tmp_path / "run",
             f"trainer.total_steps={steps}",
             "distributed.placement=spread",
+            "distributed.resources={trainer: {trainer_node: 1}}",
             "inference.num_servers=2",
             "rollout.num_workers=2",
             "rollout.max_concurrency=2",

@@ -41,3 +41,17 @@ def test_custom_resources_go_to_their_role_and_into_the_trainer_bundles() -> Non
 def test_placement_mistakes_name_the_key_and_the_fix(override: str, message: str) -> None:
     with pytest.raises((ValidationError, ValueError), match=message):
         experiment(override)
+
+
+def test_a_lost_trainer_actor_ends_the_run_saying_how_to_go_on() -> None:
+    from agentrl.distributed.ray_backend import _trainer_lost
+    from agentrl.training.loop import RunFailed
+
+    died = RuntimeError(
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: TrainerActor\n"
+        "The actor died because its node has died. Node Id: 2e52\n"
+    )
+    err = _trainer_lost(died)
+    assert isinstance(err, RunFailed)
+    assert "died because its node has died" in str(err) and "--resume" in str(err)
+    assert "distributed.resources.trainer" in str(err)
