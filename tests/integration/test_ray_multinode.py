@@ -109,7 +109,7 @@ def test_two_nodes_one_killed_mid_run_the_run_finishes_and_accounts_for_every_ta
             runtime_env={"env_vars": {"PYTHONPATH": path}},
             log_to_driver=True,  # the actors' warnings in the captured output of a failure
         )
-        steps = 10
+        steps = 6
         cfg = _cfg(
             tiny_model_dir,
             tmp_path / "run",
