@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from agentrl.serving.spec import Role, ServerSpec
+from agentrl.serving.spec import Backend, Role, ServerSpec
 from agentrl.threads import ProcessThreads, ThreadPlan
 
 __all__ = ["served_model", "spec_for"]
@@ -58,6 +58,44 @@ def served_model(cfg: Any) -> str | None:
     return None
 
 
+def _spec(
+    cfg: Any,
+    *,
+    backend: Backend,
+    role: Role,
+    model: Path,
+    i: int,
+    threads: tuple[ProcessThreads, ...],
+    thread_index: int,
+    log_path: Path | None,
+    vllm_extra_args: list[str],
+    host: str,
+    api_key: str | None,
+    **fields: Any,
+) -> ServerSpec:
+    """What every server's spec shares: an embedded server gets the run's device and dtype and
+    its share of the thread plan (``threads[thread_index]``), a vLLM one its extra arguments;
+    seed ``trainer.seed + i``."""
+    embedded = backend == "embedded"
+    device, dtype = _device(cfg) if embedded else (None, None)
+    return ServerSpec(
+        backend=backend,
+        model=model,
+        role=role,
+        device=device,
+        dtype=dtype,
+        seed=cfg.trainer.seed + i,
+        threads=_nth(threads if embedded else (), thread_index),
+        startup_timeout_s=cfg.inference.startup_timeout_s,
+        log_path=log_path,
+        host=host,
+        python=cfg.inference.vllm_python,
+        extra_args=() if embedded else tuple(vllm_extra_args),
+        api_key=api_key,
+        **fields,
+    )
+
+
 def _policy(
     cfg: Any,
     model: Path,
@@ -68,27 +106,22 @@ def _policy(
     host: str,
 ) -> ServerSpec:
     inf, lora = cfg.inference, cfg.model.lora
-    embedded = inf.backend == "embedded"
-    device, dtype = _device(cfg) if embedded else (None, None)
-    threads = plan.servers if plan is not None and embedded else ()
-    return ServerSpec(
+    return _spec(
+        cfg,
         backend=inf.backend,
-        model=model,
         role="policy",
-        device=device,
-        dtype=dtype,
-        seed=cfg.trainer.seed + i,
+        model=model,
+        i=i,
+        threads=plan.servers if plan is not None else (),
+        thread_index=i,
+        log_path=_log(log_dir, f"server-{i}" if inf.backend == "embedded" else f"vllm-{i}"),
+        vllm_extra_args=inf.vllm_extra_args,
+        host=host,
+        api_key=api_key,
         max_batch_size=inf.max_batch_size,
         lora=lora.rank > 0,
         max_lora_rank=max(8, lora.rank),
         trust_remote_code=cfg.model.trust_remote_code,
-        threads=_nth(threads, i),
-        startup_timeout_s=inf.startup_timeout_s,
-        log_path=_log(log_dir, f"server-{i}" if embedded else f"vllm-{i}"),
-        host=host,
-        python=inf.vllm_python,
-        extra_args=() if embedded else tuple(inf.vllm_extra_args),
-        api_key=api_key,
     )
 
 
@@ -105,25 +138,22 @@ def _model_reward(
     from agentrl.rollout.model_rewards import model_path
 
     m = _reward_entry(cfg, role, name)
-    embedded = m.backend == "embedded"
-    device, dtype = _device(cfg) if embedded else (None, None)
-    threads = plan.reward_servers if plan is not None and embedded else ()
-    return ServerSpec(
+    return _spec(
+        cfg,
         backend=m.backend,
-        model=model_path(name, m, cfg.base_dir),
         role=role,
-        device=device,
-        dtype=dtype,
-        seed=cfg.trainer.seed + i,
-        # vLLM sizes a model reward's batches itself; the embedded server takes the run's.
-        max_batch_size=cfg.inference.max_batch_size if embedded else None,
-        threads=_nth(threads, _reward_share(cfg, name) + i),
-        startup_timeout_s=cfg.inference.startup_timeout_s,
-        log_path=_log(log_dir, f"reward-{name}-{i}" if embedded else f"reward-{name}-vllm-{i}"),
+        model=model_path(name, m, cfg.base_dir),
+        i=i,
+        threads=plan.reward_servers if plan is not None else (),
+        thread_index=_reward_share(cfg, name) + i,
+        log_path=_log(
+            log_dir, f"reward-{name}-{i}" if m.backend == "embedded" else f"reward-{name}-vllm-{i}"
+        ),
+        vllm_extra_args=m.vllm_extra_args,
         host=host,
-        python=cfg.inference.vllm_python,
-        extra_args=() if embedded else tuple(m.vllm_extra_args),
         api_key=api_key,
+        # vLLM sizes a model reward's batches itself; the embedded server takes the run's.
+        max_batch_size=cfg.inference.max_batch_size if m.backend == "embedded" else None,
     )
 
 
@@ -141,24 +171,19 @@ def _teacher(
     from agentrl.rollout.teacher import teacher_path
 
     t = cfg.teacher
-    embedded = t.backend == "embedded"
-    device, dtype = _device(cfg) if embedded else (None, None)
-    threads = plan.reward_servers if plan is not None and embedded else ()
-    return ServerSpec(
+    return _spec(
+        cfg,
         backend=t.backend,
-        model=teacher_path(cfg),
         role="teacher",
-        device=device,
-        dtype=dtype,
-        seed=cfg.trainer.seed + i,
-        max_batch_size=cfg.inference.max_batch_size if embedded else None,
-        threads=_nth(threads, local_model_servers(cfg) + i),
-        startup_timeout_s=cfg.inference.startup_timeout_s,
-        log_path=_log(log_dir, f"teacher-{i}" if embedded else f"teacher-vllm-{i}"),
+        model=teacher_path(cfg),
+        i=i,
+        threads=plan.reward_servers if plan is not None else (),
+        thread_index=local_model_servers(cfg) + i,
+        log_path=_log(log_dir, f"teacher-{i}" if t.backend == "embedded" else f"teacher-vllm-{i}"),
+        vllm_extra_args=t.vllm_extra_args,
         host=host,
-        python=cfg.inference.vllm_python,
-        extra_args=() if embedded else tuple(t.vllm_extra_args),
         api_key=api_key,
+        max_batch_size=cfg.inference.max_batch_size if t.backend == "embedded" else None,
     )
 
 
