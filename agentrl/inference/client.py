@@ -39,7 +39,7 @@ import asyncio
 import logging
 import os
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
 
@@ -454,6 +454,24 @@ class PolicyClient:
 
     async def is_paused(self) -> bool:
         return bool((await self._json("GET", "/is_paused"))["is_paused"])
+
+    async def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Release the KV cache (level 1) and the weights too (level 2) until :meth:`wake_up`
+        (colocated mode; vLLM needs ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``).
+        The embedded server answers what it freed; vLLM answers nothing (``{}``)."""
+        body = await self._json("POST", "/sleep", params={"level": int(level)})
+        return body if isinstance(body, dict) else {}
+
+    async def wake_up(self, tags: Sequence[str] | None = None) -> dict[str, Any]:
+        """Re-allocate what :meth:`sleep` released (``tags``: vLLM's ``weights`` /
+        ``kv_cache``, default both) and generate again."""
+        params = [("tags", t) for t in tags] if tags else None
+        body = await self._json("POST", "/wake_up", params=params)
+        return body if isinstance(body, dict) else {}
+
+    async def is_sleeping(self) -> bool:
+        """True while the server sleeps (``GET /is_sleeping``)."""
+        return bool((await self._json("GET", "/is_sleeping"))["is_sleeping"])
 
     async def abort_requests(self) -> int | None:
         """Abort every in-flight request (they finish with ``finish_reason="abort"``).

@@ -10,6 +10,7 @@ parts behind that API; each part keeps its own invariants:
 - :mod:`~agentrl.inference.engine.sampling`: processed logprobs, one seeded stream per request;
 - :mod:`~agentrl.inference.engine.pause`: ``keep``/``abort``/``wait`` pauses that always end;
 - :mod:`~agentrl.inference.engine.probe`: the verification probe, served while paused;
+- :mod:`~agentrl.inference.engine.sleep`: memory given back while a colocated trainer updates;
 - :mod:`~agentrl.inference.engine.weight_store` and :mod:`~agentrl.inference.engine.loaders`:
   weights and version, checked completely, swapped together between decode steps.
 
@@ -40,11 +41,18 @@ from agentrl.inference.engine.probe import Probe, run_probe
 from agentrl.inference.engine.request import (
     EngineOutput,
     EngineRequest,
+    EngineRequestError,
     check_request,
     normalize_sampling,
 )
 from agentrl.inference.engine.scheduler import Scheduler
-from agentrl.inference.engine.weight_store import WeightStore, WeightUpdate, check_version
+from agentrl.inference.engine.sleep import SLEEP_LEVELS, resident_bytes, trim_host_memory
+from agentrl.inference.engine.weight_store import (
+    VersionConflict,
+    WeightStore,
+    WeightUpdate,
+    check_version,
+)
 from agentrl.inference.lora import LoraMerger, LoraSpec
 from agentrl.types import SamplingParams
 
@@ -108,6 +116,7 @@ class InferenceEngine:
             max_pause_s=float(max_pause_s),
         )
         self._loader = WeightLoader(self.weights, self.device, self._apply_weights)
+        self.weights.before_check = lambda: self._sched.control(self.weights.restore)
         self.stats: dict[str, int] = self._sched.stats
         """Counters (read by ``/metrics``)."""
         self._seed_gen = torch.Generator().manual_seed(seed)
@@ -320,6 +329,61 @@ class InferenceEngine:
         """Finish every running and waiting request now (finish reason ``abort``); returns how many."""
         return self._sched.control(self._sched.abort_all_now)
 
+    # ---- sleep / wake up (agentrl.inference.engine.sleep) ------------------------------------------
+    @property
+    def sleep_level(self) -> int:
+        """0 awake; 1 (KV cache and staging buffer released) or 2 (the weights too) asleep."""
+        return self._sched.sleep_level
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Stop generating and give memory back (see :mod:`~agentrl.inference.engine.sleep`).
+
+        Running requests are parked (they keep their tokens and re-prefill after
+        :meth:`wake_up`); new ones are held. Level 2 also frees the weights; it is refused
+        (:class:`~agentrl.inference.engine.weight_store.VersionConflict`) while a LoRA adapter
+        is merged or the served version is unverified. Returns ``{"level", "parked",
+        "freed_bytes", "rss_before", "rss_after"}`` (the resident bytes of this process before
+        and after, the C allocator trimmed).
+        """
+        if level not in SLEEP_LEVELS:
+            raise EngineRequestError(
+                f"level={level!r}; use 1 (KV cache) or 2 (weights too)", "level"
+            )
+        rss_before = resident_bytes()
+
+        def _sleep() -> dict[str, Any]:
+            freed = self.weights.release() if level == 2 else 0
+            parked = self._sched.park_running()
+            freed += self.weights.release_staging()
+            self._sched.sleep_level = max(self._sched.sleep_level, level)
+            self.stats["sleeps"] += 1
+            return {"level": self._sched.sleep_level, "parked": parked, "freed_bytes": freed}
+
+        out = self._sched.control(_sleep)
+        trim_host_memory()
+        out.update(rss_before=rss_before, rss_after=resident_bytes())
+        return out
+
+    def wake_up(self, *, weights_only: bool = False) -> dict[str, Any]:
+        """Re-allocate what :meth:`sleep` released (released weights come back as the last
+        verified ones, unless a load already brought new ones) and generate again; returns
+        ``{"was_sleeping", "sleeping", "weight_version"}``. ``weights_only`` (vLLM's
+        ``tags=weights``) re-allocates the weights and stays asleep."""
+
+        def _wake() -> dict[str, Any]:
+            was = self._sched.sleep_level
+            self.weights.restore()
+            if was and not weights_only:
+                self._sched.sleep_level = 0
+                self.stats["wakes"] += 1
+            return {
+                "was_sleeping": was,
+                "sleeping": self._sched.sleep_level,
+                "weight_version": self.weights.version,
+            }
+
+        return self._sched.control(_wake)
+
     # ---- probe: served between steps, even while paused (agentrl.inference.engine.probe) -----
     def probe(
         self,
@@ -349,6 +413,12 @@ class InferenceEngine:
         return self._sched.control(lambda: self._serve_probe(probe))
 
     def _serve_probe(self, probe: Probe) -> EngineOutput:
+        if self.weights.released:
+            raise VersionConflict(
+                "the server sleeps at level 2 with its weights released; push weights or "
+                "POST /wake_up before probing",
+                "sleep",
+            )
         out = run_probe(
             self.model,
             self.device,
@@ -483,7 +553,11 @@ class InferenceEngine:
 
         def _info() -> dict[str, Any]:
             n = sum(p.numel() for p in self.model.parameters())
+            if self.weights.released:
+                n = sum(t.numel() for t in self.weights.released_shapes().values())
             info: dict[str, Any] = {
+                "sleeping": self._sched.sleep_level,
+                "weights_released": self.weights.released,
                 "version": self.weights.version,
                 "digest": self.weights.digest(),
                 "verified_version": self.weights.verified_version,

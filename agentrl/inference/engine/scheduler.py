@@ -6,7 +6,7 @@ overlap. Callers queue requests (:meth:`Scheduler.enqueue`) and control operatio
 
 1. run the queued control operations;
 2. end a pause past its deadline, abort requests whose caller left or whose deadline passed;
-3. unless paused: admit waiting requests into the running batch (unless draining; those waiting
+3. unless paused or asleep (:mod:`~agentrl.inference.engine.sleep`): admit waiting requests into the running batch (unless draining; those waiting
    are prefilled together in one left-padded forward), run one batched decode step, and sample
    every row at once.
 
@@ -97,6 +97,8 @@ class Scheduler:
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.controls: collections.deque[Control] = collections.deque()
         self.closing = False
+        self.sleep_level = 0
+        """0 awake; 1 or 2 asleep (no prefill, no decode; requests are held in the queue)."""
         self.stats: dict[str, int] = collections.defaultdict(int)
         """Counters (read by ``/metrics``)."""
         self._thread = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
@@ -146,6 +148,16 @@ class Scheduler:
             self.cond.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=timeout_s)
+
+    def park_running(self) -> int:
+        """Move the running batch back to the head of the queue, dropping its KV cache (engine
+        thread; a sleep): each row keeps its tokens and re-prefills them when admitted again.
+        How many rows moved."""
+        rows = list(self.batch.rows)
+        self.batch.reset()
+        with self.cond:
+            self.waiting.extendleft(reversed(rows))
+        return len(rows)
 
     # ---- ending requests (engine thread) ----------------------------------------------------
     def abort_all_now(self) -> int:
@@ -211,8 +223,10 @@ class Scheduler:
                     except Exception as e:  # reported to the caller, the engine goes on
                         fut.set_exception(e)
                 self._expire(time.monotonic())
-                if not self.pause.paused:
+                if not self.pause.paused and not self.sleep_level:
                     self._step()
+                elif self.pause.draining and not self.batch.rows:
+                    self.pause.drained()  # asleep: the batch was parked, nothing to drain
         except BaseException:  # the thread must never die silently: callers would hang
             log.exception("engine loop crashed; aborting every request")
             raise
@@ -233,7 +247,11 @@ class Scheduler:
             while (
                 not self.closing
                 and not self.controls
-                and (pause.paused or (not self.batch.rows and (pause.draining or not self.waiting)))
+                and (
+                    pause.paused
+                    or self.sleep_level
+                    or (not self.batch.rows and (pause.draining or not self.waiting))
+                )
             ):
                 self.cond.wait(timeout=0.25)
                 if pause.active or self.waiting:

@@ -35,7 +35,9 @@ Invariants:
 - one writer at a time: while a :class:`PushLease` is held, weight-changing routes need its
   token.
 
-(Issue 26 releases and re-allocates this memory around a colocated trainer step.)
+- released weights (a level-2 sleep, :mod:`~agentrl.inference.engine.sleep`) are the last
+  verified ones: only served, verified weights may be released, and :meth:`WeightStore.restore`
+  re-allocates them from the verified copy before any check, load, probe or wake-up reads them.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from typing import Any
 import torch
 
 from agentrl.inference.engine.request import INT64_MAX, EngineRequestError
+from agentrl.inference.engine.sleep import ParamShapes, release_params, restore_params
 from agentrl.inference.lora import LoraMerger, LoraSpec, check_adapter
 from agentrl.inference.weights import check_state_dict
 
@@ -205,6 +208,7 @@ class WeightStore:
     """
 
     def __init__(self, model: Any, version: int) -> None:
+        self._model = model
         self.params: dict[str, torch.Tensor] = dict(model.state_dict())
         """The model's state dict: the tensors a load copies into."""
         self.version = check_version(version, "weight_version")
@@ -226,11 +230,73 @@ class WeightStore:
         self.verified_version = self.version
         """The version of the last verified weights (kept on the CPU for :meth:`rollback`)."""
         self.verified_digest: str | None = None
+        self._released: ParamShapes | None = None
+        self.before_check: Callable[[], object] = self.restore
+        """Run before an update is checked: re-allocates released weights (the engine makes it
+        a control operation)."""
+
+    @property
+    def released(self) -> bool:
+        """True while the served weights are released (a level-2 sleep)."""
+        return self._released is not None
+
+    def released_shapes(self) -> ParamShapes:
+        """The shapes of the released parameters (empty while the weights are held)."""
+        return dict(self._released or {})
+
+    def release(self) -> int:
+        """Free the served weights (engine thread; a level-2 sleep); the bytes freed. Refused
+        (:class:`VersionConflict`) while a LoRA adapter is merged (the next push is the adapter
+        alone: the base must stay; sleep at level 1) or while the served version is not the
+        verified one (a wake-up restores the verified weights, which would go back)."""
+        if self._released is not None:
+            return 0
+        if self.lora.spec is not None:
+            raise VersionConflict(
+                "level=2 releases the weights, but a LoRA adapter is merged and the next push "
+                "carries the adapter alone; sleep at level 1",
+                "level",
+            )
+        if self.version != self.verified_version:
+            raise VersionConflict(
+                f"level=2: the served version {self.version} is not verified (the last verified "
+                f"is {self.verified_version}) and a wake-up restores the verified weights; "
+                "verify the push first or sleep at level 1",
+                "level",
+            )
+        self._checksum = self.verified_digest or state_digest(self._verified)
+        self._released, freed = release_params(self._model)
+        self.params.clear()  # in place: the LoRA merger holds this dict
+        return freed
+
+    def restore(self) -> bool:
+        """Re-allocate released weights and fill them with the last verified ones (engine
+        thread); True when there was something to restore."""
+        if self._released is None:
+            return False
+        restore_params(self._model, self._released)
+        self.params.update(self._model.state_dict())
+        self._released = None
+        self.rollback()
+        return True
+
+    def release_staging(self) -> int:
+        """Drop the staging buffer unless a load holds it (a level-1 sleep); the bytes freed."""
+        if not self.staging_lock.acquire(blocking=False):
+            return 0
+        try:
+            freed = len(self._staging)
+            self._staging = bytearray()
+            return freed
+        finally:
+            self.staging_lock.release()
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of the model's state dict (tied copies counted once per name)."""
-        return sum(t.numel() * t.element_size() for t in self.params.values())
+        """Bytes of the model's state dict (tied copies counted once per name; the verified
+        copy's while the weights are released)."""
+        held = self.params if self._released is None else self._verified
+        return sum(t.numel() * t.element_size() for t in held.values())
 
     def staging_buffer(self, num_bytes: int) -> memoryview:
         """A reusable buffer of ``num_bytes`` for receiving weights (hold :attr:`staging_lock`).
@@ -250,6 +316,7 @@ class WeightStore:
         :class:`EngineRequestError` (the version) and changes nothing."""
         if version is not None:
             check_version(version)
+        self.before_check()
         casts = check_state_dict(state_dict, self.params)
         return WeightUpdate(version=version, state=state_dict, casts=casts)
 
@@ -260,6 +327,7 @@ class WeightStore:
         raises and changes nothing when it does not fit."""
         if version is not None:
             check_version(version)
+        self.before_check()
         plan = check_adapter(adapter, spec, self.params)
         return WeightUpdate(version=version, adapter=plan, spec=spec)
 

@@ -35,6 +35,8 @@ CONTROL_PATHS = frozenset(
     {
         "/pause",
         "/resume",
+        "/sleep",
+        "/wake_up",
         "/abort_requests",
         "/reset_prefix_cache",
         "/probe",

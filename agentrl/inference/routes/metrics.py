@@ -75,6 +75,10 @@ def make_metrics(st: ServerState) -> CollectorRegistry:
             lambda: engine.stats["prefill_forwards"],
         ),
         "agentrl_is_paused": ("1 while generation is paused", lambda: engine.is_paused),
+        "agentrl_sleep_level": (
+            "0 awake; 1 or 2 while asleep (colocated mode: KV cache, and at 2 the weights, released)",
+            lambda: engine.sleep_level,
+        ),
         "agentrl_pause_expired": (
             "Pauses that ended by their deadline (no resume came)",
             lambda: engine.stats["pause_expired"],
