@@ -23,7 +23,10 @@ It fails loudly (exit status 1, ``"ok": false`` and the reasons in ``failures``)
 missing, the verify difference is absent or above the tolerance, or a rate is not positive.
 ``--gradient-checkpointing`` and ``--cpu-offload`` run the same check with
 ``trainer.gradient_checkpointing`` / ``trainer.cpu_offload`` (the latter trains through the
-FSDP2 rank path with one rank).
+FSDP2 rank path with one rank). The steps are colocated (``distributed.colocate``: the server
+sleeps at level 2 while the trainer updates and wakes with each verified push; ``colocated_steps``
+counts the steps that slept and woke, and a step that did not is a failure);
+``--no-colocate`` runs them side by side.
 """
 
 from __future__ import annotations
@@ -82,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="working directory (default: a temp dir)")
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--cpu-offload", action="store_true", help="trainer.cpu_offload")
+    parser.add_argument(
+        "--colocate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="distributed.colocate",
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = Path(args.out or tempfile.mkdtemp(prefix="agentrl-gpu-smoke-"))
@@ -115,9 +124,23 @@ def main(argv: list[str] | None = None) -> int:
         "peak_device_mb": _peak_device_mb(cuda),
         "gradient_checkpointing": args.gradient_checkpointing,
         "cpu_offload": args.cpu_offload,
+        "colocate": args.colocate,
+        "colocated_steps": sum(
+            1
+            for (_, slept), (_, woken) in zip(
+                h.get("colocate/slept_servers", []),
+                h.get("colocate/woken_servers", []),
+                strict=False,
+            )
+            if slept == woken == 1.0
+        ),
         "wall_s": round(time.perf_counter() - t_all, 1),
     }
     failures = _failures(report, args.steps, _tolerance(cuda))
+    if args.colocate and report["colocated_steps"] != args.steps:
+        failures.append(
+            f"colocated_steps={report['colocated_steps']}: a step did not sleep and wake"
+        )
     report["ok"] = not failures
     report["failures"] = failures
     print(json.dumps(report, indent=2))
@@ -172,6 +195,7 @@ def _run(args: argparse.Namespace, path: Path, out: Path):  # type: ignore[no-un
             f"checkpoint.verify_tolerance={_tolerance(cuda)}",
             f"trainer.gradient_checkpointing={str(args.gradient_checkpointing).lower()}",
             f"trainer.cpu_offload={str(args.cpu_offload).lower()}",
+            f"distributed.colocate={str(args.colocate).lower()}",
         ],
     )
     trainer = Trainer(cfg)

@@ -39,6 +39,8 @@ class DistributedConfig(Section):
     """Torch threads of each embedded server; null = its share of `cpus`."""
     pin_cpus: bool = False
     """Pin the trainer and each embedded server to disjoint CPUs (when there are enough)."""
+    colocate: bool = False
+    """Colocated mode: the policy servers sleep (weights and KV cache released) while the trainer updates, and wake with the new version at the push (see docs/distributed.md); local backend, embedded or GPU vLLM servers."""
     server_nice: int | None = Field(default=None, ge=0, le=19)
     """Niceness added to each local embedded server (0-19); null = 10 when the plan has more threads than CPUs and nothing is pinned (the trainer, the critical path, wins contention), else 0."""
 

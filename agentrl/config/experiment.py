@@ -104,6 +104,7 @@ class ExperimentConfig(Section):
                 "vLLM's prompt_logprobs are temperature-1 logprobs, not comparable with the "
                 "student's; use teacher.backend: embedded (any temperature) or temperature 1"
             )
+        self._check_colocate()
         mini = self.trainer.mini_batch_size  # None follows data.batch_size
         if mini is not None and self.data.batch_size % mini != 0:
             raise ValueError(
@@ -112,6 +113,26 @@ class ExperimentConfig(Section):
             )
         return self
 
+    def _check_colocate(self) -> None:
+        """``distributed.colocate`` only where servers and trainer can share a device."""
+        if not self.distributed.colocate:
+            return
+        if self.distributed.backend == "ray":
+            raise ValueError(
+                "distributed.colocate=true with distributed.backend='ray': Ray places servers "
+                "and trainer side by side (each its own GPUs); use distributed.backend: local "
+                "for colocated mode, or colocate: false on Ray"
+            )
+        inf = self.inference
+        # A CPU asked for by name is refused here; with device auto it is known only at run
+        # time (agentrl.training.trainer.check_colocate refuses it then, before any server).
+        on_cpu = "cpu" in (inf.device, self.trainer.device) and "cuda" not in (
+            inf.device,
+            self.trainer.device,
+        )
+        if inf.backend == "vllm" and on_cpu:
+            raise ValueError(VLLM_CPU_COLOCATE)
+
     def flatten(self) -> dict[str, str]:
         """Dotted keys -> string values (e.g. for MLflow params)."""
         return flatten_params(self.model_dump(mode="json"))
@@ -119,6 +140,15 @@ class ExperimentConfig(Section):
     def to_yaml(self) -> str:
         """The full resolved config as YAML (loads back to an equal config)."""
         return dump_yaml(self)
+
+
+VLLM_CPU_COLOCATE = (
+    "distributed.colocate=true with inference.backend='vllm' on the CPU: vLLM's sleep mode "
+    "(/sleep, /wake_up) needs CUDA's memory allocator and the CPU build refuses "
+    "--enable-sleep-mode; use inference.backend: embedded for colocated mode on a CPU, or "
+    "colocate: false"
+)
+"""Why colocated mode with vLLM is refused on a CPU (also raised at run time for device auto)."""
 
 
 class SFTConfig(Section):

@@ -111,6 +111,8 @@ class StalenessAdmission:
         self.version = version
         self.accepted = 0
         self.running = 0
+        self.held = False
+        """True while :meth:`hold` stops every start (colocated mode: the servers sleep)."""
         self._changed = asyncio.Event()
 
     @property
@@ -120,8 +122,17 @@ class StalenessAdmission:
         return limit - (self.accepted + self.running)
 
     def may_start(self) -> bool:
-        """True while the budget has room (``capacity > 0``)."""
-        return self.capacity > 0
+        """True while the budget has room (``capacity > 0``) and nothing holds admission."""
+        return self.capacity > 0 and not self.held
+
+    def hold(self) -> None:
+        """Start no episode until :meth:`release` (running ones go on)."""
+        self.held = True
+
+    def release(self) -> None:
+        """End a :meth:`hold`."""
+        self.held = False
+        self._changed.set()
 
     async def wait_for_admission(self) -> None:
         """Wait until the budget has room (a version bump, a finish or a reject)."""

@@ -115,7 +115,9 @@ def _policy(
         threads=plan.servers if plan is not None else (),
         thread_index=i,
         log_path=_log(log_dir, f"server-{i}" if inf.backend == "embedded" else f"vllm-{i}"),
-        vllm_extra_args=inf.vllm_extra_args,
+        # colocated mode sleeps the policy servers around each update (vLLM: opt in at launch)
+        vllm_extra_args=[*inf.vllm_extra_args]
+        + (["--enable-sleep-mode"] if cfg.distributed.colocate else []),
         host=host,
         api_key=api_key,
         max_batch_size=inf.max_batch_size,

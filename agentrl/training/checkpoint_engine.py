@@ -45,6 +45,14 @@ weights (every transport), vLLM loads it as a LoRA adapter named :data:`VLLM_LOR
 (``shared_dir`` only; the vLLM probe then asks for that model name). Validation and
 verification are the same as for full weights.
 
+**Colocated mode** (``distributed.colocate``): :meth:`CheckpointEngine.sleep` puts every server to
+sleep before the trainer updates; the next push wakes each one: the embedded server loads
+into its released weights (re-allocated first), is verified while paused, then wakes; vLLM
+wakes its weights (level 2) before the transfer and its KV cache after it. A push never leaves
+a server asleep: the wake-up runs in the same ``finally`` as the resume (an embedded server
+whose load failed wakes with its last verified weights). :meth:`CheckpointEngine.wake_up`
+wakes them without a push (a step that pushes nothing).
+
 Timing: :meth:`PushReport.metrics` reports ``timing_s/push/{stage,pause,transfer,verify,
 resume}`` (the slowest server for the per-server stages) next to the ``weight_sync/*`` totals.
 """
@@ -185,6 +193,8 @@ class ServerPushStatus:
     verify_max_abs_diff: float | None = None
     verified_while_paused: bool = False
     """The probe ran before the resume (embedded server); False for vLLM (after the resume)."""
+    woken: bool = False
+    """The push woke the server from a colocated sleep."""
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds per stage on this server: pause, transfer, verify, resume."""
@@ -260,6 +270,9 @@ class PushReport:
                 sum(s.ok and s.verified_while_paused for s in servers)
             ),
         }
+        if any(s.woken for s in servers):  # colocated mode
+            out["colocate/woken_servers"] = float(sum(s.woken for s in servers))
+            out["colocate/wake_s"] = max(s.timings.get("wake", 0.0) for s in servers)
         for stage in STAGES:
             out[f"timing_s/push/{stage}"] = self.stage_time(stage)
         if self.max_abs_diff is not None:
@@ -396,6 +409,35 @@ class CheckpointEngine:
         self.writer = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
         """This engine's writer id, sent with each push lease: the servers' version checks are
         per writer, so a new or resumed run may start below the versions an earlier one left."""
+        self.sleeping = 0
+        """The level :meth:`sleep` put the servers to (0: awake); the next push wakes them."""
+
+    async def sleep(self, level: int) -> dict[str, dict[str, Any]]:
+        """Put every server to sleep at ``level`` (colocated mode; 2 only when the next push
+        carries full weights); what each answered, by URL. A server that fails to sleep is
+        woken again and the error raised (the trainer must not update beside it)."""
+        answers = await asyncio.gather(
+            *(c.sleep(level) for c in self.clients), return_exceptions=True
+        )
+        self.sleeping = level
+        failed = [
+            (c, a)
+            for c, a in zip(self.clients, answers, strict=True)
+            if isinstance(a, BaseException)
+        ]
+        if failed:
+            await self.wake_up()
+            client, exc = failed[0]
+            raise RuntimeError(f"{client.base_url}: sleep at level {level} failed: {exc}") from exc
+        return {c.base_url: dict(a) for c, a in zip(self.clients, answers, strict=True)}  # type: ignore[arg-type]
+
+    async def wake_up(self) -> int:
+        """Wake every server that :meth:`sleep` put to sleep, without a push; how many."""
+        if not self.sleeping:
+            return 0
+        await asyncio.gather(*(c.wake_up() for c in self.clients))
+        self.sleeping = 0
+        return len(self.clients)
 
     async def aclose(self) -> None:
         """Close the clients and the transport's weight server (the shared directory stays;
@@ -436,6 +478,7 @@ class CheckpointEngine:
         statuses = await asyncio.gather(
             *(self._push_one(c, staged, verifier) for c in self.clients)
         )
+        self.sleeping = 0
         report.servers = {s.url: s for s in statuses}
         report.verify_seconds = report.stage_time("verify")
         self.transport.cleanup(keep_version=version)
@@ -501,13 +544,16 @@ class CheckpointEngine:
                     "pause",
                     client.pause(self.pause_mode, timeout_s=self.push_timeout_s + PAUSE_MARGIN_S),
                 )
+                embedded = await client.resolve_backend() == "embedded"
+                if self.sleeping == 2 and not embedded:  # vLLM: weights memory before the load
+                    await self._timed(status, "wake", client.wake_up(["weights"]))
                 await self._transfer(client, staged, status)
-                if verifier is not None and await client.resolve_backend() == "embedded":
+                if verifier is not None and embedded:
                     status.stage = "verify"
                     gen = await self._timed(status, "verify", verifier.probe_paused(client))
                     await self._timed(status, "verify", verifier.check(status, gen, staged.version))
                     status.verified_while_paused = status.error is None
-                if status.error is None and await client.resolve_backend() == "embedded":
+                if status.error is None and embedded:
                     await client.mark_verified(staged.version)
         except BaseException as exc:  # recorded per server; the resume below still runs
             status.error = status.error or f"{type(exc).__name__}: {exc}"
@@ -516,6 +562,9 @@ class CheckpointEngine:
         finally:
             if pause_sent:
                 await self._rollback_if_failed(client, status)
+            if self.sleeping:  # colocated: awake before the resume, whatever failed
+                await self._wake(client, status)
+            if pause_sent:
                 await self._resume(client, status)
             await self._release_lease(client)
             await self._read_version(client, status, staged.version)
@@ -547,6 +596,18 @@ class CheckpointEngine:
                 status.rolled_back = True
         except Exception as exc:
             status.error += f"; rollback failed: {type(exc).__name__}: {exc}"
+
+    async def _wake(self, client: PolicyClient, status: ServerPushStatus) -> None:
+        """Wake a server from a colocated sleep (before its resume); a failure is reported."""
+        t0 = self.clock()
+        try:
+            await asyncio.wait_for(client.wake_up(), timeout=60.0)
+            status.woken = True
+        except Exception as exc:
+            status.error = (status.error + "; " if status.error else "") + (
+                f"wake_up failed: {type(exc).__name__}: {exc}"
+            )
+        status.timings["wake"] = status.timings.get("wake", 0.0) + self.clock() - t0
 
     @staticmethod
     async def _release_lease(client: PolicyClient) -> None:

@@ -26,6 +26,12 @@ Invariants:
   step, never rc 0 on a run that learned nothing.
 - A failed weight push never leaves a server paused (CheckpointEngine's invariant); it is
   retried ``checkpoint.push_retries`` times, then the run stops with the push report.
+- Colocated mode (``distributed.colocate``): no generation runs while the trainer updates.
+  Each step, once its batch is in: admission holds (no episode starts), the policy servers
+  sleep (level 2 when this step pushes full weights, else 1), the trainer updates, the push
+  wakes them with the new version, verified (a step without a push wakes them without one),
+  admission resumes. Episodes still running when the servers sleep are held, not dropped: their
+  next tokens come from the new version (per-token versions say so), staleness ≤ η as always.
 
 Shutdown order: stop admitting (cancel the rollout stream: running episodes end as counted
 drops, their tools released) -> close the buffer -> reporters -> (the builder's exit stack)
@@ -343,6 +349,10 @@ async def _one_step(
     trajs, baselines = feed.split(groups)
     plan = run.resolved.plan  # type: ignore[union-attr]
     frozen = plan.needs_critic and state.step < cfg.trainer.critic_warmup_steps
+    pushes = (state.step + 1) % cfg.checkpoint.push_every == 0 or (
+        state.step + 1 >= cfg.trainer.total_steps
+    )
+    colocated = await _sleep_servers(run, feed, pushes) if cfg.distributed.colocate else {}
     out = await train_step(
         trajs,
         run.policies,
@@ -358,8 +368,10 @@ async def _one_step(
     t1 = time.perf_counter()
     state.version += 1
     report = None
-    if state.step % cfg.checkpoint.push_every == 0 or state.step >= cfg.trainer.total_steps:
+    if pushes:
         report = await push(state.version)
+    if cfg.distributed.colocate:
+        colocated.update(await _wake_servers(run, feed))
     feed.admission.set_version(state.version)
     feed.last_trajs = trajs
     m = out.metrics
@@ -377,6 +389,7 @@ async def _one_step(
     m.update(compute_reward_component_metrics(trajs))
     if report is not None:
         m.update(report.metrics())
+    m.update(colocated)
     m.update(feed.buffer.metrics())
     m.update(feed.counts())
     m.update(run.rewards.metrics())
@@ -399,6 +412,38 @@ async def _one_step(
         if "startup" in run.timings:
             m["timing_s/startup"] = run.timings["startup"]
     return m
+
+
+async def _sleep_servers(run: Run, feed: RolloutFeed, pushes: bool) -> dict[str, float]:
+    """Colocated mode, before the update: hold admission and put the policy servers to sleep
+    (level 2 when this step pushes full weights: they are replaced anyway; else level 1)."""
+    level = 2 if pushes and run.cfg.model.lora.rank == 0 else 1
+    feed.admission.hold()
+    t0 = time.perf_counter()
+    answers = await run.engine.sleep(level)
+    elapsed = time.perf_counter() - t0
+    logger.debug("colocate: %d server(s) asleep at level %d", len(answers), level)
+    return {
+        "colocate/sleep_level": float(level),
+        "colocate/slept_servers": float(len(answers)),
+        "colocate/sleep_s": elapsed,
+        "colocate/freed_bytes": float(sum(a.get("freed_bytes", 0) for a in answers.values())),
+        "colocate/server_rss_asleep_bytes": float(
+            sum(a.get("rss_after", 0) for a in answers.values())
+        ),
+    }
+
+
+async def _wake_servers(run: Run, feed: RolloutFeed) -> dict[str, float]:
+    """Colocated mode, after the push: wake servers the push did not (a step without a push)
+    and let episodes start again."""
+    out: dict[str, float] = {}
+    if run.engine.sleeping:
+        t0 = time.perf_counter()
+        woken = await run.engine.wake_up()
+        out = {"colocate/woken_servers": float(woken), "colocate/wake_s": time.perf_counter() - t0}
+    feed.admission.release()
+    return out
 
 
 def _model_size(run: Run) -> dict[str, float]:

@@ -136,6 +136,7 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         phases = PhaseTimer()
+        check_colocate(cfg)
         seed_everything(cfg.trainer.seed)
         resolved = resolve_experiment(cfg)
         phases.done("config resolved", t0)
@@ -231,6 +232,18 @@ class Trainer:
         tracker.log_artifact(self.out / "config.yaml")
         log_run_plots(tracker, self.out)
         tracker.log_artifact(final, "final_model")
+
+
+def check_colocate(cfg: ExperimentConfig) -> None:
+    """``distributed.colocate`` with vLLM needs CUDA (its sleep mode does): refused before any
+    server starts where there is none (the config's own check covers device: cpu)."""
+    if cfg.distributed.colocate and cfg.inference.backend == "vllm":
+        import torch
+
+        from agentrl.config.experiment import VLLM_CPU_COLOCATE
+
+        if not torch.cuda.is_available():
+            raise ValueError(VLLM_CPU_COLOCATE)
 
 
 async def evaluate_checkpoint(cfg: ExperimentConfig, keep: list[Any] | None = None) -> Any:

@@ -43,3 +43,4 @@ def test_gpu_smoke_script_runs_on_cpu(tmp_path: Path) -> None:
     assert report["verify_max_abs_diff"] is not None and report["verify_max_abs_diff"] <= 1e-3
     assert report["ok"] and report["failures"] == [] and report["gradient_checkpointing"]
     assert report["push_gb_per_s"] > 0 and report["peak_rss_mb"] > 0
+    assert report["colocate"] and report["colocated_steps"] == 2  # slept and woke every step

@@ -51,6 +51,7 @@ FAMILIES = [
     "variance_proxy",
     "weight_sync",
     "model",
+    "colocate",
 ]
 """First segments of metric keys (everything else in backticks is a path, a formula, prose)."""
 
@@ -69,6 +70,18 @@ CONDITIONAL = {
     "reward/<source>/terms/<term>/mean": "a reward mix (tests/unit/agents/test_environment.py)",
     "teacher/reverse_kl_mean": "a distillation teacher: teacher.path (test_distill.py)",
     "teacher/score_seconds": "a distillation teacher: teacher.path (test_distill.py)",
+    **{
+        f"colocate/{k}": "distributed.colocate: true (tests/integration/test_colocate.py)"
+        for k in (
+            "sleep_level",
+            "slept_servers",
+            "woken_servers",
+            "sleep_s",
+            "wake_s",
+            "freed_bytes",
+            "server_rss_asleep_bytes",
+        )
+    },
     **{
         f"grad_noise/{k}": "trainer.log_grad_noise: true (tests/unit/training/test_actor.py)"
         for k in (
