@@ -189,6 +189,17 @@ def test_async_speedup_smoke() -> None:
 
 
 @pytest.mark.slow
+def test_colocate_smoke() -> None:
+    report = _smoke("colocate.py")
+    for mode in ("side_by_side", "colocated"):
+        row = report[mode]
+        assert _positive(row["peak_rss_mb"], row["wall_s"], row["step_s"]), mode
+        assert len(row["rounds"]) == 1, mode
+    assert _positive(report["colocated"]["freed_mb"], report["colocated"]["server_rss_asleep_mb"])
+    assert _positive(*report["ratios"].values()) and len(report["ratios"]) == 5
+
+
+@pytest.mark.slow
 def test_threads_smoke() -> None:
     report = _smoke("threads.py")
     d = report["default"]
