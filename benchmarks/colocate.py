@@ -16,7 +16,8 @@ run in the order A, B, A, B (``--rounds``), so a slow stretch of a shared machin
 
 Per mode: ``peak_rss_mb`` (median over rounds, and each round's), the peaks of its parts
 (``trainer_peak_rss_mb``: the ``agentrl train`` process; ``servers_peak_rss_mb``: its children,
-the embedded server, summed; the parts need not peak together), ``wall_s`` (the whole command,
+the embedded server, summed; the parts need not peak together; ``*_at_peak_mb``: what each part
+held at the moment of the whole run's peak), ``wall_s`` (the whole command,
 start-up included), ``step_s`` (median step time after the first), and for colocated runs
 ``freed_mb`` (what the server released per sleep) and ``server_rss_asleep_mb``. ``ratios``:
 colocated / side by side.
@@ -91,7 +92,8 @@ def _sample(proc: subprocess.Popen[str], interval_s: float, peak: dict[str, int]
     """Keep the peaks of the sum, of the trainer process and of its children, until it ends."""
     while proc.poll() is None:
         own, rest = tree_rss_bytes(proc.pid)
-        peak["sum"] = max(peak["sum"], own + rest)
+        if own + rest > peak["sum"]:  # which part held what at the moment of the peak
+            peak["sum"], peak["trainer_at_peak"], peak["servers_at_peak"] = own + rest, own, rest
         peak["trainer"] = max(peak["trainer"], own)
         peak["servers"] = max(peak["servers"], rest)
         time.sleep(interval_s)
@@ -131,7 +133,7 @@ def run_once(mode: str, args: argparse.Namespace, model: Path, out: Path) -> dic
         text=True,
         env=env,
     )
-    peak = {"sum": 0, "trainer": 0, "servers": 0}
+    peak = {"sum": 0, "trainer": 0, "servers": 0, "trainer_at_peak": 0, "servers_at_peak": 0}
     sampler = threading.Thread(target=_sample, args=(proc, args.interval_s, peak), daemon=True)
     sampler.start()
     _, stderr = proc.communicate(timeout=args.timeout_s)
@@ -144,6 +146,8 @@ def run_once(mode: str, args: argparse.Namespace, model: Path, out: Path) -> dic
         "peak_rss_mb": peak["sum"] / 2**20,
         "trainer_peak_rss_mb": peak["trainer"] / 2**20,
         "servers_peak_rss_mb": peak["servers"] / 2**20,
+        "trainer_at_peak_mb": peak["trainer_at_peak"] / 2**20,
+        "servers_at_peak_mb": peak["servers_at_peak"] / 2**20,
         "wall_s": wall,
         "step_s": median_after_first(metrics["timing_s/step"]),
     }

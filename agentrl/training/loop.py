@@ -28,8 +28,8 @@ Invariants:
   retried ``checkpoint.push_retries`` times, then the run stops with the push report.
 - Colocated mode (``distributed.colocate``): no generation runs while the trainer updates.
   Each step, once its batch is in: admission holds (no episode starts), the policy servers
-  sleep (level 2 when this step pushes full weights, else 1), the trainer updates, the push
-  wakes them with the new version, verified (a step without a push wakes them without one),
+  sleep (level 2 when this step pushes full weights, else 1), the trainer updates and gives
+  the memory it freed back to the OS, the push wakes them with the new version, verified (a step without a push wakes them without one),
   admission resumes. Episodes still running when the servers sleep are held, not dropped: their
   next tokens come from the new version (per-token versions say so), staleness ≤ η as always.
 
@@ -368,6 +368,8 @@ async def _one_step(
     t1 = time.perf_counter()
     state.version += 1
     report = None
+    if cfg.distributed.colocate:
+        colocated.update(_trim_trainer())
     if pushes:
         report = await push(state.version)
     if cfg.distributed.colocate:
@@ -432,6 +434,16 @@ async def _sleep_servers(run: Run, feed: RolloutFeed, pushes: bool) -> dict[str,
             sum(a.get("rss_after", 0) for a in answers.values())
         ),
     }
+
+
+def _trim_trainer() -> dict[str, float]:
+    """Colocated mode, after the update, before the servers wake: give the update's freed
+    memory (activations, temporaries) back to the OS, which the C allocator would otherwise keep
+    (on a CPU the servers wake into the same memory); the trainer's resident bytes after it."""
+    from agentrl.inference.engine.sleep import resident_bytes, trim_host_memory
+
+    trim_host_memory()
+    return {"colocate/trainer_rss_bytes": float(resident_bytes())}
 
 
 async def _wake_servers(run: Run, feed: RolloutFeed) -> dict[str, float]:

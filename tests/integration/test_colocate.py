@@ -62,4 +62,4 @@ def test_colocated_training_sleeps_and_wakes_the_server_every_step(
     assert all(v == 0.0 for _, v in h["weight_sync/failed_servers"])
     # every colocate/ key docs/tracking.md names (test_metric_keys.py lists them as this test's)
     documented = [k for k in CONDITIONAL if k.startswith("colocate/")]
-    assert len(documented) == 7 and all(len(h[k]) == STEPS for k in documented), sorted(h)
+    assert len(documented) == 8 and all(len(h[k]) == STEPS for k in documented), sorted(h)

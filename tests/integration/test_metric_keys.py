@@ -80,6 +80,7 @@ CONDITIONAL = {
             "wake_s",
             "freed_bytes",
             "server_rss_asleep_bytes",
+            "trainer_rss_bytes",
         )
     },
     **{
