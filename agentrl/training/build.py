@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -46,6 +45,7 @@ from typing import Any
 from agentrl.config import ExperimentConfig
 from agentrl.serving import served_model, start_model_servers, start_servers, start_teacher_servers
 from agentrl.threads import ThreadPlan, make_plan
+from agentrl.training.policies import load_policies
 from agentrl.training.resolve import (
     Resolved,
     build_rewards,
@@ -59,7 +59,6 @@ __all__ = [
     "Serving",
     "build_run",
     "build_serving",
-    "load_policies",
     "start_policies",
     "thread_plan",
     "worker_config",
@@ -332,45 +331,6 @@ async def build_serving(
 
 async def _given(urls: Sequence[str]) -> list[str]:
     return list(urls)
-
-
-def load_policies(cfg: ExperimentConfig, path: Path, plan: Any, *, dist: Any = None) -> Any:
-    """The actor, and the reference and critic the algorithm plan needs; with ``dist`` (a
-    :class:`~agentrl.training.fsdp.DistContext`) this rank's FSDP2 shards of each (every rank
-    builds the same models: :mod:`agentrl.training.ranks`)."""
-    from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
-    from agentrl.training.critic import Critic, CriticConfig
-    from agentrl.training.step import Policies
-
-    t, m = cfg.trainer, cfg.model
-    if dist is not None and t.cpu_offload:
-        dist = dataclasses.replace(dist, cpu_offload=True)
-    common = {
-        "device": t.device,
-        "dtype": m.dtype,
-        "trust_remote_code": m.trust_remote_code,
-        "dist": dist,
-    }
-    actor = Actor(path, ActorConfig.from_config(cfg, plan), **common)
-    reference = (
-        FrozenPolicy(
-            path,
-            temperature=actor.temperature,
-            micro_batch_max_tokens=t.micro_batch_max_tokens,
-            **common,
-        )
-        if plan.needs_reference
-        else None
-    )
-    critic = Critic(path, CriticConfig.from_config(cfg), **common) if plan.needs_critic else None
-    if critic is None and t.critic_warmup_steps and (dist is None or dist.is_main):
-        logger.warning(
-            "trainer.critic_warmup_steps=%d is ignored: algorithm.advantage %r has no critic "
-            "(use gae)",
-            t.critic_warmup_steps,
-            plan.advantage.name,
-        )
-    return Policies(actor=actor, reference=reference, critic=critic)
 
 
 def start_policies(
