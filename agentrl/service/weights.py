@@ -52,7 +52,7 @@ from agentrl.service.weight_state import (
     save_latest,
     sha256_of,
 )
-from agentrl.training.checkpoint_engine import PushReport
+from agentrl.weightsync.engine import PushReport
 
 __all__ = ["WeightError", "WeightService"]
 
@@ -85,7 +85,7 @@ class _ProbeScorer:
             import torch
 
             from agentrl.inference.vllm_backend import checkpoint_dtype
-            from agentrl.training.actor import load_causal_lm
+            from agentrl.training import load_causal_lm
 
             # The checkpoint's own dtype: pushes must match what the servers hold, exactly.
             declared = checkpoint_dtype(self.model_dir)

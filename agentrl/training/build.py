@@ -128,7 +128,7 @@ class Serving:
     pool: Any
     """The started :class:`~agentrl.inference.pool.ServerPool`."""
     engine: Any
-    """The :class:`~agentrl.training.checkpoint_engine.CheckpointEngine` over every server."""
+    """The :class:`~agentrl.weightsync.engine.CheckpointEngine` over every server."""
     rewards: Any
     """The :class:`~agentrl.rollout.rewards.RewardManager`."""
     threads: ThreadPlan
@@ -217,7 +217,7 @@ def _engine(
     cfg: ExperimentConfig, urls: list[str], temperature: float, transport: Any, api_key: str | None
 ) -> Any:
     from agentrl.inference.client import PolicyClient
-    from agentrl.training.checkpoint_engine import CheckpointEngine, transport_from_config
+    from agentrl.weightsync.engine import CheckpointEngine, transport_from_config
 
     ck = cfg.checkpoint
     control = [PolicyClient(u, timeout_s=ck.push_timeout_s, api_key=api_key) for u in urls]

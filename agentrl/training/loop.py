@@ -48,7 +48,6 @@ import torch
 from agentrl.rollout.manager import EpisodeKey, StalenessAdmission
 from agentrl.training.buffer import TrajectoryBuffer
 from agentrl.training.build import Run
-from agentrl.training.checkpoint_engine import PushReport, WeightPushError
 from agentrl.training.metrics import (
     TokenCounts,
     compute_data_metrics,
@@ -61,6 +60,7 @@ from agentrl.training.metrics import (
 from agentrl.training.state import RunState
 from agentrl.training.step import train_step, trajectory_metrics
 from agentrl.types import StopReason, Trajectory
+from agentrl.weightsync.engine import PushReport, WeightPushError
 
 __all__ = ["RunFailed", "TrainResult", "push_weights", "train", "validate"]
 

@@ -37,8 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("agentrl.inference",),
     # 4: the agent loop, rewards, datasets, the recording proxy
     ("agentrl.rollout",),
-    # 5: server specs and launch: every server (policy, reward model, judge; local or Ray)
-    ("agentrl.serving",),
+    # 5: server specs and launch (every server: policy, reward model, judge; local or Ray), weight sync
+    ("agentrl.serving", "agentrl.weightsync"),
     # 6: training, evaluation, the rollout-service SDK
     ("agentrl.training", "agentrl.evaluation", "agentrl.client"),
     # 7: placement and services built from the rest
@@ -189,3 +189,29 @@ def test_no_import_circles() -> None:
 def test_the_cycle_finder_finds_a_circle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+def test_service_and_distributed_use_only_the_public_entry_of_training() -> None:
+    """``agentrl.service`` and ``agentrl.distributed`` import ``from agentrl.training import X``
+    (the names its ``__init__`` lists), never a module inside it (issue 20); their CLIs are
+    entry points and may."""
+    import agentrl.training
+
+    inside = []
+    for module, path in _modules().items():
+        if (
+            module.startswith(("agentrl.service", "agentrl.distributed"))
+            and module not in ENTRY_POINTS
+        ):
+            inside += [
+                f"{module} imports {m}" for m in _imports(path) if m.startswith("agentrl.training.")
+            ]
+    assert inside == []
+    for name, module in agentrl.training._PUBLIC.items():  # each is defined where it says
+        tree = ast.parse((ROOT / "agentrl" / "training" / f"{module}.py").read_text())
+        defined = {
+            getattr(node, "name", None) or getattr(getattr(node, "targets", [None])[0], "id", None)
+            for node in tree.body
+        }
+        assert name in defined, f"agentrl.training.{module} defines no {name}"
+    assert sorted(agentrl.training.__all__) == sorted(agentrl.training._PUBLIC)

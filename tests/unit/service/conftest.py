@@ -20,8 +20,8 @@ from agentrl.inference.client import PolicyClient
 from agentrl.rollout.manager import AgentLoopManager, WorkerConfig
 from agentrl.rollout.rewards import RewardManager
 from agentrl.service.app import RolloutService, ServiceSettings, create_app
-from agentrl.training.checkpoint_engine import CheckpointEngine, HttpStreamTransport
 from agentrl.types import SamplingParams, Task
+from agentrl.weightsync.engine import CheckpointEngine, HttpStreamTransport
 from tests.fakes import FakeInferenceServer, ScriptedPolicy
 from tools import ToolSet, get_tool
 

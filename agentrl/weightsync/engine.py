@@ -35,7 +35,7 @@ Transports live behind :class:`WeightTransport` (two methods, two optional hooks
 embedded server and vLLM's ``reload_weights``), :class:`HttpStreamTransport` (the safetensors
 bytes over HTTP straight from the tensors' memory, pulled by each server from a trainer-side
 weight server, or pushed in the request body; no shared filesystem; embedded server) and
-:class:`~agentrl.training.collective_transport.CollectiveTransport` (``collective``: bucketed
+:class:`~agentrl.weightsync.collective.CollectiveTransport` (``collective``: bucketed
 broadcasts over a ``torch.distributed`` weight group, gloo on CPUs, NCCL on GPUs, into embedded
 servers; vLLM's native NCCL weight-transfer API on GPUs).
 
@@ -76,14 +76,14 @@ from agentrl.inference.lora import (
     VLLM_LORA_NAME,
     LoraAdapter,
 )
-from agentrl.training.weight_transports import (
+from agentrl.types import Generation, SamplingParams
+from agentrl.weightsync.transports import (
     HttpStreamTransport,
     SharedDirTransport,
     StagedWeights,
     WeightTransport,
     tied_aliases,
 )
-from agentrl.types import Generation, SamplingParams
 
 __all__ = [
     "VLLM_LORA_NAME",
@@ -138,7 +138,7 @@ def make_transport(
     if name == "http":
         return HttpStreamTransport(advertise_host=advertise_host)
     if name == "collective":
-        from agentrl.training.collective_transport import CollectiveTransport
+        from agentrl.weightsync.collective import CollectiveTransport
 
         return CollectiveTransport(
             bucket_mb=bucket_mb,
