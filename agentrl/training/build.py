@@ -40,7 +40,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.config import ExperimentConfig
 from agentrl.serving import served_model, start_model_servers, start_servers, start_teacher_servers
@@ -53,6 +53,13 @@ from agentrl.training.resolve import (
     model_dir,
     resolve_experiment,
 )
+
+if TYPE_CHECKING:
+    from agentrl.inference.pool import ServerPool
+    from agentrl.rollout.rewards import RewardManager
+    from agentrl.tracking import Tracker
+    from agentrl.training.step import Policies
+    from agentrl.weightsync.engine import CheckpointEngine
 
 __all__ = [
     "Run",
@@ -125,12 +132,11 @@ class Serving:
     model_dir: Path
     tokenizer: Any
     server_urls: list[str]
-    pool: Any
-    """The started :class:`~agentrl.inference.pool.ServerPool`."""
-    engine: Any
-    """The :class:`~agentrl.weightsync.engine.CheckpointEngine` over every server."""
-    rewards: Any
-    """The :class:`~agentrl.rollout.rewards.RewardManager`."""
+    pool: ServerPool
+    """The started server pool."""
+    engine: CheckpointEngine
+    """The checkpoint engine over every server."""
+    rewards: RewardManager
     threads: ThreadPlan
     workers: list[Any] | None = None
     """Ready-made agent-loop workers (Ray actor adapters); None = in-process workers."""
@@ -179,16 +185,17 @@ class Serving:
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run(Serving):
-    """Serving plus the training side (see :func:`build_run`)."""
+    """Serving plus the training side (see :func:`build_run`); every field is set by
+    :func:`build_run` except ``tracker``, which the trainer attaches."""
 
-    resolved: Resolved | None = None
-    policies: Any = None
-    """:class:`~agentrl.training.step.Policies` (actor, reference, critic)."""
-    tracker: Any = None
-    output_dir: Path = Path(".")
-    pad_token_id: int = 0
+    resolved: Resolved
+    policies: Policies
+    """The actor, and the reference and critic the algorithm needs."""
+    output_dir: Path
+    pad_token_id: int
+    tracker: Tracker | None = None
 
 
 def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:

@@ -107,7 +107,7 @@ class RolloutFeed:
     """The rollout side of the loop: admission, the manager's stream, the buffer, failures."""
 
     def __init__(self, run: Run, state: RunState, dataset: Any) -> None:
-        cfg, plan = run.cfg, run.resolved.plan  # type: ignore[union-attr]
+        cfg, plan = run.cfg, run.resolved.plan
         self.greedy = plan.advantage.needs_greedy_baseline
         self.group = cfg.data.n_samples + (1 if self.greedy else 0)
         self.batch_groups = cfg.data.batch_size
@@ -341,7 +341,7 @@ async def _one_step(
     for task_id in feed.buffer.pop_dropped_task_ids():
         state.dropped(task_id)
     trajs, baselines = feed.split(groups)
-    plan = run.resolved.plan  # type: ignore[union-attr]
+    plan = run.resolved.plan
     frozen = plan.needs_critic and state.step < cfg.trainer.critic_warmup_steps
     out = await train_step(
         trajs,
@@ -425,7 +425,7 @@ def _model_size(run: Run) -> dict[str, float]:
 
 
 def _save(run: Run, state: RunState, dataset: Any, feed: RolloutFeed) -> None:
-    plan = run.resolved.plan  # type: ignore[union-attr]
+    plan = run.resolved.plan
     kl = plan.kl_in_reward.controller.value if plan.kl_in_reward is not None else None
     state.save(
         run.output_dir / "checkpoint",
