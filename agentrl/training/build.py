@@ -190,6 +190,9 @@ class Run(Serving):
     tracker: Any = None
     output_dir: Path = Path(".")
     pad_token_id: int = 0
+    servers: Any = None
+    """The :class:`~agentrl.training.run_servers.RunServers` watching the servers this run
+    launched (set while training; None: pushes go to ``engine`` as it is)."""
 
 
 def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:

@@ -47,7 +47,9 @@ def _run(tok: Any) -> SimpleNamespace:
         )
 
     plan = SimpleNamespace(advantage=SimpleNamespace(needs_greedy_baseline=False))
-    return SimpleNamespace(cfg=cfg, resolved=SimpleNamespace(plan=plan), make_manager=make_manager)
+    return SimpleNamespace(
+        cfg=cfg, resolved=SimpleNamespace(plan=plan), make_manager=make_manager, servers=None
+    )
 
 
 async def test_an_agent_that_raises_is_a_counted_drop_never_trained_on(tok: Any) -> None:
