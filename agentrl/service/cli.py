@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="restarts of each inference server the service launched, once it dies "
-        "(0: never; default: the config's inference.max_server_restarts, 3)",
+        "(0: never; default: the config's inference.max_server_restarts)",
     )
     from agentrl.training.run_log import add_log_level_argument
 

@@ -168,8 +168,15 @@ class RunServers:
                     report.version,
                     why,
                 )
-        report.ejected = self.supervisor.ejected()
-        report.servers = {u: s for u, s in report.servers.items() if u not in report.ejected}
+        serving = {s.url for s in self.supervisor.slots if s.state == "serving"}
+        # a server that died during the push may even be relaunched on a new URL by now
+        report.ejected = {
+            u: f"it left the pool during the push ({s.error or s.stage})"
+            for u, s in report.servers.items()
+            if u not in serving
+        }
+        report.ejected.update(self.supervisor.ejected())
+        report.servers = {u: s for u, s in report.servers.items() if u in serving}
 
     # ---- reporting ----------------------------------------------------------------------------
     def metrics(self) -> dict[str, float]:

@@ -163,3 +163,27 @@ async def test_with_every_server_gone_for_good_the_run_stops_naming_them(make_ru
     with pytest.raises(RunFailed, match="every inference server is gone"):
         await push_weights(run, 1)
     assert run.servers.metrics()["servers/failed"] == 2.0
+
+
+async def test_a_server_that_dies_and_is_relaunched_during_a_push_is_ejected_not_failed(
+    make_run,
+) -> None:
+    run, (fake0, _), _ = await make_run()
+    sup = run.servers.supervisor
+    slot = sup.slots[0]
+    push = run.engine.push
+
+    async def push_while_server_0_dies(weights: Any, version: int, score: Any = None) -> Any:
+        report = await push(weights, version, score=score)
+        slot.handle.running, fake0.alive = False, False  # dies mid-push ...
+        await sup.check(slot)
+        await sup.check(slot)  # ... and is relaunched on a new URL before the push ends
+        status = report.servers["http://fake0"]
+        status.error, status.stage = "ReadError", "transfer"
+        return report
+
+    run.engine.push = push_while_server_0_dies
+    report = await push_weights(run, 1)
+    assert report.ok and list(report.servers) == ["http://fake1"]
+    assert "left the pool during the push" in report.ejected["http://fake0"]
+    assert "http://fake0-r1" in report.ejected  # it joins at the next push
