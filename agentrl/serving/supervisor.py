@@ -27,8 +27,9 @@ Guarantees:
 
 - the pool routes to a server only while its slot is ``serving``: an ejected server leaves the
   pool at once (requests in flight on it end as usual and the pool retries them elsewhere);
-- a server rejoins only while holding the service's current version: the catch-up push and the
-  rejoin happen under the weight service's lock, so no push can run between them;
+- a server rejoins only while holding the owner's current version: the catch-up push and the
+  rejoin happen under the owner's push lock (the service's; the trainer's push itself), so no
+  push can run between them;
 - pushes reach the ``serving`` slots only (:meth:`ServerSupervisor.live_clients`); the push
   report lists ejected servers as ``ejected`` with their reason, never as failed;
 - the owner is ``degraded`` while any slot is not ``serving``, with each slot's reason and the
@@ -134,7 +135,8 @@ def launcher_for(serving: Any) -> Relaunch | None:
 
 
 class ServerSupervisor:
-    """Watches the service's servers (module docstring: states and guarantees).
+    """Watches the servers of the service or of a local run (module docstring: states and
+    guarantees).
 
     ``serving`` is the ``build_serving`` result (its engine's clients, in URL order, and its
     ``handles``); ``relaunch`` defaults to :func:`launcher_for`; ``make_client(url)`` builds the
