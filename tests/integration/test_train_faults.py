@@ -50,6 +50,7 @@ def _command(model_dir: Path, tmp: Path) -> list[str]:
         "agent.max_turns=2",
         "agent.max_response_tokens=64",
         "data.generator_val_size=4",
+        "trainer.val_before_train=false",
         "tracking.enabled=false",
         f"trainer.output_dir={tmp / 'out'}",
         f"checkpoint.shared_dir={tmp / 'weights'}",
