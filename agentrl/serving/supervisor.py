@@ -223,9 +223,12 @@ class ServerSupervisor:
         return False
 
     async def _why_dead(self, slot: Slot) -> str | None:
+        exited = "its process {pid} exited (code {code})"
         if slot.launched and not slot.handle.is_running():
-            return f"its process {slot.handle.pid} exited (code {slot.handle.process.returncode})"
+            return exited.format(pid=slot.handle.pid, code=slot.handle.process.returncode)
         if not await self._healthy(slot):
+            if slot.launched and not slot.handle.is_running():  # it died during the checks
+                return exited.format(pid=slot.handle.pid, code=slot.handle.process.returncode)
             return "it failed two health checks"
         return None
 
