@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "train-faults-key"
-STEPS = 8
+STEPS = 12
 
 
 def _command(model_dir: Path, tmp: Path) -> list[str]:
