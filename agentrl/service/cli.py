@@ -63,8 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-server-restarts",
         type=int,
-        default=3,
-        help="restarts of each inference server the service launched, once it dies (0: never)",
+        default=None,
+        help="restarts of each inference server the service launched, once it dies "
+        "(0: never; default: the config's inference.max_server_restarts)",
     )
     from agentrl.training import add_log_level_argument
 

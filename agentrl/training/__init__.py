@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from agentrl.training.actor import load_causal_lm
     from agentrl.training.build import Serving, build_serving, server_api_key, worker_config
-    from agentrl.training.loop import RunFailed
+    from agentrl.training.errors import RunFailed
     from agentrl.training.ranks import follow, launcher_scope
     from agentrl.training.resolve import (
         ResolutionError,
@@ -34,7 +34,7 @@ _PUBLIC = {
     "build_serving": "build",
     "server_api_key": "build",
     "worker_config": "build",
-    "RunFailed": "loop",
+    "RunFailed": "errors",
     "follow": "ranks",
     "launcher_scope": "ranks",
     "ResolutionError": "resolve",

@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from agentrl.inference.pool import ServerPool
     from agentrl.rollout.rewards import RewardManager
     from agentrl.tracking import Tracker
+    from agentrl.training.run_servers import RunServers
     from agentrl.training.step import Policies
     from agentrl.weightsync.engine import CheckpointEngine
 
@@ -196,6 +197,9 @@ class Run(Serving):
     output_dir: Path
     pad_token_id: int
     tracker: Tracker | None = None
+    servers: RunServers | None = None
+    """What watches the servers this run launched (set while training; None: pushes go to
+    ``engine`` as it is)."""
 
 
 def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:

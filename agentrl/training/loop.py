@@ -26,6 +26,9 @@ Invariants:
   step, never rc 0 on a run that learned nothing.
 - A failed weight push never leaves a server paused (CheckpointEngine's invariant); it is
   retried ``checkpoint.push_retries`` times, then the run stops with the push report.
+- A server of the run's own that dies is ejected, restarted and rejoins at the version of the
+  next verified push (``run.servers``, :mod:`agentrl.training.run_servers`); pushes go on on
+  the live servers meanwhile. Once every server failed for good the run stops (RunFailed).
 
 Shutdown order: stop admitting (cancel the rollout stream: running episodes end as counted
 drops, their tools released) -> close the buffer -> reporters -> (the builder's exit stack)
@@ -48,6 +51,7 @@ import torch
 from agentrl.rollout.manager import EpisodeKey, StalenessAdmission
 from agentrl.training.buffer import TrajectoryBuffer
 from agentrl.training.build import Run
+from agentrl.training.errors import RunFailed
 from agentrl.training.metrics import (
     TokenCounts,
     compute_data_metrics,
@@ -65,10 +69,6 @@ from agentrl.weightsync.engine import PushReport, WeightPushError
 __all__ = ["RunFailed", "TrainResult", "push_weights", "train", "validate"]
 
 logger = logging.getLogger(__name__)
-
-
-class RunFailed(RuntimeError):
-    """The run cannot make progress (nothing could be scored, a fatal drop); says why."""
 
 
 @dataclass
@@ -130,6 +130,8 @@ class RolloutFeed:
         self._first_failure: str | None = None
         self._fatal: str | None = None
         self._error: BaseException | None = None
+        if run.servers is not None:
+            run.servers.on_lost(self.fail)
         self.last_trajs: list[Trajectory] = []
         self._stream = self.manager.stream(state.task_stream(dataset), n_samples=self.group)
         self._producer = asyncio.create_task(self._produce())
@@ -171,6 +173,11 @@ class RolloutFeed:
         self._failures_in_a_row += 1
         if self._fatal is not None or self._failures_in_a_row >= self.admission.batch_size:
             asyncio.get_running_loop().create_task(self.buffer.close())
+
+    def fail(self, message: str) -> None:
+        """Stop the run: the batch being waited for raises :class:`RunFailed` with ``message``."""
+        self._fatal = self._fatal or message
+        asyncio.get_running_loop().create_task(self.buffer.close())
 
     def _raise_if_failed(self) -> None:
         if self._fatal is not None:
@@ -239,14 +246,16 @@ class RolloutFeed:
 
 
 async def push_weights(run: Run, version: int) -> PushReport:
-    """Push the actor's weights as ``version`` to every server, verified; retried
+    """Push the actor's weights as ``version`` to every server, verified (through
+    ``run.servers`` when it watches them: the live ones and those rejoining); retried
     ``checkpoint.push_retries`` times, then :class:`WeightPushError` with the report."""
     actor = run.policies.actor
     attempts = 1 + run.cfg.checkpoint.push_retries
     state = actor.state_dict_for_push()
+    engine = run.servers if run.servers is not None else run.engine
     report = None
     for attempt in range(attempts):
-        report = await run.engine.push(state, version, score=actor.score_tokens)
+        report = await engine.push(state, version, score=actor.score_tokens)
         if report.ok:
             return report
         logger.warning(
@@ -380,6 +389,8 @@ async def _one_step(
     m.update(feed.buffer.metrics())
     m.update(feed.counts())
     m.update(run.rewards.metrics())
+    if run.servers is not None:
+        m.update(run.servers.metrics())
     counts = TokenCounts.from_trajectories(trajs)
     elapsed = time.perf_counter() - t0
     phases = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")}

@@ -210,6 +210,9 @@ class PushReport:
     """The trainer's scoring of the paused probe (before any pause; counted in verify)."""
     kind: Literal["full", "lora"] = "full"
     """``lora``: the push carried a LoRA adapter only (``num_bytes`` are the adapter's)."""
+    ejected: dict[str, str] = field(default_factory=dict)
+    """``{url: reason}`` of the servers out of the pool (dead, restarting): not pushed to and
+    not failures (:mod:`agentrl.serving.supervisor`)."""
 
     @property
     def ok(self) -> bool:
@@ -240,6 +243,7 @@ class PushReport:
             serving = "PAUSED" if s.paused else "unreachable" if s.version is None else "serving"
             serving += " (rolled back to the last verified weights)" if s.rolled_back else ""
             lines.append(f"  {s.url}: on version {s.version}, {serving}, {state}")
+        lines += [f"  {url}: ejected ({why})" for url, why in self.ejected.items()]
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:

@@ -50,6 +50,7 @@ FAMILIES = [
     "val",
     "variance_proxy",
     "weight_sync",
+    "servers",
     "model",
 ]
 """First segments of metric keys (everything else in backticks is a path, a formula, prose)."""
