@@ -83,6 +83,13 @@ async def test_multi_turn_game_token_exact_and_scored(tok):
         assert info["score"] == solved
         assert info["reward/solved"] == solved
         assert info["reward/brevity"] == pytest.approx(1 / len(replies))
+        # what the run logs for each reward function (the reward manager keeps info beside score)
+        from agentrl.training.metrics import compute_reward_component_metrics
+
+        traj.reward_info = {k: v for k, v in info.items() if k != "score"}
+        logged = compute_reward_component_metrics([traj])
+        assert logged["reward/guess_game/reward/solved/mean"] == solved
+        assert "reward/guess_game/reward/brevity/mean" in logged
 
 
 async def test_single_turn_taskset(tok):
@@ -142,6 +149,30 @@ async def test_multi_turn_game_on_a_real_server_equals_its_request_log(
             assert "verifiers/reward/solved" in traj.metrics
             turns += len(gens)
     assert turns > len(tasks)  # the env answered at least once: a multi-turn episode
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("data.verifiers.taskset=no_such_game", "data.verifiers.taskset: taskset 'no_such_game'"),
+        ("data.verifiers.taskset=gmae.py", "data.verifiers.taskset: 'gmae.py' does not exist"),
+        ("data.verifiers.taskset_args={sise: 3}", "data.verifiers.taskset_args.sise: Extra"),
+        ("data.verifiers.env_args={guesses: many}", "data.verifiers.env_args.guesses: Input"),
+    ],
+    ids=["module", "file", "taskset_args", "env_args"],
+)
+def test_agentrl_train_mistakes_fail_before_any_server_starts(
+    override: str, expected: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agentrl.cli import main
+
+    config = Path(__file__).resolve().parent / "verifiers_project" / "config.yaml"
+    out = tmp_path / "run"
+    rc = main(["train", str(config), override, f"trainer.output_dir={out}", "--quiet"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert "\nerror: " in "\n" + err and expected in err, err
+    assert not (out / "logs").exists(), "a server was started"
 
 
 @pytest.mark.slow
