@@ -56,13 +56,13 @@ from agentrl.inference.client import PolicyClient
 from agentrl.inference.handle import ServerHandle
 from agentrl.inference.server import launch_embedded_server
 from agentrl.inference.tiny_model import build_tiny_model
-from agentrl.training.checkpoint_engine import (
+from agentrl.weightsync.collective import CollectiveTransport
+from agentrl.weightsync.engine import (
     CheckpointEngine,
     HttpStreamTransport,
     SharedDirTransport,
     WeightTransport,
 )
-from agentrl.training.collective_transport import CollectiveTransport
 
 SIZES: dict[str, dict[str, int]] = {
     "1M": dict(hidden_size=128, num_layers=4, intermediate_size=512, num_heads=4, num_kv_heads=2),

@@ -11,6 +11,21 @@ import httpx
 # ---- FakeInferenceServer (PolicyClient / ServerPool unit tests) -------------------------------
 
 
+class PoolMembers:
+    """The ServerPool's membership calls over :attr:`members` (what a supervisor adds and
+    removes); mixed into fake pools."""
+
+    members: set[str]
+
+    def add_server(self, url: str) -> str:
+        self.members.add(url)
+        return url
+
+    async def remove_server(self, url: str) -> bool:
+        self.members.discard(url)
+        return True
+
+
 class FakeInferenceServer:
     """A scripted in-process inference server speaking the completions + control subset.
 

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from agentrl.config.reasoning_gym import ReasoningGymConfig
 from agentrl.config.section import Section
+from agentrl.config.verifiers import VerifiersConfig
 
 __all__ = ["DataConfig", "SFTDataConfig"]
 
@@ -21,11 +22,13 @@ class DataConfig(Section):
     val_files: list[str] = Field(default_factory=list)
     """Held-out task files; empty = `generator_val_size` generated tasks (0 or no generator = no validation)."""
     generator: str | None = "calculator"
-    """Built-in task generator used when `train_files` is empty (`calculator`, `reasoning_gym`); None = off."""
+    """Built-in task generator used when `train_files` is empty (`calculator`, `reasoning_gym`, `verifiers`); None = off."""
     generator_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments for the task generator (e.g. `{max_digits: 4}`)."""
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig)
     """The reasoning-gym tasks of `generator: reasoning_gym` (see docs/environments.md)."""
+    verifiers: VerifiersConfig = Field(default_factory=VerifiersConfig)
+    """The verifiers environment of `generator: verifiers` (see docs/environments.md)."""
     generator_train_size: int = Field(default=512, ge=1)
     """Training tasks the generator makes (seeded by `seed`)."""
     generator_val_size: int = Field(default=64, ge=0)

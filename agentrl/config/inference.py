@@ -46,5 +46,7 @@ class InferenceConfig(Section):
     """Extra command-line arguments for the vLLM server."""
     health_check_interval_s: float = Field(default=10.0, gt=0)
     """Seconds between health checks of each server."""
+    max_server_restarts: int = Field(default=3, ge=0)
+    """Restarts of each server this run (or `agentrl serve`) launched, once it dies; it rejoins at the current weight version (0 = never; the run goes on without it)."""
     wait_for_server_s: float = Field(default=60.0, ge=0)
     """How long a request waits for a live server when every server is down (restarting, its node lost) before it fails; 0 = fail at once."""

@@ -247,7 +247,7 @@ class RewardWorkerActor:
 
     def _rewards(self) -> Any:
         if self._manager is None:
-            from agentrl.training.resolve import build_rewards
+            from agentrl.training import build_rewards
             from agentrl.user_code import import_user_modules
 
             import_user_modules(self.cfg.imports, self.cfg.base_dir)
@@ -373,7 +373,7 @@ class AgentLoopWorkerActor:
         from transformers import AutoTokenizer
 
         from agentrl.inference.pool import ServerPool
-        from agentrl.training.resolve import build_rewards, build_toolset
+        from agentrl.training import build_rewards, build_toolset
         from agentrl.user_code import import_user_modules
 
         # The user's agents, tools and rewards register themselves when imported: here too.

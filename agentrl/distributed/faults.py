@@ -49,8 +49,8 @@ from typing import Any
 from agentrl.distributed.actors import await_ref
 from agentrl.inference.client import PolicyClient
 from agentrl.serving.watch import Watchers
-from agentrl.training.checkpoint_engine import PushReport, ServerPushStatus, WeightPushError
-from agentrl.training.trainer import Trainer
+from agentrl.training import Trainer
+from agentrl.weightsync.engine import PushReport, ServerPushStatus, WeightPushError
 
 __all__ = ["RayTrainer", "RegistryPushReport", "ServerDirectory", "ServerRegistry"]
 

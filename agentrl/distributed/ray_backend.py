@@ -91,7 +91,7 @@ class TrainerRankActor:
     def serve(self, spec: Any) -> int:
         """Join, build the models, run rank 0's commands until stop (the number run)."""
         from agentrl.threads import apply_env_threads
-        from agentrl.training.ranks import follow
+        from agentrl.training import follow
 
         os.environ.update(self.env)
         apply_env_threads()
@@ -248,7 +248,7 @@ class TrainerActor:
         rewards (``reward.models``) and of the teacher this actor's builder started.
         """
         from agentrl.distributed.faults import RayTrainer, ServerDirectory
-        from agentrl.training.ranks import launcher_scope
+        from agentrl.training import launcher_scope
 
         async def connect_rewards(run: Any) -> None:
             if reward is not None and (self.cfg.reward.models or self.cfg.teacher.enabled):
@@ -309,7 +309,7 @@ def _connect(address: str | None) -> bool:
     (:mod:`agentrl.distributed.cluster`: a cluster we start has its own token, whatever
     ``~/.ray`` holds)."""
     from agentrl.distributed.cluster import connect
-    from agentrl.training.run_log import LOG_LEVEL_ENV
+    from agentrl.training import LOG_LEVEL_ENV
 
     root = str(Path(__file__).resolve().parents[2])
     pythonpath = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
@@ -357,8 +357,7 @@ def run_with_ray(
     import ray
 
     from agentrl.threads import make_plan
-    from agentrl.training.build import server_api_key, worker_config
-    from agentrl.training.resolve import model_dir, resolve_experiment
+    from agentrl.training import model_dir, resolve_experiment, server_api_key, worker_config
 
     cfg = _absolute(cfg)
     # One bearer token for the servers this run places; every actor gets it inside the config
@@ -560,7 +559,7 @@ def _run_trainer(
 def _trainer_lost(exc: BaseException) -> Exception:
     """The run's end when the trainer actor died (its node lost, the process killed): a
     :class:`~agentrl.training.loop.RunFailed` that says how to go on."""
-    from agentrl.training.loop import RunFailed
+    from agentrl.training import RunFailed
 
     reason = next((line.strip() for line in str(exc).splitlines() if "died because" in line), "")
     return RunFailed(

@@ -8,7 +8,7 @@ Modules: :mod:`~agentrl.service.app` (routes, settings, :func:`~agentrl.service.
 :mod:`~agentrl.service.jobs` (rollout jobs, cursors, SSE), :mod:`~agentrl.service.store`
 (SQLite), :mod:`~agentrl.service.weights` (pushes and verification),
 :mod:`~agentrl.service.weight_state` (the latest verified push, durable across restarts),
-:mod:`~agentrl.service.supervisor` (dead servers ejected, restarted, rejoining at the version),
+:mod:`~agentrl.serving.supervisor` (dead servers ejected, restarted, rejoining at the version),
 :mod:`~agentrl.service.sessions` (black-box agents through the recording proxy),
 :mod:`~agentrl.auth` (bearer auth and body limits, shared with the proxy),
 :mod:`~agentrl.service.serving` (what the service is built on), :mod:`~agentrl.service.cli`.

@@ -50,8 +50,8 @@ from agentrl.service.models import (
 )
 from agentrl.service.sessions import SessionService
 from agentrl.service.store import Store
-from agentrl.service.supervisor import ServerSupervisor
 from agentrl.service.weights import WeightError, WeightService
+from agentrl.serving.supervisor import ServerSupervisor
 
 __all__ = ["RolloutService", "ServiceSettings", "create_app", "run_service"]
 
@@ -94,8 +94,9 @@ class ServiceSettings(BaseModel):
     """Idle SSE streams get a comment line this often."""
     retention_s: float = Field(default=7 * 24 * 3600.0, gt=0)
     """Finished jobs (and their unacknowledged trajectories) are purged after this long."""
-    max_server_restarts: int = Field(default=3, ge=0)
-    """Restarts of each inference server the service launched, once it dies (0: never)."""
+    max_server_restarts: int | None = Field(default=None, ge=0)
+    """Restarts of each inference server the service launched, once it dies (0: never;
+    None: the config's ``inference.max_server_restarts``)."""
 
 
 class RolloutService:
@@ -110,7 +111,11 @@ class RolloutService:
         self.store = Store(store_path, durable=settings.durable)
         self.servers = ServerSupervisor(
             serving,
-            max_restarts=settings.max_server_restarts,
+            max_restarts=(
+                cfg.inference.max_server_restarts
+                if settings.max_server_restarts is None
+                else settings.max_server_restarts
+            ),
             interval_s=cfg.inference.health_check_interval_s,
         )
         self.weights = WeightService(

@@ -63,10 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-server-restarts",
         type=int,
-        default=3,
-        help="restarts of each inference server the service launched, once it dies (0: never)",
+        default=None,
+        help="restarts of each inference server the service launched, once it dies "
+        "(0: never; default: the config's inference.max_server_restarts)",
     )
-    from agentrl.training.run_log import add_log_level_argument
+    from agentrl.training import add_log_level_argument
 
     add_log_level_argument(parser)
 
@@ -177,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.training.train_cli import configure_logging
 
     configure_logging(args)  # request loggers (httpx, uvicorn.access) at warning: run_log
-    from agentrl.training.resolve import ResolutionError, resolve_experiment
+    from agentrl.training import ResolutionError, resolve_experiment
 
     try:
         cfg = load_config(args.config, args.overrides)

@@ -305,7 +305,7 @@ class JobManager:
         return await self.status(row.id)
 
     def _validate_tasks(self, tasks: list[Task], agent: str | None) -> None:
-        from agentrl.training.resolve import default_agent
+        from agentrl.training import default_agent
         from agents import get_agent_class
 
         default = default_agent(self.serving.cfg)
@@ -586,7 +586,7 @@ def resolve_tasks_for(cfg: Any, data_dirs: list[Path]) -> Callable[[RolloutReque
     def split_tasks(split: str) -> list[Task]:
         """The tasks of config split ``split`` (built once, cached)."""
         if split not in cache:
-            from agentrl.training.resolve import build_tasks
+            from agentrl.training import build_tasks
 
             try:
                 cache[split] = build_tasks(cfg, split=split)

@@ -15,7 +15,7 @@ import dataclasses
 from typing import Any
 
 from agentrl.rollout.manager import AgentLoopManager, AgentLoopWorker
-from agentrl.training.build import Serving, build_serving
+from agentrl.training import Serving, build_serving
 
 __all__ = ["Serving", "build_serving", "with_sampling"]
 

@@ -23,7 +23,7 @@ Guarantees:
 - the response is the CheckpointEngine's report per server (version, paused, stage, verify
   diff, error); a push that failed on any live server is answered 502 with that report, and
   the service's version moves only when every live server took it. Servers the
-  :class:`~agentrl.service.supervisor.ServerSupervisor` ejected (dead, or dead after failing
+  :class:`~agentrl.serving.supervisor.ServerSupervisor` ejected (dead, or dead after failing
   this push) are listed under ``ejected`` with their reason, not as failures; with no live
   server at all a push is a 503 and nothing moves;
 - the latest verified push is durable (:mod:`agentrl.service.weight_state`): saved atomically
@@ -52,7 +52,7 @@ from agentrl.service.weight_state import (
     save_latest,
     sha256_of,
 )
-from agentrl.training.checkpoint_engine import PushReport
+from agentrl.weightsync.engine import PushReport
 
 __all__ = ["WeightError", "WeightService"]
 
@@ -85,7 +85,7 @@ class _ProbeScorer:
             import torch
 
             from agentrl.inference.vllm_backend import checkpoint_dtype
-            from agentrl.training.actor import load_causal_lm
+            from agentrl.training import load_causal_lm
 
             # The checkpoint's own dtype: pushes must match what the servers hold, exactly.
             declared = checkpoint_dtype(self.model_dir)
@@ -175,7 +175,7 @@ def _finite_or_none(x: float | None) -> float | None:
 class WeightService:
     """Owns the service's weight version and serializes pushes (module docstring).
 
-    ``servers`` is the service's :class:`~agentrl.service.supervisor.ServerSupervisor` (None:
+    ``servers`` is the service's :class:`~agentrl.serving.supervisor.ServerSupervisor` (None:
     every server of the engine, none ever ejected); ``state_dir`` where the latest verified
     push is saved (None: not durable)."""
 
@@ -418,7 +418,7 @@ class WeightService:
 
     async def catch_up(self, client: Any, join: Any) -> str | None:
         """Bring ``client``'s server to the current version and call ``join()``, both under the
-        push lock; None on success, else why not (:data:`~agentrl.service.supervisor.CatchUp`)."""
+        push lock; None on success, else why not (:data:`~agentrl.serving.supervisor.CatchUp`)."""
         async with self._lock:
             try:
                 info = await asyncio.wait_for(client.weight_info(), timeout=30.0)

@@ -15,7 +15,10 @@ servers and the Ray server actors all go through the same two steps::
 - :mod:`agentrl.serving.servers`: :func:`start_servers` / :func:`start_model_servers`, every
   server of a run;
 - :mod:`agentrl.serving.watch`: :class:`Watchers`, one background task per watched server
-  (the service's supervisor and the Ray run's registry).
+  (the supervisor and the Ray run's registry);
+- :mod:`agentrl.serving.supervisor`: :class:`~agentrl.serving.supervisor.ServerSupervisor`, a
+  dead server ejected, restarted (bounded) and rejoining at the current version (the rollout
+  service's servers and a local run's).
 """
 
 from agentrl.inference.handle import ServerHandle

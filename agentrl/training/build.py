@@ -35,17 +35,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.config import ExperimentConfig
 from agentrl.serving import served_model, start_model_servers, start_servers, start_teacher_servers
 from agentrl.threads import ThreadPlan, make_plan
+from agentrl.training.policies import load_policies
 from agentrl.training.resolve import (
     Resolved,
     build_rewards,
@@ -54,12 +54,19 @@ from agentrl.training.resolve import (
     resolve_experiment,
 )
 
+if TYPE_CHECKING:
+    from agentrl.inference.pool import ServerPool
+    from agentrl.rollout.rewards import RewardManager
+    from agentrl.tracking import Tracker
+    from agentrl.training.run_servers import RunServers
+    from agentrl.training.step import Policies
+    from agentrl.weightsync.engine import CheckpointEngine
+
 __all__ = [
     "Run",
     "Serving",
     "build_run",
     "build_serving",
-    "load_policies",
     "start_policies",
     "thread_plan",
     "worker_config",
@@ -126,12 +133,11 @@ class Serving:
     model_dir: Path
     tokenizer: Any
     server_urls: list[str]
-    pool: Any
-    """The started :class:`~agentrl.inference.pool.ServerPool`."""
-    engine: Any
-    """The :class:`~agentrl.training.checkpoint_engine.CheckpointEngine` over every server."""
-    rewards: Any
-    """The :class:`~agentrl.rollout.rewards.RewardManager`."""
+    pool: ServerPool
+    """The started server pool."""
+    engine: CheckpointEngine
+    """The checkpoint engine over every server."""
+    rewards: RewardManager
     threads: ThreadPlan
     workers: list[Any] | None = None
     """Ready-made agent-loop workers (Ray actor adapters); None = in-process workers."""
@@ -180,16 +186,20 @@ class Serving:
         )
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run(Serving):
-    """Serving plus the training side (see :func:`build_run`)."""
+    """Serving plus the training side (see :func:`build_run`); every field is set by
+    :func:`build_run` except ``tracker``, which the trainer attaches."""
 
-    resolved: Resolved | None = None
-    policies: Any = None
-    """:class:`~agentrl.training.step.Policies` (actor, reference, critic)."""
-    tracker: Any = None
-    output_dir: Path = Path(".")
-    pad_token_id: int = 0
+    resolved: Resolved
+    policies: Policies
+    """The actor, and the reference and critic the algorithm needs."""
+    output_dir: Path
+    pad_token_id: int
+    tracker: Tracker | None = None
+    servers: RunServers | None = None
+    """What watches the servers this run launched (set while training; None: pushes go to
+    ``engine`` as it is)."""
 
 
 def load_tokenizer(cfg: ExperimentConfig, path: Path) -> Any:
@@ -218,7 +228,7 @@ def _engine(
     cfg: ExperimentConfig, urls: list[str], temperature: float, transport: Any, api_key: str | None
 ) -> Any:
     from agentrl.inference.client import PolicyClient
-    from agentrl.training.checkpoint_engine import CheckpointEngine, transport_from_config
+    from agentrl.weightsync.engine import CheckpointEngine, transport_from_config
 
     ck = cfg.checkpoint
     control = [PolicyClient(u, timeout_s=ck.push_timeout_s, api_key=api_key) for u in urls]
@@ -332,45 +342,6 @@ async def build_serving(
 
 async def _given(urls: Sequence[str]) -> list[str]:
     return list(urls)
-
-
-def load_policies(cfg: ExperimentConfig, path: Path, plan: Any, *, dist: Any = None) -> Any:
-    """The actor, and the reference and critic the algorithm plan needs; with ``dist`` (a
-    :class:`~agentrl.training.fsdp.DistContext`) this rank's FSDP2 shards of each (every rank
-    builds the same models: :mod:`agentrl.training.ranks`)."""
-    from agentrl.training.actor import Actor, ActorConfig, FrozenPolicy
-    from agentrl.training.critic import Critic, CriticConfig
-    from agentrl.training.step import Policies
-
-    t, m = cfg.trainer, cfg.model
-    if dist is not None and t.cpu_offload:
-        dist = dataclasses.replace(dist, cpu_offload=True)
-    common = {
-        "device": t.device,
-        "dtype": m.dtype,
-        "trust_remote_code": m.trust_remote_code,
-        "dist": dist,
-    }
-    actor = Actor(path, ActorConfig.from_config(cfg, plan), **common)
-    reference = (
-        FrozenPolicy(
-            path,
-            temperature=actor.temperature,
-            micro_batch_max_tokens=t.micro_batch_max_tokens,
-            **common,
-        )
-        if plan.needs_reference
-        else None
-    )
-    critic = Critic(path, CriticConfig.from_config(cfg), **common) if plan.needs_critic else None
-    if critic is None and t.critic_warmup_steps and (dist is None or dist.is_main):
-        logger.warning(
-            "trainer.critic_warmup_steps=%d is ignored: algorithm.advantage %r has no critic "
-            "(use gae)",
-            t.critic_warmup_steps,
-            plan.advantage.name,
-        )
-    return Policies(actor=actor, reference=reference, critic=critic)
 
 
 def start_policies(

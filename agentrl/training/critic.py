@@ -36,7 +36,7 @@ import torch
 from tensordict import TensorDict
 from torch import nn
 
-from agentrl.algos import masked_mean, masked_var, value_loss
+from agentrl.algos import value_loss
 from agentrl.batch import check_batch, split_by_token_budget
 from agentrl.training.actor import (
     OptimizerSettings,
@@ -52,7 +52,7 @@ from agentrl.training.memory import checkpoint_decoder_layers
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
 
-__all__ = ["Critic", "CriticConfig", "ValueModel", "load_backbone", "value_metrics"]
+__all__ = ["Critic", "CriticConfig", "ValueModel", "load_backbone"]
 
 
 @dataclass
@@ -105,35 +105,6 @@ def load_backbone(
         )
     module: Any = model  # transformers' stubs mistype .to() on pretrained models
     return module.to(device)
-
-
-def value_metrics(
-    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """How well the critic's values (before its update) predicted the returns.
-
-    Args:
-        values: ``[B, T]`` the critic's values when the batch was collected.
-        returns: ``[B, T]`` the GAE returns (targets).
-        response_mask: ``[B, T]`` 0/1.
-
-    Returns:
-        ``critic/values_mean``, ``critic/returns_mean`` (masked means) and
-        ``critic/vf_explained_var`` = 1 − Var(R − V) / Var(R) over the masked tokens (1 is a
-        perfect critic, 0 no better than a constant, negative worse; 0 when Var(R) = 0).
-    """
-    m = response_mask.float()
-    var_returns = masked_var(returns, m)
-    explained = (
-        1.0 - masked_var(returns - values, m) / var_returns
-        if float(var_returns) > 1e-12
-        else torch.tensor(0.0)
-    )
-    return {
-        "critic/values_mean": float(masked_mean(values, m)),
-        "critic/returns_mean": float(masked_mean(returns, m)),
-        "critic/vf_explained_var": float(explained),
-    }
 
 
 class ValueModel(nn.Module):

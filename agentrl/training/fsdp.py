@@ -51,7 +51,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_sh
 from torch.distributed.tensor import DTensor
 
 from agentrl.batch import balance_across_ranks, select_rows, split_by_token_budget
-from agentrl.training.memory import offload_policy
 
 __all__ = [
     "DistContext",
@@ -60,6 +59,7 @@ __all__ = [
     "default_mixed_precision",
     "full_state_dict_for_push",
     "init_distributed",
+    "offload_policy",
     "shard_model",
 ]
 
@@ -91,6 +91,13 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
             "causal LM does) or be sharded by hand with torch.distributed.fsdp.fully_shard"
         )
     return layers
+
+
+def offload_policy(device_type: str) -> Any:
+    """FSDP2's ``CPUOffloadPolicy`` (pinned host memory on CUDA, for asynchronous copies)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    return CPUOffloadPolicy(pin_memory=device_type == "cuda")
 
 
 def default_mixed_precision(device_type: str) -> MixedPrecisionPolicy:
@@ -127,7 +134,7 @@ def shard_model(
         float32_units: submodules sharded as their own unit that always computes in float32
             (the critic's value head, whatever ``mixed_precision`` says).
         cpu_offload: keep parameter shards, gradients and optimizer state in host memory
-            (:func:`agentrl.training.memory.offload_policy`; ``trainer.cpu_offload``).
+            (:func:`offload_policy`; ``trainer.cpu_offload``).
 
     Returns:
         ``model`` itself, now an ``FSDPModule`` whose parameters are ``DTensor`` shards.

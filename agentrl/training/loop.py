@@ -32,6 +32,9 @@ Invariants:
   the memory it freed back to the OS, the push wakes them with the new version, verified (a step without a push wakes them without one),
   admission resumes. Episodes still running when the servers sleep are held, not dropped: their
   next tokens come from the new version (per-token versions say so), staleness ≤ η as always.
+- A server of the run's own that dies is ejected, restarted and rejoins at the version of the
+  next verified push (``run.servers``, :mod:`agentrl.training.run_servers`); pushes go on on
+  the live servers meanwhile. Once every server failed for good the run stops (RunFailed).
 
 Shutdown order: stop admitting (cancel the rollout stream: running episodes end as counted
 drops, their tools released) -> close the buffer -> reporters -> (the builder's exit stack)
@@ -54,7 +57,7 @@ import torch
 from agentrl.rollout.manager import EpisodeKey, StalenessAdmission
 from agentrl.training.buffer import TrajectoryBuffer
 from agentrl.training.build import Run
-from agentrl.training.checkpoint_engine import PushReport, WeightPushError
+from agentrl.training.errors import RunFailed
 from agentrl.training.metrics import (
     TokenCounts,
     compute_data_metrics,
@@ -67,14 +70,11 @@ from agentrl.training.metrics import (
 from agentrl.training.state import RunState
 from agentrl.training.step import train_step, trajectory_metrics
 from agentrl.types import StopReason, Trajectory
+from agentrl.weightsync.engine import PushReport, WeightPushError
 
 __all__ = ["RunFailed", "TrainResult", "push_weights", "train", "validate"]
 
 logger = logging.getLogger(__name__)
-
-
-class RunFailed(RuntimeError):
-    """The run cannot make progress (nothing could be scored, a fatal drop); says why."""
 
 
 @dataclass
@@ -113,7 +113,7 @@ class RolloutFeed:
     """The rollout side of the loop: admission, the manager's stream, the buffer, failures."""
 
     def __init__(self, run: Run, state: RunState, dataset: Any) -> None:
-        cfg, plan = run.cfg, run.resolved.plan  # type: ignore[union-attr]
+        cfg, plan = run.cfg, run.resolved.plan
         self.greedy = plan.advantage.needs_greedy_baseline
         self.group = cfg.data.n_samples + (1 if self.greedy else 0)
         self.batch_groups = cfg.data.batch_size
@@ -136,6 +136,8 @@ class RolloutFeed:
         self._first_failure: str | None = None
         self._fatal: str | None = None
         self._error: BaseException | None = None
+        if run.servers is not None:
+            run.servers.on_lost(self.fail)
         self.last_trajs: list[Trajectory] = []
         self._stream = self.manager.stream(state.task_stream(dataset), n_samples=self.group)
         self._producer = asyncio.create_task(self._produce())
@@ -177,6 +179,11 @@ class RolloutFeed:
         self._failures_in_a_row += 1
         if self._fatal is not None or self._failures_in_a_row >= self.admission.batch_size:
             asyncio.get_running_loop().create_task(self.buffer.close())
+
+    def fail(self, message: str) -> None:
+        """Stop the run: the batch being waited for raises :class:`RunFailed` with ``message``."""
+        self._fatal = self._fatal or message
+        asyncio.get_running_loop().create_task(self.buffer.close())
 
     def _raise_if_failed(self) -> None:
         if self._fatal is not None:
@@ -245,14 +252,16 @@ class RolloutFeed:
 
 
 async def push_weights(run: Run, version: int) -> PushReport:
-    """Push the actor's weights as ``version`` to every server, verified; retried
+    """Push the actor's weights as ``version`` to every server, verified (through
+    ``run.servers`` when it watches them: the live ones and those rejoining); retried
     ``checkpoint.push_retries`` times, then :class:`WeightPushError` with the report."""
     actor = run.policies.actor
     attempts = 1 + run.cfg.checkpoint.push_retries
     state = actor.state_dict_for_push()
+    engine = run.servers if run.servers is not None else run.engine
     report = None
     for attempt in range(attempts):
-        report = await run.engine.push(state, version, score=actor.score_tokens)
+        report = await engine.push(state, version, score=actor.score_tokens)
         if report.ok:
             return report
         logger.warning(
@@ -347,7 +356,7 @@ async def _one_step(
     for task_id in feed.buffer.pop_dropped_task_ids():
         state.dropped(task_id)
     trajs, baselines = feed.split(groups)
-    plan = run.resolved.plan  # type: ignore[union-attr]
+    plan = run.resolved.plan
     frozen = plan.needs_critic and state.step < cfg.trainer.critic_warmup_steps
     pushes = (state.step + 1) % cfg.checkpoint.push_every == 0 or (
         state.step + 1 >= cfg.trainer.total_steps
@@ -395,6 +404,8 @@ async def _one_step(
     m.update(feed.buffer.metrics())
     m.update(feed.counts())
     m.update(run.rewards.metrics())
+    if run.servers is not None:
+        m.update(run.servers.metrics())
     counts = TokenCounts.from_trajectories(trajs)
     elapsed = time.perf_counter() - t0
     phases = {k.split("/", 1)[1]: v for k, v in m.items() if k.startswith("timing_s/")}
@@ -482,7 +493,7 @@ def _model_size(run: Run) -> dict[str, float]:
 
 
 def _save(run: Run, state: RunState, dataset: Any, feed: RolloutFeed) -> None:
-    plan = run.resolved.plan  # type: ignore[union-attr]
+    plan = run.resolved.plan
     kl = plan.kl_in_reward.controller.value if plan.kl_in_reward is not None else None
     state.save(
         run.output_dir / "checkpoint",

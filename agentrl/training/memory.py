@@ -9,7 +9,7 @@ the activations of one forward):
   keep only its inputs in forward and recompute its activations in backward (about one more
   forward pass per update). The numbers are the same as without it (dropout is off in the
   trainer, and the RNG state is restored for the recompute anyway).
-- ``trainer.cpu_offload``: :func:`offload_policy` is FSDP2's ``CPUOffloadPolicy``: parameter
+- ``trainer.cpu_offload``: :func:`~agentrl.training.fsdp.offload_policy` is FSDP2's ``CPUOffloadPolicy``: parameter
   shards, gradients and the optimizer state live in host memory, each layer's parameters are
   copied to the device for its forward/backward, and the optimizer step runs on the CPU.
 
@@ -30,7 +30,9 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_decoder_layers", "offload_policy"]
+from agentrl.training.fsdp import decoder_layers
+
+__all__ = ["checkpoint_decoder_layers"]
 
 
 def _checkpointed(forward: Any) -> Any:
@@ -51,18 +53,9 @@ def checkpoint_decoder_layers(model: torch.nn.Module) -> int:
     Idempotent: a layer already wrapped is left alone. Call it before FSDP2 sharding and before
     or after peft wrapping (both keep the layer modules).
     """
-    from agentrl.training.fsdp import decoder_layers
-
     layers = decoder_layers(model)
     for layer in layers:
         if getattr(layer.forward, "agentrl_checkpointed", False):
             continue
         layer.forward = _checkpointed(layer.forward)  # type: ignore[method-assign]
     return len(layers)
-
-
-def offload_policy(device_type: str) -> Any:
-    """FSDP2's ``CPUOffloadPolicy`` (pinned host memory on CUDA, for asynchronous copies)."""
-    from torch.distributed.fsdp import CPUOffloadPolicy
-
-    return CPUOffloadPolicy(pin_memory=device_type == "cuda")

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 from tensordict import TensorDict
 
+from agentrl.algos import masked_mean, masked_var
 from agentrl.batch import non_tensor_list
-from agentrl.training.critic import value_metrics
 from agentrl.types import StopReason, Trajectory
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "compute_throughput_metrics",
     "compute_timing_metrics",
     "compute_tool_metrics",
+    "value_metrics",
 ]
 
 ABORTED_STOP_REASONS = frozenset({StopReason.ABORTED, StopReason.ERROR})
@@ -430,4 +431,33 @@ def compute_reward_component_metrics(trajectories: Sequence[Trajectory]) -> dict
     return {
         f"reward/{source}/{key}/mean": total / n
         for (source, key), (total, n) in sorted(sums.items())
+    }
+
+
+def value_metrics(
+    values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How well the critic's values (before its update) predicted the returns.
+
+    Args:
+        values: ``[B, T]`` the critic's values when the batch was collected.
+        returns: ``[B, T]`` the GAE returns (targets).
+        response_mask: ``[B, T]`` 0/1.
+
+    Returns:
+        ``critic/values_mean``, ``critic/returns_mean`` (masked means) and
+        ``critic/vf_explained_var`` = 1 − Var(R − V) / Var(R) over the masked tokens (1 is a
+        perfect critic, 0 no better than a constant, negative worse; 0 when Var(R) = 0).
+    """
+    m = response_mask.float()
+    var_returns = masked_var(returns, m)
+    explained = (
+        1.0 - masked_var(returns - values, m) / var_returns
+        if float(var_returns) > 1e-12
+        else torch.tensor(0.0)
+    )
+    return {
+        "critic/values_mean": float(masked_mean(values, m)),
+        "critic/returns_mean": float(masked_mean(returns, m)),
+        "critic/vf_explained_var": float(explained),
     }

@@ -597,7 +597,7 @@ def start_ranks(
 def _build_followers_models(setup: Setup, dist_ctx: Any) -> dict[str, Any]:
     """The models rank 0 built, from the same config, sharded with ``dist_ctx``."""
     from agentrl.training.algorithm import build_algorithm
-    from agentrl.training.build import load_policies
+    from agentrl.training.policies import load_policies
     from agentrl.training.state import seed_everything
     from agentrl.user_code import import_user_modules
 

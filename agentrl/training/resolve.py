@@ -175,7 +175,9 @@ def build_tasks(cfg: ExperimentConfig, *, split: str) -> list[Task]:
     elif d.generator is not None:
         n = d.generator_train_size if split == "train" else d.generator_val_size
         if n:
-            tasks = _generate(cfg, n, seed=d.seed if split == "train" else d.generator_val_seed)
+            tasks = _generate(
+                cfg, n, seed=d.seed if split == "train" else d.generator_val_seed, split=split
+            )
     elif split == "train":
         raise RegistryError("data.train_files is empty and data.generator is null: no tasks")
     agent = default_agent(cfg)
@@ -192,7 +194,16 @@ def build_tasks(cfg: ExperimentConfig, *, split: str) -> list[Task]:
     ]
 
 
-def _generate(cfg: ExperimentConfig, n: int, *, seed: int) -> list[Task]:
+def _generate(cfg: ExperimentConfig, n: int, *, seed: int, split: str = "train") -> list[Task]:
+    if cfg.data.generator == "verifiers":
+        from agentrl.rollout.verifiers_env import generate_verifiers_tasks
+
+        # The taskset's own rows, in its order: training takes the first
+        # generator_train_size, validation the generator_val_size after them.
+        offset = 0 if split == "train" else cfg.data.generator_train_size
+        return generate_verifiers_tasks(
+            cfg.data.verifiers, n, offset=offset, split=split, base_dir=cfg.base_dir
+        )
     if cfg.data.generator == "reasoning_gym":
         from agentrl.rollout.reasoning_gym import generate_reasoning_gym_tasks
 
@@ -200,7 +211,7 @@ def _generate(cfg: ExperimentConfig, n: int, *, seed: int) -> list[Task]:
     if cfg.data.generator != "calculator":
         raise RegistryError(
             f"data.generator: unknown generator {cfg.data.generator!r}; the built-ins are "
-            "'calculator' and 'reasoning_gym' (or give data.train_files)"
+            "'calculator', 'reasoning_gym' and 'verifiers' (or give data.train_files)"
         )
     from agentrl.rollout.calculator_task import generate_calculator_tasks
 

@@ -266,7 +266,7 @@ async def _update_models(
 ) -> torch.Tensor | None:
     """Critic update (when there is one), then the actor's; returns the actor's first-pass π_θ."""
     if policies.critic is not None:
-        from agentrl.training.critic import value_metrics
+        from agentrl.training.metrics import value_metrics
 
         m.update(value_metrics(batch["values"], batch["returns"], batch["response_mask"]))
         t0 = time.perf_counter()

@@ -30,6 +30,8 @@ def drops_and_errors(counts: dict[str, float]) -> dict[str, Any]:
         "episodes": {
             "admitted": _n(counts, "rollout/admitted"),
             "finished": _n(counts, "rollout/finished"),
+            # ended without a trajectory, whatever the reason (each counted below)
+            "without_trajectory": _n(counts, "rollout/dropped"),
             "trained": _n(counts, "async/consumed_total"),
         },
         "failed": {
@@ -71,9 +73,16 @@ def failure_check(result: Any, max_share: float) -> str | None:
     )
 
 
+def _servers(history: dict[str, list[tuple[int, float]]]) -> dict[str, int]:
+    """The run's own servers: ejected, restarted and rejoined since the start (the last
+    ``servers/*`` values; zeros when nothing watched them)."""
+    last = {k: int(v[-1][1]) for k, v in history.items() if k.startswith("servers/") and v}
+    return {k: last.get(f"servers/{k}", 0) for k in ("ejected", "restarts", "rejoined", "failed")}
+
+
 def summary(result: Any) -> dict[str, Any]:
-    """What ``agentrl train`` prints: steps, validation, weight pushes, drops and errors by
-    reason, where the run is."""
+    """What ``agentrl train`` prints: steps, validation, weight pushes, the servers that died
+    and came back, drops and errors by reason, where the run is."""
     diffs = [d for _, d in result.history.get("weight_sync/verify_max_abs_diff", [])]
     failed = [f for _, f in result.history.get("weight_sync/failed_servers", [])]
     return {
@@ -87,6 +96,7 @@ def summary(result: Any) -> dict[str, Any]:
             "max_abs_diff": max(diffs) if diffs else None,
         },
         **drops_and_errors(getattr(result, "episodes", {}) or {}),
+        "servers": _servers(result.history),
         "wall_time_s": round(result.wall_time_s, 1),
         "output_dir": result.output_dir,
         "mlflow": result.run_location,

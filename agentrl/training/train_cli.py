@@ -72,7 +72,7 @@ def load_and_resolve(path: str, overrides: list[str]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Train; the exit status says how the run ended (module docstring)."""
-    from agentrl.training.loop import RunFailed
+    from agentrl.training.errors import RunFailed
     from agentrl.training.trainer import Trainer
 
     configure_logging(args)

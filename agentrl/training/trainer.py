@@ -6,6 +6,7 @@ trainer actor, tests). It only composes the pieces, each of which lives in its o
     resolve_experiment (resolve.py)  every name and file, before anything starts
     build_run          (build.py)    servers, pool, CheckpointEngine, models, one exit stack
     RunState           (state.py)    what is saved and resumed
+    watch_servers      (run_servers.py) a dead server of its own restarted, rejoining verified
     train              (loop.py)     the loop; train_step (step.py) the math of one step
     reporters          (tracking.py) MLflow metrics, sample tables, progress, plots
 
@@ -40,6 +41,7 @@ from agentrl.training.loop import TrainResult, push_weights, train
 from agentrl.training.masking import MaskingWatch
 from agentrl.training.resolve import build_tasks, build_toolset, resolve_experiment
 from agentrl.training.run_log import PhaseTimer, StepLog
+from agentrl.training.run_servers import watch_servers
 from agentrl.training.state import RunState, seed_everything
 
 __all__ = [
@@ -165,7 +167,8 @@ class Trainer:
             tracker = self._tracker(saved)
             phases.done("tracking ready", t2)
             run.tracker = tracker
-            result = await self._train(run, tracker, dataset)
+            async with watch_servers(run):  # the servers this run launched: restarted if dead
+                result = await self._train(run, tracker, dataset)
         result.wall_time_s = time.perf_counter() - t0
         return result
 

@@ -99,6 +99,7 @@ def embedded_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFacto
         request_log=tmp / "requests.jsonl",
         startup_timeout_s=300,
     )
+    handle.request_log = tmp / "requests.jsonl"  # type: ignore[attr-defined]  # for tests that read it
     try:
         yield handle
     finally:

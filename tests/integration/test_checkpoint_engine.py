@@ -24,7 +24,8 @@ import torch
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.handle import ServerHandle
 from agentrl.inference.server import launch_embedded_server
-from agentrl.training.checkpoint_engine import (
+from agentrl.types import SamplingParams
+from agentrl.weightsync.engine import (
     CheckpointEngine,
     HttpStreamTransport,
     SharedDirTransport,
@@ -32,7 +33,6 @@ from agentrl.training.checkpoint_engine import (
     WeightPushError,
     WeightTransport,
 )
-from agentrl.types import SamplingParams
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
 

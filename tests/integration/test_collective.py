@@ -20,8 +20,8 @@ import pytest
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.handle import ServerHandle
 from agentrl.inference.server import launch_embedded_server
-from agentrl.training.checkpoint_engine import CheckpointEngine
-from agentrl.training.collective_transport import CollectiveTransport
+from agentrl.weightsync.collective import CollectiveTransport
+from agentrl.weightsync.engine import CheckpointEngine
 from tests.integration.test_checkpoint_engine import (
     assert_serving,
     next_version,

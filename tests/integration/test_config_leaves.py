@@ -41,6 +41,10 @@ READ_ELSEWHERE = {
     "data.reasoning_gym.tasks": "the reasoning_gym generator (test_reasoning_gym.py)",
     "data.reasoning_gym.system_prompt": "the reasoning_gym generator (test_reasoning_gym.py)",
     "data.reasoning_gym.answer_tag": "the reasoning_gym generator (test_reasoning_gym.py)",
+    "data.verifiers.taskset": "the verifiers generator (test_verifiers_env.py)",
+    "data.verifiers.env": "the verifiers generator (test_verifiers_env.py)",
+    "data.verifiers.taskset_args": "the verifiers generator (test_verifiers_env.py)",
+    "data.verifiers.env_args": "the verifiers generator (test_verifiers_env.py)",
     "environment.kwargs": "an environment's constructor (tests/unit/agents/test_environment.py)",
     **{
         f"teacher.{k}": "a distillation run with teacher.path set (test_distill.py)"

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import load_config
-from agentrl.training.checkpoint_engine import PushReport
 from agentrl.training.trainer import Trainer
+from agentrl.weightsync.engine import PushReport
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = ROOT / "checkpoints" / "calculator-sft"

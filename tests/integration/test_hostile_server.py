@@ -34,8 +34,8 @@ from agentrl.inference.handle import ServerHandle
 from agentrl.inference.pool import ServerPool
 from agentrl.inference.routes.auth import PUBLIC_PATHS
 from agentrl.inference.server import launch_embedded_server
-from agentrl.training.checkpoint_engine import CheckpointEngine, HttpStreamTransport
 from agentrl.types import SamplingParams
+from agentrl.weightsync.engine import CheckpointEngine, HttpStreamTransport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

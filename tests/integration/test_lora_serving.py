@@ -27,14 +27,14 @@ import torch
 
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.lora import LoraAdapter
-from agentrl.training.checkpoint_engine import (
+from agentrl.weightsync.collective import CollectiveTransport
+from agentrl.weightsync.engine import (
     VLLM_LORA_NAME,
     CheckpointEngine,
     HttpStreamTransport,
     SharedDirTransport,
     WeightTransport,
 )
-from agentrl.training.collective_transport import CollectiveTransport
 from tests.integration.conftest import vllm_python_or_fail
 from tests.integration.test_checkpoint_engine import (
     PROMPT,

@@ -50,6 +50,7 @@ FAMILIES = [
     "val",
     "variance_proxy",
     "weight_sync",
+    "servers",
     "model",
     "colocate",
 ]

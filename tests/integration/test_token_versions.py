@@ -16,10 +16,10 @@ import torch
 from agentrl.batch import trajectories_to_batch
 from agentrl.episode import EpisodeRecorder
 from agentrl.inference.client import PolicyClient
-from agentrl.training.checkpoint_engine import CheckpointEngine, HttpStreamTransport
 from agentrl.training.offpolicy import row_staleness
 from agentrl.training.step import token_version_metrics
 from agentrl.types import SamplingParams, StopReason
+from agentrl.weightsync.engine import CheckpointEngine, HttpStreamTransport
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 

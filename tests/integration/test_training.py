@@ -19,8 +19,8 @@ import pytest
 
 from agentrl.config import ExperimentConfig, load_config
 from agentrl.inference.client import PolicyClient
-from agentrl.training.checkpoint_engine import HttpStreamTransport, StagedWeights, WeightPushError
 from agentrl.training.trainer import Trainer, TrainResult
+from agentrl.weightsync.engine import HttpStreamTransport, StagedWeights, WeightPushError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 

@@ -20,8 +20,8 @@ import torch
 from agentrl.inference.client import InferenceError, PolicyClient
 from agentrl.inference.engine import state_digest
 from agentrl.inference.handle import ServerHandle
-from agentrl.training.checkpoint_engine import CheckpointEngine, HttpStreamTransport
 from agentrl.types import SamplingParams
+from agentrl.weightsync.engine import CheckpointEngine, HttpStreamTransport
 from tests.integration.test_checkpoint_engine import perturbed, scorer, state_of
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -90,6 +90,7 @@ SERVE_SPECIAL = {
     "--durable": "off",
     "--weights-dir": "none",
     "--data-dir": "none",
+    "--max-server-restarts": "inference.max_server_restarts",  # the config key, unless given
 }
 
 

@@ -51,12 +51,14 @@ REWARDS.add("numeric_match", numeric_match)
 REWARDS.add("calculator", calculator_reward)
 REWARDS.add("tool_format", tool_format)
 REWARDS.add_lazy("reasoning_gym", "agentrl.rollout.reasoning_gym:reasoning_gym_reward")
+REWARDS.add_lazy("verifiers", "agentrl.rollout.verifiers_env:verifiers_reward")
 BUILTIN_REWARDS = (
     "exact_match",
     "numeric_match",
     "calculator",
     "tool_format",
     "reasoning_gym",
+    "verifiers",
 )
 """Names of the built-in reward functions."""
 

@@ -25,7 +25,7 @@ from agentrl.distributed.faults import ServerDirectory, ServerRegistry
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.pool import ServerPool
 from agentrl.rollout.manager import WorkerConfig
-from agentrl.training.checkpoint_engine import (
+from agentrl.weightsync.engine import (
     CheckpointEngine,
     HttpStreamTransport,
     WeightPushError,

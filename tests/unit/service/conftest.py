@@ -20,27 +20,20 @@ from agentrl.inference.client import PolicyClient
 from agentrl.rollout.manager import AgentLoopManager, WorkerConfig
 from agentrl.rollout.rewards import RewardManager
 from agentrl.service.app import RolloutService, ServiceSettings, create_app
-from agentrl.training.checkpoint_engine import CheckpointEngine, HttpStreamTransport
 from agentrl.types import SamplingParams, Task
-from tests.fakes import FakeInferenceServer, ScriptedPolicy
+from agentrl.weightsync.engine import CheckpointEngine, HttpStreamTransport
+from tests.fakes import FakeInferenceServer, PoolMembers, ScriptedPolicy
 from tools import ToolSet, get_tool
 
 ANSWER = "\\boxed{5}"
 
 
-class FakePool(ScriptedPolicy):
-    """A ScriptedPolicy with the ServerPool's ``stats()`` (what /v1/status reads)."""
+class FakePool(ScriptedPolicy, PoolMembers):
+    """A ScriptedPolicy with the ServerPool's ``stats()`` (what /v1/status reads) and its
+    membership calls."""
 
     def stats(self) -> dict[str, Any]:
         return {}
-
-    def add_server(self, url: str) -> str:
-        self.members.add(url)
-        return url
-
-    async def remove_server(self, url: str) -> bool:
-        self.members.discard(url)
-        return True
 
     @property
     def members(self) -> set[str]:

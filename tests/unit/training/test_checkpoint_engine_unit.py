@@ -16,7 +16,7 @@ from safetensors.torch import load, load_file
 
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.lora import ADAPTER_CONFIG, ADAPTER_FILE, METADATA_KEY, LoraAdapter, LoraSpec
-from agentrl.training.checkpoint_engine import (
+from agentrl.weightsync.engine import (
     VLLM_LORA_NAME,
     CheckpointEngine,
     HttpStreamTransport,
@@ -159,8 +159,8 @@ def test_make_transport_errors_name_the_field() -> None:
 
 def test_transport_from_config_passes_the_collective_knobs(tmp_path: Path) -> None:
     from agentrl.config import CheckpointConfig
-    from agentrl.training.checkpoint_engine import transport_from_config
-    from agentrl.training.collective_transport import CollectiveTransport
+    from agentrl.weightsync.collective import CollectiveTransport
+    from agentrl.weightsync.engine import transport_from_config
 
     ck = CheckpointConfig(
         transport="collective", bucket_mb=2, collective_backend="gloo", collective_timeout_s=7

@@ -34,8 +34,8 @@ import torch
 from agentrl.inference.client import PolicyClient
 from agentrl.inference.collective import BucketLayout, WeightGroupError
 from agentrl.inference.lora import LoraAdapter, LoraSpec
-from agentrl.training.checkpoint_engine import CheckpointEngine
-from agentrl.training.collective_transport import CollectiveTransport, vllm_packed_chunks
+from agentrl.weightsync.collective import CollectiveTransport, vllm_packed_chunks
+from agentrl.weightsync.engine import CheckpointEngine
 from tests.fakes import FakeInferenceServer
 
 INIT_INFO_FIELDS = {

@@ -15,8 +15,7 @@ from agentrl.inference.client import PolicyClient
 from agentrl.inference.engine import InferenceEngine
 from agentrl.inference.server import create_app
 from agentrl.rollout.admission import StalenessAdmission
-from agentrl.training.checkpoint_engine import CheckpointEngine, SharedDirTransport
-from agentrl.training.weight_transports import StagedWeights
+from agentrl.weightsync import CheckpointEngine, SharedDirTransport, StagedWeights
 
 ROOT = Path(__file__).resolve().parents[3]
 

@@ -10,7 +10,8 @@ import torch
 
 from agentrl.algos import compute_advantage, value_loss
 from agentrl.batch import BatchSchemaError, trajectories_to_batch
-from agentrl.training.critic import Critic, value_metrics
+from agentrl.training.critic import Critic
+from agentrl.training.metrics import value_metrics
 from agentrl.types import Trajectory
 from tests.fakes import MODEL_ARGS, critic_config, random_trajectories
 

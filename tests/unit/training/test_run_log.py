@@ -138,7 +138,12 @@ def test_the_summary_lists_failures_and_drops_by_reason() -> None:
         "incomplete_group": 5,
         "cancelled_at_shutdown": 4,
     }
-    assert d["episodes"] == {"admitted": 44, "finished": 30, "trained": 24}
+    assert d["episodes"] == {
+        "admitted": 44,
+        "finished": 30,
+        "without_trajectory": 0,
+        "trained": 24,
+    }
     assert failed_share(COUNTS) == (9, 40)
     result = SimpleNamespace(
         steps=3,
@@ -154,6 +159,9 @@ def test_the_summary_lists_failures_and_drops_by_reason() -> None:
     printed = summary(result)
     assert printed["failed"]["rewards"] == 6 and printed["dropped"]["stale"] == 4
     json.dumps(printed)
+    assert printed["servers"] == {"ejected": 0, "restarts": 0, "rejoined": 0, "failed": 0}
+    result.history = {"servers/restarts": [(1, 0.0), (2, 1.0)], "servers/ejected": [(2, 1.0)]}
+    assert summary(result)["servers"] == {"ejected": 1, "restarts": 1, "rejoined": 0, "failed": 0}
 
 
 def test_a_run_fails_above_the_configured_share() -> None:

@@ -2,7 +2,7 @@
 
 Why it exists: on GPUs, and between machines, a file or an HTTP body through the trainer's host
 memory is the slow part of a push; a collective broadcast moves the bytes once per link, device
-to device with NCCL. Behind the same :class:`~agentrl.training.checkpoint_engine.WeightTransport`
+to device with NCCL. Behind the same :class:`~agentrl.weightsync.engine.WeightTransport`
 interface, so the CheckpointEngine's guarantees hold unchanged (pause -> transfer -> reset ->
 version -> verify while paused -> resume; a failed push never leaves a server paused).
 
@@ -49,7 +49,7 @@ from agentrl.inference.client import InferenceError, PolicyClient
 from agentrl.inference.collective import BucketLayout, WeightGroup, WeightGroupError, dtype_name
 from agentrl.inference.lora import LoraSpec
 from agentrl.inference.weights import local_address_for
-from agentrl.training.weight_transports import StagedWeights, WeightTransport
+from agentrl.weightsync.transports import StagedWeights, WeightTransport
 
 __all__ = ["CollectiveTransport", "VllmCommunicatorFactory", "vllm_packed_chunks"]
 

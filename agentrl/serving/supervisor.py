@@ -1,32 +1,41 @@
-"""The rollout service's inference servers: eject the dead, restart our own, rejoin verified.
+"""Inference servers of one process: eject the dead, restart our own, rejoin verified.
 
-Why it exists: the service pushes weights to every server and routes rollouts over a pool of
-them. A server that dies (SIGKILL, OOM) or stops answering must not fail every later push
-(the live servers would load each payload while the service's version stayed behind), and must
-not silently serve old weights when it comes back. So each server has a slot here::
+Why it exists: the rollout service and a local ``agentrl train`` push weights to every server
+and route rollouts over a pool of them. A server that dies (SIGKILL, OOM) or stops answering
+must not fail every later push (the live servers would load each payload while the version
+stayed behind), and must not silently serve old weights when it comes back. So each server has
+a slot here (the Ray run has its own, :mod:`agentrl.distributed.faults`: Ray restarts its
+server actors)::
 
     serving  --(its process exited; two health checks failed; or it failed a push and then
                 its health check)-->  ejected
-    ejected  --(launched by the service and dead or unhealthy: stopped and launched again,
-                at most ``max_restarts`` times; a new URL)-->  ejected
-    ejected  --(healthy, and at the service's current version: the current weights pushed to
-                it and verified if it was not)-->  serving
-    ejected  --(launched by the service, restarts used up)-->  failed
+    ejected  --(launched by us and dead or unhealthy: stopped and launched again, at most
+                ``max_restarts`` times (``inference.max_server_restarts``); a new URL)-->  ejected
+    ejected  --(healthy, and at the current version: the current weights pushed to it and
+                verified if it was not)-->  serving
+    ejected  --(launched by us, restarts used up)-->  failed
 
 Servers given as URLs (``inference.backend: external``) are never restarted (they are not ours):
 they are probed until they answer, then brought to the current version like any other.
+
+Who brings a server to the current version is the owner's ``catch_up`` (:data:`CatchUp`): the
+service pushes its saved weights at once (``WeightService.catch_up``); a trainer, whose weights
+are only "the current version" at a push, adds the server to its next push and lets it join
+when that push verified it (:mod:`agentrl.training.run_servers`).
 
 Guarantees:
 
 - the pool routes to a server only while its slot is ``serving``: an ejected server leaves the
   pool at once (requests in flight on it end as usual and the pool retries them elsewhere);
-- a server rejoins only while holding the service's current version: the catch-up push and the
-  rejoin happen under the weight service's lock, so no push can run between them;
+- a server rejoins only while holding the owner's current version: the catch-up push and the
+  rejoin happen under the owner's push lock (the service's; the trainer's push itself), so no
+  push can run between them;
 - pushes reach the ``serving`` slots only (:meth:`ServerSupervisor.live_clients`); the push
   report lists ejected servers as ``ejected`` with their reason, never as failed;
-- the service is ``degraded`` while any slot is not ``serving``, with each slot's reason and the
+- the owner is ``degraded`` while any slot is not ``serving``, with each slot's reason and the
   time it left the pool (:meth:`ServerSupervisor.degraded`);
-- restarts are bounded per slot and counted (``counts["restarts"]``); a failed launch counts.
+- restarts are bounded per slot and counted (``counts["restarts"]``); a failed launch counts;
+  a slot that fails for good is reported to ``on_failed`` (a trainer stops once every slot has).
 
 Shutdown: :meth:`ServerSupervisor.aclose` stops the watchers, stops the servers it launched and
 closes every slot's client (the servers ``build_serving`` launched are stopped by its stack).
@@ -52,7 +61,9 @@ logger = logging.getLogger(__name__)
 
 CatchUp = Callable[[PolicyClient, Callable[[], None]], Awaitable[str | None]]
 """``catch_up(client, join)``: under the weight lock, bring ``client``'s server to the current
-version and call ``join()``; returns None on success, else why it could not."""
+version and call ``join()`` (now, or at the owner's next push: the slot stays ``ejected`` until
+then and ``catch_up`` is called again each round); returns None on success (or when the join is
+arranged), else why it could not."""
 
 Relaunch = Callable[[int, int], Any]
 """``relaunch(index, attempt)`` -> a started, healthy ``ServerHandle`` (blocking; in a thread)."""
@@ -60,13 +71,14 @@ Relaunch = Callable[[int, int], Any]
 
 @dataclass
 class Slot:
-    """One inference server of the service and what the supervisor knows of it."""
+    """One inference server (of the service, or of a local run) and what the supervisor knows
+    of it."""
 
     index: int
     url: str
     client: PolicyClient
     handle: Any = None
-    """The ``ServerHandle`` when the service launched this server (None: given as a URL)."""
+    """The ``ServerHandle`` when we launched this server (None: given as a URL)."""
     state: str = "serving"
     reason: str | None = None
     """Why the slot is not serving (None while serving)."""
@@ -76,7 +88,7 @@ class Slot:
 
     @property
     def launched(self) -> bool:
-        """True when the service launched this server (it may restart it)."""
+        """True when we launched this server (it may be restarted)."""
         return self.handle is not None
 
     def describe(self) -> dict[str, Any]:
@@ -123,7 +135,8 @@ def launcher_for(serving: Any) -> Relaunch | None:
 
 
 class ServerSupervisor:
-    """Watches the service's servers (module docstring: states and guarantees).
+    """Watches the servers of the service or of a local run (module docstring: states and
+    guarantees).
 
     ``serving`` is the ``build_serving`` result (its engine's clients, in URL order, and its
     ``handles``); ``relaunch`` defaults to :func:`launcher_for`; ``make_client(url)`` builds the
@@ -139,6 +152,7 @@ class ServerSupervisor:
         relaunch: Relaunch | None = None,
         make_client: Callable[[str], PolicyClient] | None = None,
         clock: Callable[[], float] = time.time,
+        on_failed: Callable[[Slot], None] | None = None,
     ) -> None:
         handles = list(getattr(serving, "handles", None) or [])
         self.serving = serving
@@ -152,6 +166,8 @@ class ServerSupervisor:
         self.relaunch = relaunch or launcher_for(serving)
         self.make_client = make_client or self._default_client
         self.clock = clock
+        self.on_failed = on_failed
+        """Called with a slot that failed for good (its restarts used up)."""
         self.counts = {"ejected": 0, "restarts": 0, "rejoined": 0}
         self._catch_up: CatchUp | None = None
         self._watchers: Watchers[Slot] = Watchers()
@@ -207,9 +223,12 @@ class ServerSupervisor:
         return False
 
     async def _why_dead(self, slot: Slot) -> str | None:
+        exited = "its process {pid} exited (code {code})"
         if slot.launched and not slot.handle.is_running():
-            return f"its process {slot.handle.pid} exited (code {slot.handle.process.returncode})"
+            return exited.format(pid=slot.handle.pid, code=slot.handle.process.returncode)
         if not await self._healthy(slot):
+            if slot.launched and not slot.handle.is_running():  # it died during the checks
+                return exited.format(pid=slot.handle.pid, code=slot.handle.process.returncode)
             return "it failed two health checks"
         return None
 
@@ -231,8 +250,10 @@ class ServerSupervisor:
         assert self._catch_up is not None, "ServerSupervisor.start(catch_up) was not called"
         error = await self._catch_up(slot.client, lambda: self._join(slot))
         if error is not None:
-            slot.reason = f"it could not be brought to the current version: {error}"
-            logger.warning("server %d at %s stays ejected: %s", slot.index, slot.url, slot.reason)
+            reason = f"it could not be brought to the current version: {error}"
+            if reason != slot.reason:  # said once, not every round
+                logger.warning("server %d at %s stays ejected: %s", slot.index, slot.url, reason)
+            slot.reason = reason
 
     async def _restart(self, slot: Slot) -> bool:
         """Stop the slot's server and launch it again (bounded); True when it runs."""
@@ -242,6 +263,8 @@ class ServerSupervisor:
                 f"{slot.reason}; restarts used up ({slot.restarts} of {self.max_restarts})"
             )
             logger.error("server %d (%s) failed for good: %s", slot.index, slot.url, slot.reason)
+            if self.on_failed is not None:
+                self.on_failed(slot)
             return False
         slot.restarts += 1
         self.counts["restarts"] += 1
@@ -301,6 +324,10 @@ class ServerSupervisor:
     def degraded(self) -> list[dict[str, Any]]:
         """Every slot that is not serving: which server, why, since when (empty: healthy)."""
         return [s.describe() for s in self.slots if s.state != "serving"]
+
+    def all_failed(self) -> bool:
+        """True when every slot failed for good (no server can serve again)."""
+        return all(s.state == "failed" for s in self.slots)
 
     def describe(self) -> dict[str, Any]:
         """Every slot and the counters (``/v1/status``)."""

@@ -1,6 +1,6 @@
 """Weight transports: how the bytes of one weight version reach an inference server.
 
-Why it exists: the :class:`~agentrl.training.checkpoint_engine.CheckpointEngine` runs the push
+Why it exists: the :class:`~agentrl.weightsync.engine.CheckpointEngine` runs the push
 protocol (pause, transfer, verify, resume) the same way whatever moves the bytes; a transport
 only stages a version once (:meth:`WeightTransport.stage`) and loads it into one server
 (:meth:`WeightTransport.load`). Every transport moves the same safetensors bytes under the
@@ -11,7 +11,7 @@ Hugging Face parameter names:
   ``reload_weights`` load it;
 - :class:`HttpStreamTransport`: the bytes over HTTP from the tensors' own memory, pulled by
   each server from a trainer-side weight server (or pushed in the body); embedded server;
-- :class:`~agentrl.training.collective_transport.CollectiveTransport` (its own module):
+- :class:`~agentrl.weightsync.collective.CollectiveTransport` (its own module):
   bucketed ``torch.distributed`` broadcasts.
 
 A LoRA adapter is staged as peft's files (``adapter_model.safetensors`` +

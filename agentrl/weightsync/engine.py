@@ -35,7 +35,7 @@ Transports live behind :class:`WeightTransport` (two methods, two optional hooks
 embedded server and vLLM's ``reload_weights``), :class:`HttpStreamTransport` (the safetensors
 bytes over HTTP straight from the tensors' memory, pulled by each server from a trainer-side
 weight server, or pushed in the request body; no shared filesystem; embedded server) and
-:class:`~agentrl.training.collective_transport.CollectiveTransport` (``collective``: bucketed
+:class:`~agentrl.weightsync.collective.CollectiveTransport` (``collective``: bucketed
 broadcasts over a ``torch.distributed`` weight group, gloo on CPUs, NCCL on GPUs, into embedded
 servers; vLLM's native NCCL weight-transfer API on GPUs).
 
@@ -84,14 +84,14 @@ from agentrl.inference.lora import (
     VLLM_LORA_NAME,
     LoraAdapter,
 )
-from agentrl.training.weight_transports import (
+from agentrl.types import Generation, SamplingParams
+from agentrl.weightsync.transports import (
     HttpStreamTransport,
     SharedDirTransport,
     StagedWeights,
     WeightTransport,
     tied_aliases,
 )
-from agentrl.types import Generation, SamplingParams
 
 __all__ = [
     "VLLM_LORA_NAME",
@@ -146,7 +146,7 @@ def make_transport(
     if name == "http":
         return HttpStreamTransport(advertise_host=advertise_host)
     if name == "collective":
-        from agentrl.training.collective_transport import CollectiveTransport
+        from agentrl.weightsync.collective import CollectiveTransport
 
         return CollectiveTransport(
             bucket_mb=bucket_mb,
@@ -220,6 +220,9 @@ class PushReport:
     """The trainer's scoring of the paused probe (before any pause; counted in verify)."""
     kind: Literal["full", "lora"] = "full"
     """``lora``: the push carried a LoRA adapter only (``num_bytes`` are the adapter's)."""
+    ejected: dict[str, str] = field(default_factory=dict)
+    """``{url: reason}`` of the servers out of the pool (dead, restarting): not pushed to and
+    not failures (:mod:`agentrl.serving.supervisor`)."""
 
     @property
     def ok(self) -> bool:
@@ -250,6 +253,7 @@ class PushReport:
             serving = "PAUSED" if s.paused else "unreachable" if s.version is None else "serving"
             serving += " (rolled back to the last verified weights)" if s.rolled_back else ""
             lines.append(f"  {s.url}: on version {s.version}, {serving}, {state}")
+        lines += [f"  {url}: ejected ({why})" for url, why in self.ejected.items()]
         return "\n".join(lines)
 
     def metrics(self) -> dict[str, float]:
@@ -415,7 +419,9 @@ class CheckpointEngine:
     async def sleep(self, level: int) -> dict[str, dict[str, Any]]:
         """Put every server to sleep at ``level`` (colocated mode; 2 only when the next push
         carries full weights); what each answered, by URL. A server that fails to sleep is
-        woken again and the error raised (the trainer must not update beside it)."""
+        woken again and the error raised (the trainer must not update beside it); one that
+        cannot be reached is left out (it is dead: its memory is gone, and a local run's
+        supervisor restarts it)."""
         answers = await asyncio.gather(
             *(c.sleep(level) for c in self.clients), return_exceptions=True
         )
@@ -424,12 +430,17 @@ class CheckpointEngine:
             (c, a)
             for c, a in zip(self.clients, answers, strict=True)
             if isinstance(a, BaseException)
+            and not (isinstance(a, InferenceServerError) and a.connection_failed)
         ]
         if failed:
             await self.wake_up()
             client, exc = failed[0]
             raise RuntimeError(f"{client.base_url}: sleep at level {level} failed: {exc}") from exc
-        return {c.base_url: dict(a) for c, a in zip(self.clients, answers, strict=True)}  # type: ignore[arg-type]
+        return {
+            c.base_url: dict(a)  # type: ignore[arg-type]  # exceptions filtered out
+            for c, a in zip(self.clients, answers, strict=True)
+            if not isinstance(a, BaseException)
+        }
 
     async def wake_up(self) -> int:
         """Wake every server that :meth:`sleep` put to sleep, without a push; how many."""
