@@ -175,6 +175,8 @@ class ServerPool:
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._health_task: asyncio.Task[None] | None = None
         self._tiebreak = 0
+        self.first_answer = asyncio.Event()
+        """Set when a server first answers a ``generate`` (the start-up log's "first rollout")."""
 
     @classmethod
     def from_config(
@@ -341,6 +343,7 @@ class ServerPool:
                 if server.removed and server.outstanding == 0:
                     await self._close_idle_retired()
             server.completed += 1
+            self.first_answer.set()
             if gen.finish_reason == "abort" and not cut_retried and attempt + 1 < self.max_attempts:
                 # Truncation is never success: the server cut this answer (and ended it, so a
                 # retry is no duplicate); try once more on another server.

@@ -157,18 +157,22 @@ class Trainer:
             workers=self.workers,
         ) as run:
             phases.done(f"{len(run.server_urls)} server(s) up and models loaded", t1)
-            self.run_obj = run
-            if self.on_built is not None:
-                await self.on_built(run)
-            if saved is not None:
-                self._restore(run, saved)
-            t2 = time.perf_counter()
-            await warm
-            tracker = self._tracker(saved)
-            phases.done("tracking ready", t2)
-            run.tracker = tracker
-            async with watch_servers(run):  # the servers this run launched: restarted if dead
-                result = await self._train(run, tracker, dataset)
+            first = asyncio.ensure_future(_first_rollout(run.pool, phases))
+            try:
+                self.run_obj = run
+                if self.on_built is not None:
+                    await self.on_built(run)
+                if saved is not None:
+                    self._restore(run, saved)
+                t2 = time.perf_counter()
+                await warm
+                tracker = self._tracker(saved)
+                phases.done("tracking ready", t2)
+                run.tracker = tracker
+                async with watch_servers(run):  # the servers this run launched: restarted if dead
+                    result = await self._train(run, tracker, dataset)
+            finally:
+                first.cancel()
         result.wall_time_s = time.perf_counter() - t0
         return result
 
@@ -247,6 +251,15 @@ def check_colocate(cfg: ExperimentConfig) -> None:
 
         if not torch.cuda.is_available():
             raise ValueError(VLLM_CPU_COLOCATE)
+
+
+async def _first_rollout(pool: Any, phases: PhaseTimer) -> None:
+    """Log ``start-up: first rollout answered N s after launch`` when a server first answers
+    a generation request of this run (a rollout's or validation's)."""
+    event = getattr(pool, "first_answer", None)
+    if event is not None:
+        await event.wait()
+        phases.reached("first rollout answered")
 
 
 async def evaluate_checkpoint(cfg: ExperimentConfig, keep: list[Any] | None = None) -> Any:

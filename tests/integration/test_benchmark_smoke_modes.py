@@ -220,3 +220,15 @@ def test_peers_compare_smoke() -> None:
         assert 0.0 <= s["reward_last3_steps"] <= 1.0, system
     assert _positive(tool["agentrl"]["push_s_max"], tool["agentrl_over_trl_s_per_step_median"])
     assert isinstance(tool["target_agentrl_s_per_step_le_trl"], bool)
+
+
+@pytest.mark.slow
+def test_startup_smoke() -> None:
+    report = _smoke("startup.py")
+    this = report["results"]["this"]
+    assert this["n"] == 1 and _positive(this["time_to_first_rollout_s"]["median"])
+    # the start-up lines the docs name, each read back (docs/training.md, "What a run prints")
+    assert {"config resolved", "N server(s) up and models loaded", "tracking ready"} <= set(
+        this["phases_s_median"]
+    )
+    assert _positive(this["at_s_median"]["first rollout answered"], this["wall_s"]["median"])

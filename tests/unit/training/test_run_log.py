@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -84,6 +85,23 @@ def test_phase_timer_logs_and_keeps_each_phase(caplog: pytest.LogCaptureFixture)
         assert timer.done("servers up", start) == 3.25
     assert timer.timings == {"servers up": 3.25}
     assert caplog.records[0].getMessage() == "start-up: servers up in 3.2 s"
+
+
+def test_phase_timer_milestones_count_from_the_launch(caplog: pytest.LogCaptureFixture) -> None:
+    timer = PhaseTimer(Clock(), launched=lambda: 4.125)
+    with caplog.at_level(logging.INFO, logger="agentrl.run"):
+        assert timer.reached("first rollout answered") == 4.125
+    assert timer.timings == {"first rollout answered": 4.125}
+    assert caplog.records[0].getMessage() == "start-up: first rollout answered 4.12 s after launch"
+
+
+def test_since_launch_counts_this_process_lifetime() -> None:
+    import psutil
+
+    from agentrl.training.run_log import since_launch
+
+    age = time.time() - psutil.Process().create_time()
+    assert 0.0 < since_launch() <= age + 1.0
 
 
 def test_request_loggers_are_quiet_unless_debug() -> None:
