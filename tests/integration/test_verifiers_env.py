@@ -166,7 +166,7 @@ def test_agentrl_train_mistakes_fail_before_any_server_starts(
 ) -> None:
     from agentrl.cli import main
 
-    config = Path(__file__).resolve().parent / "verifiers_project" / "config.yaml"
+    config = _project(tmp_path) / "config.yaml"
     out = tmp_path / "run"
     rc = main(["train", str(config), override, f"trainer.output_dir={out}", "--quiet"])
     err = capsys.readouterr().err
@@ -175,19 +175,28 @@ def test_agentrl_train_mistakes_fail_before_any_server_starts(
     assert not (out / "logs").exists(), "a server was started"
 
 
+def _project(tmp_path: Path) -> Path:
+    """The verifiers project (tests/integration/verifiers_project) in ``tmp_path``, its
+    ``game.py`` the adapter tests' own game (tests/verifiers_envs/guess_game.py)."""
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(Path(__file__).resolve().parent / "verifiers_project", project)
+    shutil.copyfile(ENVS / "guess_game.py", project / "game.py")
+    return project
+
+
 @pytest.mark.slow
 def test_agentrl_train_a_verifiers_game_from_another_cwd(tmp_path: Path) -> None:
     """`agentrl train` on a project whose environment is a verifiers Taskset + multi-turn Env
     (tests/integration/verifiers_project), from another working directory (~45 s)."""
     import json
     import os
-    import shutil
     import subprocess
     import sys
 
     root = Path(__file__).resolve().parents[2]
-    project = tmp_path / "project"
-    shutil.copytree(root / "tests" / "integration" / "verifiers_project", project)
+    project = _project(tmp_path)
     cwd = tmp_path / "elsewhere"
     cwd.mkdir()
     out = subprocess.run(
