@@ -117,6 +117,8 @@ class ScoringEngine:
         self.weight_version = 0
         """Reward models are frozen: the version is always 0 (``/health`` reports it)."""
         self.is_paused = False
+        self.sleep_level = 0
+        """Reward models never sleep (colocated mode puts only the policy servers to sleep)."""
         self.stats: collections.defaultdict[str, int] = collections.defaultdict(int)
         self._cond = threading.Condition()
         self._queue: collections.deque[_Item]

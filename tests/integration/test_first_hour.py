@@ -89,7 +89,14 @@ def _train(args: list[str], log: Path, cwd: Path) -> subprocess.Popen[bytes]:
             stdin=subprocess.DEVNULL,
             cwd=cwd,
             env=_env(),
+            # As a terminal's foreground job: Ctrl-C's default action, even when this test runs
+            # under a process that ignores SIGINT (a CI started with `&` from a script).
+            preexec_fn=_default_sigint,
         )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _wait_for(log: Path, pattern: str, proc: subprocess.Popen[bytes], timeout_s: float) -> str:
