@@ -36,6 +36,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.threads import SMOKE_OVERRIDES  # noqa: E402 (the same smallest batch)
 
 FIRST_ROLLOUT = "first rollout answered"
 LINE = re.compile(
@@ -43,16 +46,6 @@ LINE = re.compile(
     r"(?P<name>.+?) (?:in (?P<took>[\d.]+) s|(?P<after>[\d.]+) s after launch)$"
 )
 """A start-up line of ``run_log.PhaseTimer`` (``configure_logging``'s format)."""
-
-SMOKE_OVERRIDES = [
-    "data.batch_size=2",
-    "data.n_samples=2",
-    "trainer.mini_batch_size=2",
-    "data.generator_val_size=2",
-    "inference.max_tokens_per_turn=16",
-    "distributed.server_nice=0",  # a niced server on a loaded CI machine can miss its deadline
-]
-"""What ``--smoke`` adds: the smallest batch and evaluation (numbers meaningless)."""
 
 
 def parse_startup(stderr: str, launched_at: float) -> dict[str, Any]:
