@@ -172,6 +172,16 @@ async def _serve_until_stopped(
             watcher.cancel()
 
 
+def _refuse_training_only_keys(cfg: Any) -> None:
+    """Keys that only ``agentrl train`` acts on are refused here, never accepted and ignored."""
+    if cfg.distributed.colocate:
+        raise ValueError(
+            "distributed.colocate=true: the rollout service does not colocate (its servers "
+            "never share devices with a trainer of its own); remove the key, or train with "
+            "agentrl train"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     """``agentrl serve``: load and resolve the config, serve until stopped; the exit code."""
     from agentrl.config import ConfigError, load_config
@@ -183,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
         resolve_experiment(cfg, require_train=False)  # every name resolves before a server starts
+        _refuse_training_only_keys(cfg)
         settings = settings_from_args(args)
     except (ConfigError, ResolutionError, ValueError) as exc:
         print(f"agentrl serve: error: {exc}", file=sys.stderr)
