@@ -106,13 +106,27 @@ PACE_S = 1.0
 """How long each scoring waits (:func:`paced_calculator_reward`)."""
 
 
+HOLD_ENV = "AGENTRL_TEST_HOLD_FILE"
+"""While the file this environment variable names exists, :func:`paced_calculator_reward`
+waits (at most ``HOLD_MAX_S``): a test holds every episode's scoring, so no step completes and
+no push happens, until the servers it killed have been replaced. Then the replacements join at
+the next push whatever the machine's speed, instead of racing the end of the run."""
+
+HOLD_MAX_S = 240.0
+
+
 async def paced_calculator_reward(traj: Any, task: Any) -> dict[str, Any]:
-    """The calculator reward, after ``PACE_S`` seconds: a step takes about two of them at
-    least, however fast the machine, so that the killed servers come back well before the run
-    ends (a replacement joins at a push). Sleeping costs no CPU."""
+    """The calculator reward, after ``PACE_S`` seconds (and while the ``HOLD_ENV`` file exists):
+    a step takes about two of them at least, however fast the machine, so that the killed
+    servers come back well before the run ends (a replacement joins at a push). Sleeping costs
+    no CPU."""
     from agentrl.rollout.rewards import calculator_reward
 
     await asyncio.sleep(PACE_S)
+    hold = os.environ.get(HOLD_ENV)
+    deadline = time.monotonic() + HOLD_MAX_S
+    while hold and Path(hold).exists() and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
     return calculator_reward(traj, task)
 
 

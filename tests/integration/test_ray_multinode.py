@@ -20,7 +20,7 @@ import pytest
 from agentrl.distributed.ray_backend import run_with_ray
 from tests.integration.conftest import _free_ray_port
 from tests.integration.test_ray import ROOT, _alive, _cfg, _wait_dead
-from tests.integration.test_ray_faults import _assert_every_task_accounted_for, _last
+from tests.integration.test_ray_faults import HOLD_ENV, _assert_every_task_accounted_for, _last
 
 pytestmark = [pytest.mark.integration, pytest.mark.ray]
 
@@ -30,11 +30,15 @@ FAST_FAILURE_DETECTION = {"health_check_period_ms": 500, "health_check_failure_t
 
 class _NodeKiller(threading.Thread):
     """Kills node ``node`` (``Cluster.remove_node``, not graceful) once a worker actor on it
-    runs episodes; records what ran there. Errors are kept for the test, never lost."""
+    runs episodes; records what ran there. From the kill until every server that ran there has
+    a replacement, the ``hold`` file holds all scoring (``HOLD_ENV``), so the replacements join
+    at a push however slowly they start. Errors are kept for the test, never lost."""
 
-    def __init__(self, cluster: Any, node: Any, info: dict[str, Any], timeout_s: float = 240):
+    def __init__(
+        self, cluster: Any, node: Any, info: dict[str, Any], hold: Path, timeout_s: float = 240
+    ):
         super().__init__(daemon=True)
-        self.cluster, self.node, self.info = cluster, node, info
+        self.cluster, self.node, self.info, self.hold = cluster, node, info, hold
         self.deadline = time.monotonic() + timeout_s
         self.killed: dict[str, Any] = {}
         self.error: BaseException | None = None
@@ -69,10 +73,33 @@ class _NodeKiller(threading.Thread):
                         "nodes_before": {s["node_id"] for s in servers}
                         | {w["node_id"] for w in workers},
                     }
-                    self.cluster.remove_node(self.node, allow_graceful=False)
+                    self.hold.touch()
+                    try:
+                        self.cluster.remove_node(self.node, allow_graceful=False)
+                        self._wait_replaced(handles["servers"], theirs)
+                    finally:
+                        self.hold.unlink(missing_ok=True)
                     return
             time.sleep(0.2)
         raise AssertionError("the second node never held a server or a busy worker mid-run")
+
+    def _wait_replaced(self, actors: list[Any], killed: list[dict[str, Any]]) -> None:
+        """Until the actor of every server in ``killed`` runs a new one (a new URL), then the
+        registry's poll interval twice over, for it to be pending at the next push."""
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        for old in killed:
+            while True:
+                assert time.monotonic() < self.deadline, f"no server replaced {old['url']}"
+                try:
+                    now = ray.get(actors[old["index"]].info.remote(), timeout=30)
+                except (RayActorError, GetTimeoutError):  # restarting on the other node
+                    now = None
+                if now and now["url"] and now["url"] != old["url"]:
+                    break
+                time.sleep(0.2)
+        time.sleep(2.0)
 
 
 @pytest.mark.timeout(480)
@@ -104,9 +131,10 @@ def test_two_nodes_one_killed_mid_run_the_run_finishes_and_accounts_for_every_ta
         second = cluster.add_node(num_cpus=1)
         cluster.wait_for_nodes()
         path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+        hold = tmp_path / "hold"
         ray.init(
             address=cluster.address,
-            runtime_env={"env_vars": {"PYTHONPATH": path}},
+            runtime_env={"env_vars": {"PYTHONPATH": path, HOLD_ENV: str(hold)}},
             log_to_driver=True,  # the actors' warnings in the captured output of a failure
         )
         steps = 6
@@ -123,7 +151,7 @@ def test_two_nodes_one_killed_mid_run_the_run_finishes_and_accounts_for_every_ta
             "reward.sources.calculator=tests.integration.test_ray_faults:paced_calculator_reward",
         )
         info: dict[str, Any] = {}
-        killer = _NodeKiller(cluster, second, info)
+        killer = _NodeKiller(cluster, second, info, hold)
         killer.start()
         try:
             result = run_with_ray(cfg, placement_info=info)
