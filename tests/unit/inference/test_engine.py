@@ -511,7 +511,6 @@ def test_a_second_load_is_refused_at_once_while_one_holds_the_staging_buffer(
 ) -> None:
     """Issue 21: loads queued behind a slow one held the server's threads and starved /pause and
     /weight_info; a load that finds the staging buffer taken is now a 409 at once."""
-    import time
 
     from agentrl.inference.engine import VersionConflict
     from agentrl.inference.tiny_model import build_tiny_model
@@ -520,10 +519,10 @@ def test_a_second_load_is_refused_at_once_while_one_holds_the_staging_buffer(
     try:
         other = build_tiny_model(tmp_path / "other", seed=7)
         with eng.weights.staging_lock:  # a slow pull in progress
-            t0 = time.monotonic()
+            # "At once" without a clock: this thread holds the (non-reentrant) lock, so a load
+            # that waited for it would never return; that it raises proves it did not wait.
             with pytest.raises(VersionConflict, match="another weight update is in progress"):
                 eng.load_weights_from_path(other)
-            assert time.monotonic() - t0 < 1.0
             assert eng.weight_info()["version"] == 0  # /weight_info still answers
         assert eng.load_weights_from_path(other) == 1  # and the next load goes through
     finally:
