@@ -332,3 +332,32 @@ def critic_config(*overrides: str, **fields: Any) -> Any:
 
 MODEL_ARGS = {"device": "cpu", "dtype": "auto", "trust_remote_code": False}
 """The keyword arguments every Actor / Critic / FrozenPolicy in a CPU test takes."""
+
+
+def count_resolutions(monkeypatch: Any) -> list[Any]:
+    """Every :func:`~agentrl.training.resolve.resolve_experiment` call from now on (the test's
+    end undoes it), as the list of the ``Resolved`` each returned: every module that bound the
+    function by name gets the counting wrapper, so no caller escapes the count."""
+    import sys
+
+    # every module that binds it, imported first so that its binding is seen
+    import agentrl.distributed.ray_backend
+    import agentrl.training.build
+    import agentrl.training.eval_cli
+    import agentrl.training.resolve
+    import agentrl.training.train_cli
+    import agentrl.training.trainer
+
+    original = agentrl.training.resolve.resolve_experiment
+    made: list[Any] = []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        resolved = original(*args, **kwargs)
+        made.append(resolved)
+        return resolved
+
+    for module in list(sys.modules.values()):
+        # __dict__, not getattr: agentrl.training's lazy names follow the patched module
+        if getattr(module, "__dict__", {}).get("resolve_experiment") is original:
+            monkeypatch.setattr(module, "resolve_experiment", counting)
+    return made

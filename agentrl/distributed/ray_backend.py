@@ -15,14 +15,17 @@ Placement (see docs/distributed.md)::
       RewardWorkerActor x 1                           -> RewardManager.score
       AgentLoopWorkerActor x rollout.num_workers      -> AgentLoopWorker over a ServerPool,
           scoring through RemoteScorer(reward actor)
-      TrainerActor                                    (num_gpus = distributed.num_trainer_gpus)
-          -> RayTrainer(cfg, server_urls=..., workers=[RemoteWorker(actor), ...],
+      TrainerActor(cfg, resolved)                     (num_gpus = distributed.num_trainer_gpus)
+          -> RayTrainer(cfg, resolved=, server_urls=..., workers=[RemoteWorker(actor), ...],
                         server_actors=...).run()   (a Trainer; pushes via the ServerRegistry)
           TrainerRankActor x (trainer.world_size - 1)  (the same GPUs each; started by the
               trainer actor as trainer ranks 1..N-1, in one placement group with it on GPUs)
 
 Guarantees:
 
+- The config is resolved once, in the driver (or by the caller: ``agentrl train``), and the
+  trainer actor gets that ``Resolved`` (pickled with its constructor arguments): a mistake fails
+  before any actor starts, and the actor neither reads the task files nor resolves again.
 - The trainer's ``AgentLoopManager`` runs unchanged: :class:`RemoteWorker` has the worker
   interface (``async run_episode``, ``counts``), and cancelling it cancels the remote episode.
 - Every actor is shut down and killed when ``run_with_ray`` returns or raises; each server
@@ -67,6 +70,7 @@ from agentrl.serving import spec_for
 
 if TYPE_CHECKING:
     from agentrl.threads import ThreadPlan
+    from agentrl.training import Resolved
 
 __all__ = [
     "RayRankLauncher",
@@ -205,7 +209,9 @@ def trainer_bundles(cfg: ExperimentConfig) -> list[dict[str, float]] | None:
 
 
 class TrainerActor:
-    """Runs ``Trainer(cfg, server_urls=, workers=)`` in the actor and returns its ``TrainResult``.
+    """Runs ``Trainer(cfg, resolved=, server_urls=, workers=)`` in the actor and returns its
+    ``TrainResult``; ``resolved`` is the driver's resolution of ``cfg`` (the actor does not
+    resolve again).
 
     With ``trainer.world_size`` N > 1 it is trainer rank 0, and ranks 1..N-1 are
     :class:`TrainerRankActor` s it starts (:class:`RayRankLauncher`, in ``placement_group``).
@@ -215,11 +221,13 @@ class TrainerActor:
         self,
         cfg: ExperimentConfig,
         *,
+        resolved: Resolved | None = None,
         resume: bool = False,
         stop_after_step: int | None = None,
         placement_group: Any = None,
     ) -> None:
         self.cfg = cfg
+        self.resolved = resolved
         self.resume = resume
         self.stop_after_step = stop_after_step
         self.placement_group = placement_group
@@ -261,6 +269,7 @@ class TrainerActor:
         workers = [RemoteWorker(h, i, directory=directory) for i, h in enumerate(worker_handles)]
         trainer = RayTrainer(
             self.cfg,
+            resolved=self.resolved,
             server_actors=list(server_handles or []),
             directory=directory,
             resume=self.resume,
@@ -337,6 +346,7 @@ def _absolute(cfg: ExperimentConfig) -> ExperimentConfig:
 def run_with_ray(
     cfg: ExperimentConfig,
     *,
+    resolved: Resolved | None = None,
     resume: bool = False,
     stop_after_step: int | None = None,
     server_bind_host: str | None = None,
@@ -349,7 +359,9 @@ def run_with_ray(
     is shut down and killed on the way out, also on failure. ``placement_info``, when given, is
     filled with what ran where (actor and server pids, per-actor episode counts; ``handles``:
     the actor handles, as soon as they exist; ``accounting``: the trainer's task ids and server
-    registry) for tests and logs.
+    registry) for tests and logs. ``resolved`` is the caller's resolution of ``cfg``
+    (``agentrl train``'s); without one, ``cfg`` is resolved here. Either way the trainer actor
+    gets it and does not resolve again.
 
     Server, worker and reward actors are restarted by Ray when they die (up to
     ``distributed.max_actor_restarts`` times each; see docs/distributed.md, "Faults").
@@ -363,8 +375,9 @@ def run_with_ray(
     # One bearer token for the servers this run places; every actor gets it inside the config
     # (an excluded field: never in the logged params or the written config).
     cfg.inference.api_key = server_api_key(cfg, launching=cfg.inference.backend != "external")
-    # Every name and file resolves in the driver first: a mistake fails before any actor starts.
-    plan = resolve_experiment(cfg).plan
+    # Every name and file resolves in the driver, once: a mistake fails before any actor starts.
+    resolved = resolved if resolved is not None else resolve_experiment(cfg)
+    plan = resolved.plan
     inf, dist = cfg.inference, cfg.distributed
     bind_host = server_bind_host or os.environ.get(BIND_HOST_ENV, "127.0.0.1")
     started = _connect(dist.ray_address)
@@ -386,6 +399,7 @@ def run_with_ray(
         info["servers"] = ray.get([a.info.remote() for a in servers], timeout=60)
         result = _run_trainer(
             cfg,
+            resolved,
             urls,
             workers,
             actors,
@@ -507,6 +521,7 @@ def _place_servers(
 
 def _run_trainer(
     cfg: ExperimentConfig,
+    resolved: Resolved,
     urls: list[str],
     workers: list[Any],
     actors: list[Any],
@@ -518,7 +533,8 @@ def _run_trainer(
     reward: Any = None,
 ) -> Any:
     """Place the trainer actor (trainer rank 0; in a placement group with its ranks' GPUs when
-    :func:`trainer_bundles` asks for one), run it to the end and return its ``TrainResult``.
+    :func:`trainer_bundles` asks for one) with the driver's ``resolved``, run it to the end and
+    return its ``TrainResult``.
     The trainer actor itself is not restarted: its state is the run (``--resume`` continues
     it from the last checkpoint)."""
     import ray
@@ -533,7 +549,13 @@ def _run_trainer(
                 num_gpus=cfg.distributed.num_trainer_gpus,
                 **(_in_bundle(group, 0) or _role_options(cfg, "trainer")),
             )
-            .remote(cfg, resume=resume, stop_after_step=stop_after_step, placement_group=group)
+            .remote(
+                cfg,
+                resolved=resolved,
+                resume=resume,
+                stop_after_step=stop_after_step,
+                placement_group=group,
+            )
         )
         actors.append(trainer)
         info["trainer"] = ray.get(trainer.info.remote(), timeout=120)

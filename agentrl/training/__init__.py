@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from agentrl.training.ranks import follow, launcher_scope
     from agentrl.training.resolve import (
         ResolutionError,
+        Resolved,
         build_rewards,
         build_tasks,
         build_toolset,
@@ -38,6 +39,7 @@ _PUBLIC = {
     "follow": "ranks",
     "launcher_scope": "ranks",
     "ResolutionError": "resolve",
+    "Resolved": "resolve",
     "build_rewards": "resolve",
     "build_tasks": "resolve",
     "build_toolset": "resolve",
@@ -52,6 +54,7 @@ _PUBLIC = {
 __all__ = [
     "LOG_LEVEL_ENV",
     "ResolutionError",
+    "Resolved",
     "RunFailed",
     "Serving",
     "Trainer",

@@ -46,11 +46,12 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.training.trainer import evaluate_checkpoint
 
     configure_logging(args)
-    cfg = load_and_resolve(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
-    if cfg is None:
+    loaded = load_and_resolve(args.config, [*args.overrides, f"model.path={args.checkpoint}"])
+    if loaded is None:
         return 2
+    cfg, resolved = loaded
     trajs: list[Any] = []
-    report = asyncio.run(evaluate_checkpoint(cfg, keep=trajs))
+    report = asyncio.run(evaluate_checkpoint(cfg, keep=trajs, resolved=resolved))
     if args.report:
         Path(args.report).write_text(report.to_json())
         _track(cfg, args.checkpoint, report, trajs[: max(args.max_traces, 0)])

@@ -4,10 +4,15 @@ starts.
 Why it exists: a misspelled choice (``advantage.name: grp``, ``tool_call_format: hermez``), an
 agent nobody registered or a reward function that does not import used to fail ~25 s into a run,
 after servers had started and validation had run, or worse, never: the run trained on empty or
-zero-reward batches and exited 0. :func:`resolve_experiment` runs first, in the driver (and again
-in every Ray actor that builds user objects), and turns each such mistake into one
-:class:`ResolutionError` whose lines name the key, the bad value, the valid choices and the
-closest match — a user error, never a traceback.
+zero-reward batches and exited 0. :func:`resolve_experiment` runs first, once per run, in the
+driver, and turns each such mistake into one :class:`ResolutionError` whose lines name the key,
+the bad value, the valid choices and the closest match — a user error, never a traceback.
+
+Resolved once: the entry point (``agentrl train``, ``agentrl eval``, or ``Trainer`` /
+``run_with_ray`` called with a plain config) resolves, and its :class:`Resolved` is handed down
+(``Trainer(cfg, resolved=)``, ``build_run``, the Ray trainer actor: it pickles). A process that
+receives one calls :func:`ensure_resolved`, which loads the user's ``imports:`` there (what
+resolving would have registered) without resolving again.
 
 What it resolves, in order: the ``imports:`` (the user's modules, by name or by path relative to
 the config file), the algorithm (estimator, loss and their knobs, correction, KL), the tool-call
@@ -20,6 +25,7 @@ Example::
 
     resolved = resolve_experiment(cfg)        # raises ResolutionError, listing every problem
     resolved.plan.needs_critic, len(resolved.train_tasks), resolved.val_tasks
+    Trainer(cfg, resolved=resolved)           # the trainer (or a Ray actor) does not resolve again
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ __all__ = [
     "build_tasks",
     "build_toolset",
     "default_agent",
+    "ensure_resolved",
     "environment_class",
     "resolve_experiment",
 ]
@@ -61,7 +68,9 @@ class ResolutionError(ValueError):
 
 @dataclass
 class Resolved:
-    """What the resolution pass produced (reused by the builder, so nothing is loaded twice)."""
+    """What the resolution pass produced, handed down so that nothing is resolved or loaded twice
+    (the trainer, the builder, the Ray trainer actor). Plain data: it pickles (the plan's
+    functions by reference, user ones by their project-namespace name, :mod:`agentrl.user_code`)."""
 
     plan: Any
     """The :class:`~agentrl.training.algorithm.AlgorithmPlan`."""
@@ -279,6 +288,21 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
     if require_train and not train:
         raise ResolutionError(["the training set is empty (data.train_files / data.generator)"])
     return Resolved(plan=plan, train_tasks=train, val_tasks=val, agents=agents)
+
+
+def ensure_resolved(cfg: ExperimentConfig, resolved: Resolved | None) -> Resolved:
+    """``resolved`` made ready for this process, or ``cfg`` resolved now when there is none.
+
+    A resolution handed over (by the CLI, or the Ray driver to the trainer actor) is not redone;
+    only its side effect on the process is: the user's ``imports:`` are loaded here (idempotent,
+    cheap after the first time), so the agents, tools and parsers they register exist.
+    """
+    if resolved is None:
+        return resolve_experiment(cfg)
+    from agentrl.user_code import import_user_modules
+
+    import_user_modules(cfg.imports, cfg.base_dir)
+    return resolved
 
 
 def _algorithm(cfg: ExperimentConfig) -> Any:

@@ -18,12 +18,15 @@ import logging
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agentrl.config import ConfigError, load_config
+from agentrl.config import ConfigError, ExperimentConfig, load_config
 from agentrl.training.run_log import add_log_level_argument
 from agentrl.training.run_log import configure_logging as _configure
 from agentrl.training.summary import failure_check, summary
+
+if TYPE_CHECKING:
+    from agentrl.training.resolve import Resolved
 
 __all__ = ["add_arguments", "configure_logging", "load_and_resolve", "run", "summary"]
 
@@ -56,18 +59,19 @@ def configure_logging(args: argparse.Namespace | bool) -> None:
     _configure("warning" if quiet else getattr(args, "log_level", "info"))
 
 
-def load_and_resolve(path: str, overrides: list[str]) -> Any:
-    """The config, loaded and resolved (every name, file and user import checked) before
-    anything starts; a user error prints ``error: ...`` and returns None (exit status 2)."""
+def load_and_resolve(path: str, overrides: list[str]) -> tuple[ExperimentConfig, Resolved] | None:
+    """The config and its resolution (every name, file and user import checked) before anything
+    starts, the run's only one: the command hands it down. A user error prints ``error: ...``
+    and returns None (exit status 2)."""
     from agentrl.training.resolve import ResolutionError, resolve_experiment
 
     try:
         cfg = load_config(path, overrides)
-        resolve_experiment(cfg)
+        resolved = resolve_experiment(cfg)
     except (ConfigError, ResolutionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return None
-    return cfg
+    return cfg, resolved
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,11 +80,12 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.training.trainer import Trainer
 
     configure_logging(args)
-    cfg = load_and_resolve(args.config, args.overrides)
-    if cfg is None:
+    loaded = load_and_resolve(args.config, args.overrides)
+    if loaded is None:
         return 2
+    cfg, resolved = loaded
     try:
-        result = _train(cfg, args.resume, Trainer)
+        result = _train(cfg, resolved, args.resume, Trainer)
     except KeyboardInterrupt:
         print(interrupted_line(cfg, args), file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
@@ -126,9 +131,10 @@ def interrupted_line(cfg: Any, args: argparse.Namespace) -> str:
     return f"interrupted: checkpoint {ckpt} holds step {step}; resume with: {resume_command(args)}"
 
 
-def _train(cfg: Any, resume: bool, trainer_cls: Any) -> Any:
+def _train(cfg: ExperimentConfig, resolved: Resolved, resume: bool, trainer_cls: Any) -> Any:
+    """The run, in this process or on Ray, with the command's resolution (not redone)."""
     if cfg.distributed.backend == "ray":
         from agentrl.distributed.ray_backend import run_with_ray
 
-        return run_with_ray(cfg, resume=resume)
-    return trainer_cls(cfg, resume=resume).run_sync()
+        return run_with_ray(cfg, resolved=resolved, resume=resume)
+    return trainer_cls(cfg, resolved=resolved, resume=resume).run_sync()

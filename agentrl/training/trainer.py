@@ -3,7 +3,8 @@
 Why it exists: the public entry point of training (``agentrl train``, the quickstart, the Ray
 trainer actor, tests). It only composes the pieces, each of which lives in its own module:
 
-    resolve_experiment (resolve.py)  every name and file, before anything starts
+    resolve_experiment (resolve.py)  every name and file, before anything starts (skipped when
+                                     the caller hands its ``Resolved`` in: resolved once per run)
     build_run          (build.py)    servers, pool, CheckpointEngine, models, one exit stack
     RunState           (state.py)    what is saved and resumed
     watch_servers      (run_servers.py) a dead server of its own restarted, rejoining verified
@@ -13,6 +14,7 @@ trainer actor, tests). It only composes the pieces, each of which lives in its o
 Example::
 
     result = Trainer(cfg).run_sync()      # or: await Trainer(cfg, resume=True).run()
+    Trainer(cfg, resolved=resolve_experiment(cfg))   # a caller that resolved already (the CLI)
     result.val_before, result.val_after, result.history["reward/mean"]
 """
 
@@ -39,7 +41,12 @@ from agentrl.tracking import (
 from agentrl.training.build import Run, build_run, build_serving
 from agentrl.training.loop import TrainResult, push_weights, train
 from agentrl.training.masking import MaskingWatch
-from agentrl.training.resolve import build_tasks, build_toolset, resolve_experiment
+from agentrl.training.resolve import (
+    Resolved,
+    build_tasks,
+    build_toolset,
+    ensure_resolved,
+)
 from agentrl.training.run_log import PhaseTimer, StepLog
 from agentrl.training.run_servers import watch_servers
 from agentrl.training.state import RunState, seed_everything
@@ -61,6 +68,8 @@ class Trainer:
     ``server_urls`` attaches to running servers instead of starting the configured backend
     (tests, Ray placement); ``workers`` are ready-made agent-loop workers (Ray actor adapters);
     ``transport`` overrides the weight transport; ``progress`` forces the progress line on/off.
+    ``resolved`` is the caller's :func:`~agentrl.training.resolve.resolve_experiment` of ``cfg``
+    (the CLI's, the Ray driver's): given, the run does not resolve again; None, it resolves.
     """
 
     def __init__(
@@ -74,8 +83,10 @@ class Trainer:
         transport: Any = None,
         progress: bool | None = None,
         on_built: Callable[[Run], Awaitable[None]] | None = None,
+        resolved: Resolved | None = None,
     ) -> None:
         self.cfg = cfg
+        self.resolved = resolved
         self.on_built = on_built
         """Awaited with the built :class:`Run` before training starts (placement layers use it)."""
         self.resume = resume
@@ -132,7 +143,8 @@ class Trainer:
         return await push_weights(self.run_obj, version)
 
     async def run(self) -> TrainResult:
-        """Resolve, build, train and report; the servers are stopped whatever happens."""
+        """Resolve (unless resolved already), build, train and report; the servers are stopped
+        whatever happens."""
         from agentrl.rollout.datasets import TaskDataset
 
         cfg = self.cfg
@@ -140,7 +152,7 @@ class Trainer:
         phases = PhaseTimer()
         check_colocate(cfg)
         seed_everything(cfg.trainer.seed)
-        resolved = resolve_experiment(cfg)
+        resolved = ensure_resolved(cfg, self.resolved)
         phases.done("config resolved", t0)
         saved = self._load_state()
         dataset = TaskDataset(resolved.train_tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
@@ -262,15 +274,18 @@ async def _first_rollout(pool: Any, phases: PhaseTimer) -> None:
         phases.reached("first rollout answered")
 
 
-async def evaluate_checkpoint(cfg: ExperimentConfig, keep: list[Any] | None = None) -> Any:
+async def evaluate_checkpoint(
+    cfg: ExperimentConfig, keep: list[Any] | None = None, *, resolved: Resolved | None = None
+) -> Any:
     """Serve ``cfg.model.path`` with the configured backend and evaluate it on the held-out
     tasks, as periodic validation does (``trainer.val_*``); returns the ``EvalReport`` (and
-    appends the scored trajectories to ``keep`` when given)."""
+    appends the scored trajectories to ``keep`` when given). ``resolved``: the caller's
+    resolution of ``cfg`` (``agentrl eval``'s), else ``cfg`` is resolved here."""
     from agentrl.evaluation import evaluate
 
     if not cfg.model.path:
         raise ValueError("model.path is empty: pass the model directory to evaluate")
-    resolved = resolve_experiment(cfg)
+    resolved = ensure_resolved(cfg, resolved)
     if not resolved.val_tasks:
         raise ValueError("no held-out tasks: set data.val_files (or data.generator_val_size)")
     t = cfg.trainer
