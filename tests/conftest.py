@@ -1,45 +1,58 @@
-"""Shared pytest configuration. Scripted fakes live in ``tests/fakes.py`` (one place).
+"""Shared pytest configuration. Scripted fakes live in ``tests/fakes.py`` (one place); how
+``make test`` runs two tests at a time, in lanes, is ``tests/lanes.py``."""
 
-Parallel runs (``make test``: ``pytest -n 2 --dist loadgroup``, pytest-xdist): most integration
-tests wait more than they compute (servers starting, paced episodes, timeouts), so on 2 cores
-two tests at a time finish the suite sooner. What must not run twice at once, or is costly to
-set up twice, stays in one lane (:func:`_lane`): every test of the session's Ray head, and every
-test of a real vLLM server. Within each lane order, the slow tests go first, so that no long
-test starts last while the other lane idles.
-"""
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-RAY_MODULES = ("test_ray", "test_ray_auth", "test_ray_faults", "test_ray_multinode")
-"""Modules that start or join Ray clusters: one lane, never two clusters at once."""
+_LANES_DIR = pytest.StashKey[Path]()
+"""The controller's directory for the workers' lanes file."""
 
 
-def _lane(item: pytest.Item) -> str | None:
-    """``ray`` (a Ray cluster), ``vllm`` (a real vLLM server), or None (anywhere)."""
-    names = set(getattr(item, "fixturenames", ()))
-    params = getattr(getattr(item, "callspec", None), "params", {})
-    if item.get_closest_marker("ray") or "ray_cluster" in names:
-        return "ray"
-    module = getattr(item, "module", None)
-    if module is not None and module.__name__.rsplit(".", 1)[-1] in RAY_MODULES:
-        return "ray"
-    if item.get_closest_marker("vllm") or "vllm_server" in names:
-        return "vllm"
-    if params.get("inference_server") == "vllm":
-        return "vllm"
-    return None
+def _xdist_controller(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the marks
+def pytest_configure(config: pytest.Config) -> None:
+    """Under xdist, the controller names the file its workers write their lanes to."""
+    if _xdist_controller(config):
+        config.stash[_LANES_DIR] = Path(tempfile.mkdtemp(prefix="agentrl-lanes-"))
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    lanes_dir = config.stash.get(_LANES_DIR, None)
+    if lanes_dir is not None:
+        shutil.rmtree(lanes_dir, ignore_errors=True)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """xdist: tell each worker where to write its lanes."""
+    from tests.lanes import LANES_KEY
+
+    node.workerinput[LANES_KEY] = str(node.config.stash[_LANES_DIR] / "lanes.json")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist: the lanes' scheduler (``tests/lanes.py``)."""
+    from tests.lanes import LaneScheduling
+
+    return LaneScheduling(config, log, config.stash[_LANES_DIR] / "lanes.json")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under xdist: the lanes as ``xdist_group`` marks, and the slow tests first."""
-    if not getattr(config.option, "numprocesses", None):
+    """In an xdist worker: the slow tests first, and the lanes written for the controller."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:
         return
-    for item in items:
-        lane = _lane(item)
-        if lane is not None:
-            item.add_marker(pytest.mark.xdist_group(lane))
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+    from tests.lanes import LANES_KEY, slow_first, write_lanes
+
+    slow_first(items)
+    write_lanes(Path(workerinput[LANES_KEY]), items, workerinput["workerid"])
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
