@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,8 @@ class Resolved:
     val_tasks: list[Task] = field(default_factory=list)
     agents: list[str] = field(default_factory=list)
     """Every agent name the run can dispatch to (resolved)."""
+    seconds: float = 0.0
+    """How long the resolution took: the start-up log's phase, wherever it ran (the CLI)."""
 
 
 def base_dir(cfg: ExperimentConfig) -> str | None:
@@ -253,6 +256,7 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
     service: tasks come with each job) accepts a config without a training set."""
     from agentrl.user_code import import_user_modules
 
+    t0 = time.perf_counter()
     problems: list[str] = []
     if (
         _check(problems, lambda: import_user_modules(cfg.imports, cfg.base_dir)) is None
@@ -287,7 +291,8 @@ def resolve_experiment(cfg: ExperimentConfig, *, require_train: bool = True) -> 
         raise ResolutionError(problems)
     if require_train and not train:
         raise ResolutionError(["the training set is empty (data.train_files / data.generator)"])
-    return Resolved(plan=plan, train_tasks=train, val_tasks=val, agents=agents)
+    took = time.perf_counter() - t0
+    return Resolved(plan=plan, train_tasks=train, val_tasks=val, agents=agents, seconds=took)
 
 
 def ensure_resolved(cfg: ExperimentConfig, resolved: Resolved | None) -> Resolved:

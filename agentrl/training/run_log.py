@@ -153,7 +153,10 @@ class PhaseTimer:
 
     def done(self, name: str, since: float) -> float:
         """Record and log phase ``name`` that started at ``since`` (a ``clock()`` reading)."""
-        took = self.clock() - since
+        return self.record(name, self.clock() - since)
+
+    def record(self, name: str, took: float) -> float:
+        """Record and log phase ``name`` that took ``took`` seconds (timed elsewhere)."""
         self.timings[name] = took
         logger.info("start-up: %s in %.1f s", name, took)
         return took

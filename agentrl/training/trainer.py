@@ -153,7 +153,10 @@ class Trainer:
         check_colocate(cfg)
         seed_everything(cfg.trainer.seed)
         resolved = ensure_resolved(cfg, self.resolved)
-        phases.done("config resolved", t0)
+        if self.resolved is None:
+            phases.done("config resolved", t0)
+        else:  # the caller resolved (the CLI): its time, not this call's
+            phases.record("config resolved", resolved.seconds)
         saved = self._load_state()
         dataset = TaskDataset(resolved.train_tasks, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         if saved is not None:

@@ -10,6 +10,7 @@ the task files and importing the user's code a second time. A ``Resolved`` cross
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import pickle
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -62,6 +63,22 @@ def test_agentrl_train_resolves_once_and_the_trainer_builds_with_it(
     assert rc == 1 and STOP in capsys.readouterr().err  # it reached the builder
     assert len(made) == 1, f"the config was resolved {len(made)} times"
     assert built == made and built[0] is made[0]  # the CLI's own resolution, not a copy
+
+
+def test_the_start_up_log_times_the_resolution_where_it_ran(
+    built: list[Resolved | None], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Handed a resolution, the trainer logs the time it took in the caller, not ~0 s."""
+    import logging
+
+    from agentrl.training import Trainer
+
+    cfg = load_config(UNITS, [f"trainer.output_dir={tmp_path}"])
+    resolved = dataclasses.replace(resolve_experiment(cfg), seconds=12.34)
+    caplog.set_level(logging.INFO, logger="agentrl.run")
+    with pytest.raises(RunFailed, match="counts resolutions"):
+        Trainer(cfg, resolved=resolved).run_sync()
+    assert "start-up: config resolved in 12.3 s" in caplog.messages, caplog.messages
 
 
 def test_the_sdk_trainer_still_resolves_a_plain_config_once(
