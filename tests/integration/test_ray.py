@@ -233,7 +233,8 @@ def test_train_cli_dispatches_to_ray(
 
     calls: list = []
 
-    def fake_run_with_ray(cfg, *, resume: bool = False) -> TrainResult:
+    def fake_run_with_ray(cfg, *, resolved=None, resume: bool = False) -> TrainResult:
+        assert resolved is not None  # the command's own resolution, handed down (issue 20)
         calls.append((cfg.distributed.backend, resume))
         return TrainResult(steps=7, version=7, output_dir=cfg.trainer.output_dir)
 
