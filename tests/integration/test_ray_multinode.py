@@ -54,13 +54,17 @@ class _NodeKiller(threading.Thread):
 
     def _run(self) -> None:
         import ray
+        from ray.exceptions import GetTimeoutError
 
         node_id = self.node.node_id
         while not self.stop.is_set() and time.monotonic() < self.deadline:
             handles = self.info.get("handles")
             if handles:
-                workers = ray.get([w.info.remote() for w in handles["workers"]], timeout=30)
-                servers = ray.get([s.info.remote() for s in handles["servers"]], timeout=30)
+                try:
+                    workers = ray.get([w.info.remote() for w in handles["workers"]], timeout=30)
+                    servers = ray.get([s.info.remote() for s in handles["servers"]], timeout=30)
+                except GetTimeoutError:  # an actor busy on a loaded machine: ask again
+                    continue
                 self.seen = {"node": node_id, "workers": workers, "servers": servers}
                 mine = [w for w in workers if w["node_id"] == node_id]
                 theirs = [s for s in servers if s["node_id"] == node_id]
