@@ -176,6 +176,8 @@ def test_two_nodes_one_killed_mid_run_the_run_finishes_and_accounts_for_every_ta
     assert killer.error is None, f"the node killer failed: {killer.error!r}; saw {killer.seen}"
     killed = killer.killed
     assert len(killed["nodes_before"]) == 2, killed  # spread: both nodes ran servers/workers
+    # dealt out in turn: the second node held one server and one worker
+    assert len(killed["servers"]) == len(killed["workers"]) == 1, killed
     assert result.steps == steps and result.version == steps  # the run finished
     acc = info["accounting"]
     trained = steps * cfg.data.batch_size
