@@ -18,6 +18,11 @@ So :func:`child_preexec` arms the signal only from the main thread, and every ch
 ours (``agentrl serve-model``) also gets :data:`ENV_OWNER_PID` and runs :func:`watch_owner`: a
 daemon thread that exits the process once it is re-parented (its owner died), checked every
 :data:`WATCH_INTERVAL_S`. Together: a child dies with its owner whichever thread started it.
+
+A child that is not ours (vLLM's API server and the engine processes it forks, none of which
+watches us) gets a reaper instead (:func:`start_reaper`): a small process that outlives the
+owner by design, and once the owner is gone stops the child, or with ``group=True`` the child's
+whole process group (SIGTERM, then SIGKILL). A reaper exits by itself once its child is gone.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import subprocess
 import sys
 import threading
 from collections.abc import Callable
@@ -36,6 +42,7 @@ __all__ = [
     "child_preexec",
     "die_with_parent",
     "owner_env",
+    "start_reaper",
     "watch_owner",
 ]
 
@@ -92,3 +99,49 @@ def watch_owner(interval_s: float = WATCH_INTERVAL_S) -> bool:
 
     threading.Thread(target=_watch, name="agentrl-owner-watch", daemon=True).start()
     return True
+
+
+_REAPER = """
+import os, signal, sys, time
+owner, child, group = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "group"
+grace = float(sys.argv[4])
+def send(sig):
+    try:
+        os.killpg(child, sig) if group else os.kill(child, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+while os.getppid() == owner and alive(child):
+    time.sleep(0.5)
+if os.getppid() != owner and send(signal.SIGTERM):
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline and send(0):
+        time.sleep(0.25)
+    send(signal.SIGKILL)
+"""
+"""The reaper's program (argv: owner pid, child pid, ``group`` or ``pid``, grace seconds)."""
+
+
+def start_reaper(
+    child: int, *, group: bool = False, grace_s: float = 10.0
+) -> subprocess.Popen[bytes]:
+    """Start a reaper of ``child`` (a pid; with ``group``, the leader of its own process group)
+    owned by this process: once this process is gone (the reaper is re-parented, whatever killed
+    us), it sends SIGTERM to the child (or its group), and SIGKILL after ``grace_s`` to what is
+    left. It exits by itself as soon as the child is gone. Needs nothing but our python."""
+    mode = "group" if group else "pid"
+    return subprocess.Popen(
+        [sys.executable, "-c", _REAPER, str(os.getpid()), str(child), mode, str(grace_s)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,  # a Ctrl-C of the owner's terminal must not stop the reaper
+    )

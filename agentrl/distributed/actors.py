@@ -24,7 +24,6 @@ import functools
 import logging
 import os
 import subprocess
-import sys
 import time
 import uuid
 import warnings
@@ -33,6 +32,7 @@ from typing import Any
 
 from agentrl.config import ExperimentConfig
 from agentrl.inference.handle import ServerHandle
+from agentrl.lifetime import start_reaper
 from agentrl.rollout.manager import AgentLoopWorker, WorkerConfig
 from agentrl.serving import ServerSpec, launch, served_model
 from agentrl.types import Task, Trajectory
@@ -51,30 +51,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BIND_HOST_ENV = "AGENTRL_SERVER_BIND_HOST"
-
-# Kills the server when the actor process that launched it is gone (argv: actor pid, server pid).
-_REAPER = """
-import os, signal, sys, time
-parent, child = int(sys.argv[1]), int(sys.argv[2])
-def alive(pid):
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-while alive(parent) and alive(child):
-    time.sleep(0.5)
-if alive(child):
-    os.kill(child, signal.SIGTERM)
-    for _ in range(40):
-        time.sleep(0.25)
-        if not alive(child):
-            break
-    else:
-        os.kill(child, signal.SIGKILL)
-"""
 
 
 def _reconstructed() -> bool:
@@ -171,12 +147,7 @@ class InferenceServerActor:
         handle = launch(dataclasses.replace(self.spec, log_path=self._log_path()))
         self._handle = handle
         self._launches += 1
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-c", _REAPER, str(os.getpid()), str(handle.pid)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self._reaper = start_reaper(handle.pid)
         port = handle.base_url.rsplit(":", 1)[1]
         self._url = f"http://{_url_host(self.spec.host)}:{port}"
 

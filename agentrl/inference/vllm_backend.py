@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from agentrl.inference.handle import ServerHandle, ServerStartError, free_port
-from agentrl.lifetime import child_preexec
+from agentrl.lifetime import child_preexec, start_reaper
 from agentrl.threads import ENV_CPUS, ENV_NICE, ENV_THREADS, THREAD_ENV_VARS
 
 if TYPE_CHECKING:
@@ -138,9 +138,19 @@ class VLLMServerHandle(ServerHandle):
     signals the group.
     """
 
+    reaper: subprocess.Popen[bytes] | None = None
+    """The group's reaper (:func:`agentrl.lifetime.start_reaper`): it stops the group if the
+    process that launched vLLM dies without stopping it (SIGKILL, or a thread that never
+    cleans up), and exits by itself once the server is gone."""
+
     def _signal_group(self, sig: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, sig)
+
+    def _end_reaper(self) -> None:
+        if self.reaper is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.reaper.wait(timeout=5)  # it sees the server gone within 0.5 s
 
     def stop(self, timeout_s: float = 30.0) -> int | None:
         if self.process.poll() is None:
@@ -152,12 +162,14 @@ class VLLMServerHandle(ServerHandle):
                 self.process.wait(timeout=30)
         # Workers may linger a moment after the API server exits; make sure they go.
         self._signal_group(signal.SIGKILL)
+        self._end_reaper()
         return self.process.returncode
 
     def kill(self) -> None:
         self._signal_group(signal.SIGKILL)
         if self.process.poll() is None:
             self.process.wait(timeout=30)
+        self._end_reaper()
 
 
 _VLLM_DTYPES = frozenset({"float32", "float16", "bfloat16", "half", "float"})
@@ -299,6 +311,9 @@ def launch_vllm_server(
             preexec_fn=child_preexec(),
         )
     handle = VLLMServerHandle(process, f"http://{host}:{port}", log_path, api_key=api_key)
+    # PR_SET_PDEATHSIG reaches only the API server, and only when launched from the main thread;
+    # the engine processes it forks never watch us: a reaper stops the whole group instead.
+    handle.reaper = start_reaper(process.pid, group=True)
     try:
         handle.wait_healthy(timeout_s=startup_timeout_s, poll_s=1.0)
     except BaseException:

@@ -105,3 +105,67 @@ def test_no_child_outlives_its_owner(kind: str, sig: int, tiny_model_dir: Path, 
         for pid in children_of(proc.pid):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+# An owner that starts a process group that is not ours (like vLLM: a leader that forks a worker,
+# neither watching us, the leader ignoring SIGTERM) from a thread, arms a group reaper, prints the
+# pids and waits to be killed.
+_OWNER = """
+import subprocess, sys, threading, time
+from agentrl.lifetime import start_reaper
+LEADER = (
+    "import signal, subprocess, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+    "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+    "print(w.pid, flush=True); time.sleep(600)"
+)
+def launch():
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    worker = int(leader.stdout.readline())
+    reaper = start_reaper(leader.pid, group=True, grace_s=float(sys.argv[1]))
+    print(leader.pid, worker, reaper.pid, flush=True)
+threading.Thread(target=launch).start()
+time.sleep(600)
+"""
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids):
+        time.sleep(0.1)
+    return [p for p in pids if _alive(p)]
+
+
+def test_a_group_that_is_not_ours_dies_with_its_killed_owner() -> None:
+    """What vLLM needs (its API server and engine processes never watch us; the server may be
+    started from a thread, where PR_SET_PDEATHSIG does not hold): SIGKILL the owner, and the
+    reaper ends the whole group, SIGKILL after the grace for a leader that ignores SIGTERM."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    owner = subprocess.Popen(
+        [sys.executable, "-c", _OWNER, "1.0"], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        leader, worker, reaper = (int(x) for x in owner.stdout.readline().split())  # type: ignore[union-attr]
+        time.sleep(1.0)
+        assert _alive(leader) and _alive(worker) and _alive(reaper)
+        owner.kill()
+        owner.wait(10)
+        assert _wait_gone([leader, worker, reaper], 15.0) == []
+    finally:
+        owner.kill()
+        for pid in (leader, worker):
+            with contextlib.suppress(ProcessLookupError, UnboundLocalError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_a_reaper_leaves_by_itself_when_its_child_is_stopped() -> None:
+    from agentrl.lifetime import start_reaper
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    reaper = start_reaper(child.pid)
+    time.sleep(1.0)
+    assert reaper.poll() is None  # the owner (this test) lives: the reaper waits
+    child.kill()
+    child.wait(10)
+    assert reaper.wait(5) == 0  # it saw the child gone and left, killing nothing
