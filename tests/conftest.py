@@ -1,8 +1,10 @@
 """Shared pytest configuration. Scripted fakes live in ``tests/fakes.py`` (one place); how
 ``make test`` runs two tests at a time, in lanes, is ``tests/lanes.py``."""
 
+import resource
 import shutil
 import tempfile
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,36 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from tests.lanes import LaneScheduling
 
     return LaneScheduling(config, log, config.stash[_LANES_DIR] / "lanes.json")
+
+
+_CPU_START = pytest.StashKey[float]()
+
+
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of its children it has waited for."""
+    own, kids = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, None, None]:
+    item.stash[_CPU_START] = _cpu_s()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, None, None]:
+    """Each test's CPU seconds (this process and the children it waited for: servers it
+    stopped, commands it ran; not Ray's actors) as the junit property ``cpu_s``: where the
+    suite's CPU goes on a 2-core machine, where two tests at a time contend. A string, so
+    the measured-values summary leaves it out."""
+    yield
+    start = item.stash.get(_CPU_START, None)
+    if start is not None:
+        item.user_properties.append(("cpu_s", f"{_cpu_s() - start:.1f}"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
