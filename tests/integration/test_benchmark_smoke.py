@@ -52,12 +52,13 @@ def _run(script: str, work: Path, *extra: str) -> None:
 
 
 # Servers un-niced: on a loaded CI machine a niced server can miss its 120 s start-up deadline,
-# and the smoke checks plumbing, not speed.
-UNNICED = "distributed.server_nice=0"
+# and the smoke checks plumbing, not speed. One server per run and per evaluation: the smokes
+# start a dozen of them, each a process importing torch (the suite is CPU-bound on 2 cores).
+SMOKE_OVERRIDES = ["distributed.server_nice=0", "inference.num_servers=1"]
 
 
 def test_staleness_ablation_smoke(tmp_path: Path) -> None:
-    _run("benchmarks/staleness_ablation.py", tmp_path, "--overrides", UNNICED)
+    _run("benchmarks/staleness_ablation.py", tmp_path, "--overrides", *SMOKE_OVERRIDES)
     summary = json.loads((tmp_path / "staleness_ablation_smoke.json").read_text())
     assert (tmp_path / "staleness_ablation_smoke.png").stat().st_size > 0
     conds = summary["conditions"]
@@ -85,7 +86,7 @@ def test_time_to_accuracy_smoke(tmp_path: Path) -> None:
         tmp_path,
         f"--trl-python={trl}",
         "--agentrl-overrides",
-        UNNICED,
+        *SMOKE_OVERRIDES,
     )
     summary = json.loads((tmp_path / "time_to_accuracy.json").read_text())
     assert (tmp_path / "time_to_accuracy.png").stat().st_size > 0
