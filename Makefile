@@ -25,7 +25,9 @@ endif
 ifneq ($(PIP_CONSTRAINT_CFG),)
 export UV_CONSTRAINT ?= $(PIP_CONSTRAINT_CFG)
 endif
-UV_INSTALL = $(UV) pip install -q --python
+# Byte-compiled at install, as pip does: with PYTHONDONTWRITEBYTECODE set (it is on CI) nothing
+# is cached at run time, and every process would compile torch and transformers again.
+UV_INSTALL = $(UV) pip install -q --compile-bytecode --python
 # make test runs this many tests at a time (pytest-xdist; tests/lanes.py keeps the Ray tests in
 # one lane and the vLLM tests in another). 2 suits 2 cores: most integration tests wait more than
 # they compute. TEST_WORKERS=0 runs them one by one.
