@@ -90,6 +90,11 @@ def _hold_the_trainer_while_the_replacement_starts(
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
         time.sleep(0.05)
     (started,) = logs.glob("*-restart1.log")
+    # The launcher opens the log before it forks the server: stopped in between, the trainer
+    # never starts it (CI8: an empty log after 180 s). The server's first line proves it runs.
+    while not started.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-4000:]
+        time.sleep(0.05)
     proc.send_signal(signal.SIGSTOP)
     try:
         deadline = time.monotonic() + 180
