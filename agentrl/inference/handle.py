@@ -12,17 +12,17 @@ is idempotent; the context manager stops the server on exit, even when the body 
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 import httpx
 
-__all__ = ["ServerHandle", "ServerStartError", "free_port"]
+__all__ = ["ServerHandle", "ServerProcess", "ServerStartError", "free_port"]
 
 
 class ServerStartError(RuntimeError):
@@ -36,17 +36,30 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+class ServerProcess(Protocol):
+    """What a handle needs of its process: ``subprocess.Popen`` or a server forked by the
+    zygote (:class:`agentrl.inference.zygote.ForkedProcess`)."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, sig: int) -> None: ...
+    def kill(self) -> None: ...
+
+
 class ServerHandle:
     """A running server subprocess: its URL, pid and log file, and how to stop it.
 
     Attributes: ``base_url`` (e.g. ``http://127.0.0.1:8123``, no trailing slash), ``pid``,
-    ``log_path`` (stdout and stderr of the process), ``process`` (the ``Popen``), ``api_key``
+    ``log_path`` (stdout and stderr of the process), ``process`` (the ``Popen``, or the zygote's :class:`ServerProcess`), ``api_key``
     (what clients must send, or None).
     """
 
     def __init__(
         self,
-        process: subprocess.Popen[bytes],
+        process: ServerProcess,
         base_url: str,
         log_path: str | Path,
         *,
@@ -111,7 +124,7 @@ class ServerHandle:
         """SIGKILL now (failure tests use it to simulate a crashed server)."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.process.pid, signal.SIGKILL)
+                self.process.kill()
             self.process.wait(timeout=30)
 
     def __enter__(self) -> ServerHandle:

@@ -51,7 +51,7 @@ from typing import Any
 from fastapi import FastAPI
 
 from agentrl.http_limits import BodyDeadline, uvicorn_limits
-from agentrl.inference.handle import ServerHandle, free_port
+from agentrl.inference.handle import ServerHandle, ServerProcess, free_port
 from agentrl.inference.routes import control, generation, metrics, scoring, weights
 from agentrl.inference.routes.auth import AccessControl, is_loopback
 from agentrl.inference.routes.common import RequestLog, ServerState, install_error_handlers
@@ -349,20 +349,28 @@ def launch_embedded_server(
     child_env = dict(os.environ, **(env or {}), PYTHONUNBUFFERED="1", **owner_env())
     if api_key:
         child_env[ENV_API_KEY] = api_key
-    with open(log_path, "ab") as logf:
-        # The server dies with this process, even on SIGKILL (agentrl.lifetime).
-        proc = subprocess.Popen(
-            cmd,
-            stdout=logf,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            preexec_fn=child_preexec(),
-        )
+    proc = _start_process(cmd, child_env, str(log_path))
     handle = ServerHandle(
         proc, f"http://{host}:{port}", log_path, api_key=api_key or child_env.get(ENV_API_KEY)
     )
     handle.wait_healthy(startup_timeout_s)
     return handle
+
+
+def _start_process(cmd: list[str], env: dict[str, str], log_path: str) -> ServerProcess:
+    """Fork the server from the zygote (imports done: :mod:`agentrl.inference.zygote`), else a
+    subprocess. Either dies with this process, even on SIGKILL (:mod:`agentrl.lifetime`)."""
+    from agentrl.inference import zygote
+
+    if zygote.enabled():
+        try:
+            return zygote.spawn(cmd[3:], env=env, log_path=log_path)
+        except (zygote.ZygoteError, OSError) as exc:
+            print(f"agentrl: starting the server as a subprocess: {exc}", file=sys.stderr)
+    with open(log_path, "ab") as logf:
+        return subprocess.Popen(
+            cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, preexec_fn=child_preexec()
+        )
 
 
 def embedded_device(cfg: Any) -> tuple[str, str]:

@@ -63,12 +63,16 @@ def load_and_resolve(path: str, overrides: list[str]) -> tuple[ExperimentConfig,
     """The config and its resolution (every name, file and user import checked) before anything
     starts, the run's only one: the command hands it down. A user error prints ``error: ...``
     and returns None (exit status 2)."""
+    from agentrl.inference import zygote
     from agentrl.training.resolve import ResolutionError, resolve_experiment
 
     try:
         cfg = load_config(path, overrides)
+        if cfg.distributed.backend == "local" and cfg.inference.backend == "embedded":
+            zygote.prestart()  # the servers' imports overlap the resolution (start-up)
         resolved = resolve_experiment(cfg)
     except (ConfigError, ResolutionError) as exc:
+        zygote.shutdown()
         print(f"error: {exc}", file=sys.stderr)
         return None
     return cfg, resolved

@@ -1,0 +1,123 @@
+"""Embedded servers forked from the zygote (:mod:`agentrl.inference.zygote`), over real HTTP.
+
+What a user sees must not change: the server is ``agentrl serve-model`` in ``ps``, its output
+goes to its log, its exit code and signals behave like a subprocess's, it dies with the process
+that launched it (even on SIGKILL, even when the zygote itself is killed), and the zygote stops
+with its owner. What changes is that the second server of a process forks from the same
+zygote instead of importing torch and transformers again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from agentrl.inference import zygote
+from agentrl.inference.handle import ServerStartError
+from agentrl.inference.server import launch_embedded_server
+from tests.integration.test_lifetime import _alive, children_of
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+
+def _parent(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_servers_fork_from_one_zygote_and_behave_like_subprocesses(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    first = launch_embedded_server(tiny_model_dir, log_path=tmp_path / "a.log")
+    second = launch_embedded_server(tiny_model_dir, log_path=tmp_path / "b.log")
+    try:
+        assert isinstance(first.process, zygote.ForkedProcess)
+        parent = _parent(first.pid)
+        assert _parent(second.pid) == parent != os.getpid()  # one zygote, both forked from it
+        cmdline = Path(f"/proc/{second.pid}/cmdline").read_bytes().decode()
+        assert cmdline.startswith("agentrl serve-model ") and str(tiny_model_dir) in cmdline
+        assert "embedded server" in (tmp_path / "b.log").read_text()
+        assert httpx.get(second.base_url + "/health", timeout=5).status_code == 200
+        assert second.process.poll() is None
+        os.kill(second.pid, signal.SIGKILL)  # a crash seen through the handle, as with Popen
+        assert second.process.wait(timeout=10) == -signal.SIGKILL
+        assert not second.is_running()
+        assert first.stop() == -signal.SIGTERM  # uvicorn's graceful stop, then the code
+    finally:
+        first.stop()
+        second.stop()
+
+
+def test_a_server_that_fails_reports_its_exit_code_and_log(tmp_path: Path) -> None:
+    with pytest.raises(ServerStartError, match="exited with code 2") as err:
+        launch_embedded_server(tmp_path, log_path=tmp_path / "bad.log", startup_timeout_s=60)
+    assert "not a Hugging Face model directory" in str(err.value)
+
+
+def test_a_killed_zygote_takes_its_servers_and_the_next_launch_starts_a_new_one(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    handle = launch_embedded_server(tiny_model_dir, log_path=tmp_path / "a.log")
+    old = _parent(handle.pid)
+    os.kill(old, signal.SIGKILL)
+    assert _wait_gone([handle.pid], 10) == []  # PDEATHSIG from the zygote
+    assert handle.process.poll() is not None
+    again = launch_embedded_server(tiny_model_dir, log_path=tmp_path / "b.log")
+    try:
+        assert _parent(again.pid) not in (old, os.getpid())
+    finally:
+        again.stop()
+
+
+def test_off_switch_starts_a_plain_subprocess(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(zygote.ENV_ZYGOTE, "0")
+    with launch_embedded_server(tiny_model_dir, log_path=tmp_path / "a.log") as handle:
+        assert isinstance(handle.process, subprocess.Popen)
+        assert _parent(handle.pid) == os.getpid()
+
+
+LAUNCHER = """
+import sys, time
+from agentrl.inference.server import launch_embedded_server
+handles = [launch_embedded_server(sys.argv[1], log_path=f"{sys.argv[2]}/{i}.log") for i in range(2)]
+print(" ".join(str(h.pid) for h in handles), flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
+def test_the_zygote_and_its_servers_die_with_their_owner(
+    sig: int, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    owner = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(LAUNCHER), str(tiny_model_dir), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        servers = [int(p) for p in owner.stdout.readline().split()]
+        assert len(servers) == 2, "the launcher did not start its servers"
+        everything = children_of(owner.pid)  # the zygote and both servers carry the marker
+        assert set(servers) <= set(everything) and len(everything) == 3
+        owner.send_signal(sig)
+        owner.wait(timeout=30)
+        assert _wait_gone(everything, 15) == []
+    finally:
+        owner.kill()
