@@ -149,10 +149,13 @@ def shutdown() -> None:
     global _current
     with _lock:
         z, _current = _current, None
-    if z is not None and _owner_pid == os.getpid():
-        z.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            z.process.wait(timeout=GRACE_S + 5)
+    if z is None or _owner_pid != os.getpid():
+        return
+    if not z.spawned:  # nothing to stop gracefully, and its imports may still be running
+        z.process.kill()
+    z.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        z.process.wait(timeout=GRACE_S + 5)
 
 
 def spawn(
@@ -169,6 +172,7 @@ def spawn(
         "cwd": cwd or os.getcwd(),
         "log": str(log_path),
     }
+    zygote.spawned = True
     pid = zygote.call(request, dead=None)
     if not isinstance(pid, int):
         raise ZygoteError(f"the zygote did not fork the server; its log {zygote.log_path}")
@@ -201,6 +205,7 @@ class _Zygote:
         self.lock = threading.Lock()
         self.ready = False
         self.broken = False
+        self.spawned = False
 
     def call(self, request: dict[str, Any], *, dead: Any) -> Any:
         """Send ``request``, return its ``result``; ``dead`` when the zygote is gone."""
