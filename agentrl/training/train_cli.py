@@ -80,14 +80,14 @@ def load_and_resolve(path: str, overrides: list[str]) -> tuple[ExperimentConfig,
 
 def run(args: argparse.Namespace) -> int:
     """Train; the exit status says how the run ended (module docstring)."""
-    from agentrl.training.errors import RunFailed
-    from agentrl.training.trainer import Trainer
-
     configure_logging(args)
-    loaded = load_and_resolve(args.config, args.overrides)
+    loaded = load_and_resolve(args.config, args.overrides)  # first: it starts the zygote
     if loaded is None:
         return 2
     cfg, resolved = loaded
+    from agentrl.training.errors import RunFailed
+    from agentrl.training.trainer import Trainer
+
     try:
         result = _train(cfg, resolved, args.resume, Trainer)
     except KeyboardInterrupt:
