@@ -122,7 +122,10 @@ def run_mode(
         pool_mod.ServerPool = ServerPool  # type: ignore[misc]
         loop_mod.train_step = real_step
     h = result.history
-    skip = 1  # the first step includes filling the pipeline from empty in both modes
+    # The first step includes filling the pipeline from empty: skipped when training. The
+    # generation-only run counts from the start: with no staleness limit it may generate the
+    # whole run during its first step (CI10's smoke measured 0 trajectories after it).
+    skip = 1 if train else 0
     steps = [v for s, v in h["timing_s/step"] if s > skip]
     wait = [v for s, v in h["timing_s/wait_rollout"] if s > skip]
     samples = len(steps) * args.batch_size * args.n_samples
@@ -135,8 +138,9 @@ def run_mode(
         + (args.n_samples - 1) * series["async/buffer_partial_groups"].get(s, 0.0)
         for s in series.get("async/consumed_total", {})
     }
-    first, end = skip, max(done) if done else skip
-    finished_per_s = (done[end] - done[first]) / sum(steps) if end > first else float("nan")
+    end = max(done) if done else skip
+    start = done[skip] if skip else 0.0
+    finished_per_s = (done[end] - start) / sum(steps) if end > skip else float("nan")
     return {
         "max_staleness": eta,
         "measured_steps": len(steps),
