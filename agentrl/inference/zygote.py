@@ -33,6 +33,7 @@ Guarantees and caveats:
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -156,6 +157,14 @@ def shutdown() -> None:
     z.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         z.process.wait(timeout=GRACE_S + 5)
+    _discard_empty_log(z.log_path)
+
+
+def _discard_empty_log(path: str) -> None:
+    """Remove a zygote log with nothing in it (one that says something is kept)."""
+    with contextlib.suppress(OSError):
+        if os.path.getsize(path) == 0:
+            os.unlink(path)
 
 
 def spawn(
@@ -185,6 +194,7 @@ class _Zygote:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         fd, self.log_path = tempfile.mkstemp(prefix="agentrl-zygote-", suffix=".log")
+        atexit.register(_discard_empty_log, self.log_path)  # the zygote may be killed before it
         env = dict(os.environ, **owner_env(), SPT_NOENV="1", PYTHONUNBUFFERED="1")
         env[ENV_ZYGOTE_LOG] = self.log_path
         try:
@@ -295,7 +305,10 @@ def _main(fd: int) -> int:
         _reap(children)
         if not ready:
             continue
-        line = reader.readline()
+        try:
+            line = reader.readline()
+        except OSError:  # the owner closed with a request unread (a reset): the same as EOF
+            break
         if not line:
             break
         result = _answer(json.loads(line), children, sock)

@@ -121,3 +121,18 @@ def test_the_zygote_and_its_servers_die_with_their_owner(
         assert _wait_gone(everything, 15) == []
     finally:
         owner.kill()
+
+
+@pytest.mark.parametrize("how", ["exit", "shutdown"])
+def test_a_zygote_that_had_nothing_to_say_leaves_no_log(tmp_path: Path, how: str) -> None:
+    """Its log is a temp file: an owner that exits (the zygote dies with it, even mid-import)
+    or shuts it down removes it when it is empty (every CI run once left ~60 in /tmp)."""
+    code = "from agentrl.inference import zygote\nzygote.prestart()\n"
+    if how == "shutdown":
+        code += "zygote.shutdown()\n"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
+    deadline = time.monotonic() + 20  # the zygote may still be on its way out
+    while list(tmp_path.glob("agentrl-zygote-*")) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert list(tmp_path.glob("agentrl-zygote-*")) == []
