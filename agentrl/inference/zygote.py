@@ -194,7 +194,8 @@ class _Zygote:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
         fd, self.log_path = tempfile.mkstemp(prefix="agentrl-zygote-", suffix=".log")
-        atexit.register(_discard_empty_log, self.log_path)  # the zygote may be killed before it
+        # Removed at our exit when empty: a zygote killed along with us cannot remove it itself.
+        atexit.register(_discard_empty_log, self.log_path)
         env = dict(os.environ, **owner_env(), SPT_NOENV="1", PYTHONUNBUFFERED="1")
         env[ENV_ZYGOTE_LOG] = self.log_path
         try:
