@@ -33,7 +33,6 @@ Guarantees and caveats:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
@@ -78,8 +77,8 @@ PRELOAD = (
     "agentrl.inference.scoring",
 )
 """What every embedded server imports (a missing one is skipped: the server imports it later)."""
-ENV_ZYGOTE_LOG = "AGENTRL_ZYGOTE_LOG"
-"""The zygote's own log (removed at a clean exit)."""
+LOG_TAIL_BYTES = 4000
+"""How much of the end of the zygote's own output a warning quotes."""
 CHECK_S = 0.5
 """How often the zygote checks that its owner is alive and reaps its servers that ended."""
 GRACE_S = 10.0
@@ -157,14 +156,6 @@ def shutdown() -> None:
     z.close()
     with contextlib.suppress(subprocess.TimeoutExpired):
         z.process.wait(timeout=GRACE_S + 5)
-    _discard_empty_log(z.log_path)
-
-
-def _discard_empty_log(path: str) -> None:
-    """Remove a zygote log with nothing in it (one that says something is kept)."""
-    with contextlib.suppress(OSError):
-        if os.path.getsize(path) == 0:
-            os.unlink(path)
 
 
 def spawn(
@@ -184,7 +175,7 @@ def spawn(
     zygote.spawned = True
     pid = zygote.call(request, dead=None)
     if not isinstance(pid, int):
-        raise ZygoteError(f"the zygote did not fork the server; its log {zygote.log_path}")
+        raise ZygoteError(f"the zygote did not fork the server; its output: {zygote.log_tail()}")
     return ForkedProcess(zygote, pid)
 
 
@@ -193,23 +184,21 @@ class _Zygote:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
-        fd, self.log_path = tempfile.mkstemp(prefix="agentrl-zygote-", suffix=".log")
-        # Removed at our exit when empty: a zygote killed along with us cannot remove it itself.
-        atexit.register(_discard_empty_log, self.log_path)
+        # The zygote's own output goes to a file with no name (unlinked at once): nothing is
+        # left behind however the two processes end (SIGKILL included); warnings quote its end.
+        self.log = tempfile.TemporaryFile(prefix="agentrl-zygote-")  # noqa: SIM115 (its life)
         env = dict(os.environ, **owner_env(), SPT_NOENV="1", PYTHONUNBUFFERED="1")
-        env[ENV_ZYGOTE_LOG] = self.log_path
         try:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", __name__, str(theirs.fileno()), "." * TITLE_ROOM],
                 pass_fds=[theirs.fileno()],
                 stdin=subprocess.DEVNULL,
-                stdout=fd,
+                stdout=self.log,
                 stderr=subprocess.STDOUT,
                 env=env,
                 preexec_fn=child_preexec(),
             )
         finally:
-            os.close(fd)
             theirs.close()
         self.sock = ours
         self.reader = ours.makefile("rb")
@@ -231,7 +220,7 @@ class _Zygote:
             except (OSError, ValueError, ZygoteError) as exc:
                 self.broken = True
                 logger.warning(
-                    "the server zygote stopped answering (%s); log %s", exc, self.log_path
+                    "the server zygote stopped answering (%s); its output: %s", exc, self.log_tail()
                 )
                 return dead
         return reply.get("result")
@@ -249,6 +238,16 @@ class _Zygote:
         if not line:
             raise ZygoteError("it exited")
         return json.loads(line)
+
+    def log_tail(self) -> str:
+        """The end of the zygote's own output (``(none)`` when it wrote nothing)."""
+        try:
+            size = os.fstat(self.log.fileno()).st_size
+            start = max(0, size - LOG_TAIL_BYTES)
+            text = os.pread(self.log.fileno(), size - start, start).decode(errors="replace")
+        except (OSError, ValueError):  # closed already
+            return "(unreadable)"
+        return text.strip() or "(none)"
 
     def close(self) -> None:
         """Close the socket: the zygote stops its servers and exits."""
@@ -287,12 +286,10 @@ def _main(fd: int) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the servers
     owner = os.getppid()
     sock = socket.socket(fileno=fd)
-    warnings = []
     for name in PRELOAD:
         try:
             __import__(name)
         except Exception as exc:  # the server imports (and reports) it itself
-            warnings.append(name)
             print(f"zygote: cannot preload {name}: {exc}", flush=True)
     import gc
 
@@ -300,7 +297,10 @@ def _main(fd: int) -> int:
     gc.freeze()  # the forked servers do not copy the preloaded heap on their first collection
     children: dict[int, int | None] = {}
     reader = sock.makefile("rb")
-    sock.sendall(b'{"ready": true}\n')
+    try:
+        sock.sendall(b'{"ready": true}\n')
+    except OSError:  # the owner is gone already (it shut us down mid-import, or died)
+        return 0
     while os.getppid() == owner:
         ready = select.select([sock], [], [], CHECK_S)[0]
         _reap(children)
@@ -315,9 +315,6 @@ def _main(fd: int) -> int:
         result = _answer(json.loads(line), children, sock)
         sock.sendall(json.dumps({"result": result}).encode() + b"\n")
     _stop_all(children)
-    if not warnings:  # nothing worth keeping in the log
-        with contextlib.suppress(OSError):
-            os.unlink(os.environ.get(ENV_ZYGOTE_LOG, ""))
     return 0
 
 
