@@ -24,10 +24,12 @@ import secrets
 import tempfile
 from abc import ABC, abstractmethod
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "BackgroundTracker",
     "MetricsReporter",
     "MlflowTracker",
     "NullTracker",
@@ -206,6 +208,125 @@ class MlflowTracker(Tracker):
         return f"{self.tracking_uri} (experiment {self.experiment!r}, run {self.run_id})"
 
 
+class BackgroundTracker(Tracker):
+    """A tracker built and driven on its own thread, so that neither MLflow's set-up (importing
+    it, creating and migrating the store: seconds) nor a slow store holds up the run.
+
+    ``build`` (a function returning the real :class:`Tracker`) runs at once on a single worker
+    thread; every later call is queued on that same thread, in order (MLflow's active run is
+    per thread, so one thread must start, log to and end it). ``log_*`` return at once (their
+    arguments copied); ``run_id``, ``location`` and ``history`` wait for the calls before them.
+    An error of ``build`` or of a queued call is raised by the next call (``finish`` included),
+    so a failing store still fails the run, one call later. ``ready`` is a future of the built
+    tracker (None if the build failed); ``on_ready`` is called on the worker thread once it is
+    built.
+    """
+
+    def __init__(
+        self, build: Callable[[], Tracker], on_ready: Callable[[Tracker], None] | None = None
+    ) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentrl-tracking")
+        self._error: BaseException | None = None
+        self._finished = False
+        self.ready = self._pool.submit(self._build, build, on_ready)
+
+    def _build(self, build: Callable[[], Tracker], on_ready: Any) -> Tracker | None:
+        """The worker's first task: the tracker, or None with the build's error kept."""
+        try:
+            tracker = build()
+        except BaseException as exc:  # kept, and raised by the next call
+            self._error = exc
+            return None
+        if on_ready is not None:
+            on_ready(tracker)
+        return tracker
+
+    def _tracker(self) -> Tracker | None:
+        """The built tracker (None when the build failed: its error is kept in ``_error``)."""
+        return self.ready.result()
+
+    def _run(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``name`` on the built tracker (on the worker thread); an error is kept."""
+        tracker = self._tracker()
+        if tracker is None:
+            return None
+        try:
+            return getattr(tracker, name)(*args, **kwargs)
+        except BaseException as exc:  # kept, and raised by the next call
+            if self._error is None:
+                self._error = exc
+            return None
+
+    def _raise_kept(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _queue(self, name: str, *args: Any, **kwargs: Any) -> None:
+        self._raise_kept()
+        if self._finished:
+            raise RuntimeError(f"tracker.{name} after finish(): the run is ended")
+        self._pool.submit(self._run, name, *args, **kwargs)
+
+    def _wait(self, name: str) -> Any:
+        """An attribute of the built tracker, after every call queued before this one."""
+        if self._finished:  # the queue is drained and the thread stopped
+            return getattr(self._tracker(), name, None)
+        value = self._pool.submit(lambda: getattr(self._tracker(), name, None)).result()
+        self._raise_kept()
+        return value
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        """Queued (a copy of ``params``)."""
+        self._queue("log_params", dict(params))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Queued (a copy of ``metrics``)."""
+        self._queue("log_metrics", dict(metrics), step)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Queued: the file must stay until :meth:`finish` (the run's own files do)."""
+        self._queue("log_artifact", path, artifact_path)
+
+    def log_dict(self, data: Any, artifact_file: str) -> None:
+        """Queued (``data`` is copied through JSON now, as it will be written)."""
+        self._queue("log_dict", json.loads(json.dumps(data, default=str)), artifact_file)
+
+    def log_traces(self, trajs: list[Any], step: int | None = None, **tags: str) -> int:
+        """Queued; returns how many episodes were handed over (the traces are written later)."""
+        self._queue("log_traces", list(trajs), step, **tags)
+        return len(trajs)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """Run every queued call, end the run with ``status`` (once) and stop the thread. An
+        error of the queue is raised after the run is ended; when ``status`` is ``FAILED`` (the
+        run is failing already, with its own error) it is logged instead."""
+        if self._finished:
+            return
+        self._finished = True
+        self._pool.submit(self._run, "finish", status).result()
+        self._pool.shutdown(wait=True)
+        if status == "FAILED" and self._error is not None:
+            logging.getLogger(__name__).error("tracking failed too: %s", self._error)
+            self._error = None
+        self._raise_kept()
+
+    @property
+    def run_id(self) -> str | None:  # type: ignore[override]
+        return self._wait("run_id")
+
+    @property
+    def history(self) -> dict[str, list[tuple[int, float]]]:
+        """The built tracker's metric history (every queued metric included)."""
+        return self._wait("history") or {}
+
+    @property
+    def location(self) -> str:
+        return self._wait("location") or ""
+
+
 def fresh_run_name() -> str:
     """A run name in MLflow's style (``overjoyed-slug-911``) drawn from the OS's entropy: MLflow
     draws its names from the global RNG, which ``seed_everything`` has seeded, so every run of
@@ -238,7 +359,7 @@ def store_uri(tracking_uri: str | None, local_dir: str | Path) -> str:
 def ensure_experiment(uri: str, experiment: str) -> None:
     """Create ``experiment`` in the store at ``uri`` unless it exists (a sqlite store keeps its
     artifacts in ``artifacts/`` beside the database). The first call on a new sqlite store
-    creates and migrates it: seconds, which :func:`warm_store` moves off the critical path."""
+    creates and migrates it: seconds, which :class:`BackgroundTracker` moves off the critical path."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
@@ -249,21 +370,6 @@ def ensure_experiment(uri: str, experiment: str) -> None:
         artifact_root = (Path(uri[len("sqlite:///") :]).parent / "artifacts").as_uri()
     with contextlib.suppress(Exception):  # another process created it meanwhile: fine
         client.create_experiment(experiment, artifact_location=artifact_root)
-
-
-def warm_store(cfg: Any) -> None:
-    """Create and migrate the run's MLflow store and experiment ahead of its tracker (run in a
-    thread while the servers start; start-up was servers, *then* 2-3 s of store set-up). Does
-    nothing when tracking is off; an error here is left for the tracker itself to raise."""
-    t = cfg.tracking
-    if not t.enabled or t.backend != "mlflow":
-        return
-    try:
-        ensure_experiment(
-            store_uri(t.tracking_uri, Path(cfg.trainer.output_dir) / "mlruns"), t.experiment
-        )
-    except Exception as exc:  # the tracker raises it again, in context
-        logging.getLogger(__name__).debug("warming the MLflow store failed: %s", exc)
 
 
 def make_tracker(

@@ -30,13 +30,13 @@ from typing import Any
 
 from agentrl.config import ExperimentConfig
 from agentrl.tracking import (
+    BackgroundTracker,
     MetricsReporter,
     ProgressReporter,
     SampleReporter,
     Tracker,
     log_run_plots,
     tracker_for,
-    warm_store,
 )
 from agentrl.training.build import Run, build_run, build_serving
 from agentrl.training.loop import TrainResult, push_weights, train
@@ -162,10 +162,29 @@ class Trainer:
         if saved is not None:
             dataset.load_state_dict(saved.dataset)
         t1 = time.perf_counter()
-        # The MLflow store is created (and migrated) while the servers start, not after.
-        warm = asyncio.ensure_future(asyncio.to_thread(warm_store, cfg))
+        # The tracker (MLflow's import, store and run) is built on its own thread while the
+        # servers start, and the run does not wait for it: its calls queue until it is ready.
+        tracker = self._tracker(saved, lambda _: phases.done("tracking ready", t1))
+        try:
+            result = await self._serve_and_train(resolved, saved, dataset, tracker, phases)
+        except BaseException:  # a run that never reached training still ends its MLflow run
+            tracker.finish("FAILED")
+            raise
+        result.wall_time_s = time.perf_counter() - t0
+        return result
+
+    async def _serve_and_train(
+        self,
+        resolved: Resolved,
+        saved: RunState | None,
+        dataset: Any,
+        tracker: Tracker,
+        phases: PhaseTimer,
+    ) -> TrainResult:
+        """Start the servers (or attach), restore a resumed run, train; servers stopped after."""
+        t1 = time.perf_counter()
         async with build_run(
-            cfg,
+            self.cfg,
             resolved=resolved,
             server_urls=self.server_urls,
             transport=self.transport,
@@ -179,17 +198,11 @@ class Trainer:
                     await self.on_built(run)
                 if saved is not None:
                     self._restore(run, saved)
-                t2 = time.perf_counter()
-                await warm
-                tracker = self._tracker(saved)
-                phases.done("tracking ready", t2)
                 run.tracker = tracker
                 async with watch_servers(run):  # the servers this run launched: restarted if dead
-                    result = await self._train(run, tracker, dataset)
+                    return await self._train(run, tracker, dataset)
             finally:
                 first.cancel()
-        result.wall_time_s = time.perf_counter() - t0
-        return result
 
     def _load_state(self) -> RunState | None:
         """The saved state when resuming (logged: which step, which checkpoint), else None;
@@ -209,10 +222,14 @@ class Trainer:
         if kl is not None and saved.kl_coef is not None:
             kl.controller.value = saved.kl_coef
 
-    def _tracker(self, saved: RunState | None) -> Tracker:
-        tracker = tracker_for(self.cfg, run_id=saved.mlflow_run_id if saved else None)
-        tracker.log_params(self.cfg.flatten())
+    def _tracker(self, saved: RunState | None, on_ready: Callable[[Tracker], None]) -> Tracker:
+        """The run's tracker, built in the background (:class:`BackgroundTracker`), with the
+        config's params queued; ``config.yaml`` is written now."""
+        self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(self.cfg.to_yaml())
+        run_id = saved.mlflow_run_id if saved else None
+        tracker = BackgroundTracker(lambda: tracker_for(self.cfg, run_id=run_id), on_ready)
+        tracker.log_params(self.cfg.flatten())
         return tracker
 
     async def _train(self, run: Run, tracker: Tracker, dataset: Any) -> TrainResult:
