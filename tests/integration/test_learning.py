@@ -7,7 +7,7 @@ on a random model, where reward is always 0. Only a policy that sometimes succee
 the pieces compose into learning: rewards reach the advantages with the right sign, the update
 moves the policy the right way, and the servers really sample from the pushed weights.
 
-The run is the quickstart's recipe (async GRPO, ``max_staleness: 2``, decoupled token IS) with a
+The run is the quickstart's recipe (async GRPO, ``max_staleness: 2``, bypass PPO-clip) with a
 higher learning rate and fewer steps, so that the rise is large against the sampling noise of
 ``STEPS`` batches of 8 tasks x 4 samples.
 """
