@@ -223,8 +223,15 @@ def first_crossing(curve: list[tuple[float, float]], target: float) -> float | N
     return None
 
 
-def summarize(runs: list[dict[str, Any]], warm: float, systems: list[str]) -> dict[str, Any]:
-    """Per system: curves and finals; per agentrl system: the time-to-TRL-accuracy ratios."""
+def summarize(
+    runs: list[dict[str, Any]],
+    warm: float,
+    systems: list[str],
+    fixed_targets: list[float] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
+    """Per system: curves and finals; per agentrl system: the time-to-TRL-accuracy ratios (to
+    each seed's TRL final accuracy, and to each of ``fixed_targets``: the same accuracy for
+    every seed and system, which a noisy TRL final cannot move)."""
     by = {(r["system"], r["seed"]): r for r in runs}
     seeds = sorted({r["seed"] for r in runs})
     curves = {
@@ -242,22 +249,29 @@ def summarize(runs: list[dict[str, Any]], warm: float, systems: list[str]) -> di
         }
     if "trl" in systems:
         for system in (s for s in systems if s != "trl"):
-            out["systems"][system]["vs_trl"] = _ratios(curves, system, seeds)
+            vs = _ratios(curves, system, seeds, lambda seed: curves[("trl", seed)][-1][1])
+            vs["fixed_targets"] = {
+                str(t): _ratios(curves, system, seeds, lambda _, t=t: t) for t in fixed_targets
+            }
+            out["systems"][system]["vs_trl"] = vs
     return out
 
 
-def _ratios(curves: dict[Any, Any], system: str, seeds: list[int]) -> dict[str, Any]:
+def _ratios(
+    curves: dict[Any, Any], system: str, seeds: list[int], target_of: Any
+) -> dict[str, Any]:
+    """Per seed, agentrl's time to ``target_of(seed)`` over TRL's, with the spread."""
     per_seed = []
     for seed in seeds:
-        target = curves[("trl", seed)][-1][1]
+        target = target_of(seed)
         t_trl = first_crossing(curves[("trl", seed)], target)
         t_ours = first_crossing(curves[(system, seed)], target)
         ratio = t_ours / t_trl if t_ours is not None and t_trl else None
         note = None
         if not t_trl:
-            note = "TRL did not improve on the warm start: no time to compare"
+            note = f"TRL did not reach {target:.3f} after the warm start: no time to compare"
         elif t_ours is None:
-            note = "agentrl never reached TRL's final accuracy"
+            note = f"agentrl never reached {target:.3f}"
         per_seed.append(
             {
                 "seed": seed,
@@ -325,6 +339,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--val-tasks", type=int, default=64, help="held-out tasks")
     p.add_argument("--val-n", type=int, default=4, help="samples per held-out task (mean_at_N)")
     p.add_argument("--val-temperature", type=float, default=1.0)
+    p.add_argument(
+        "--fixed-targets",
+        type=float,
+        nargs="*",
+        default=[0.5, 0.6],
+        help="also time every system to these held-out accuracies (the same for every seed)",
+    )
     p.add_argument("--model-dir", type=Path, default=CHECKPOINT)
     p.add_argument("--trl-python", type=Path, default=ROOT / ".venv-trl" / "bin" / "python")
     p.add_argument("--out", type=Path, default=None, help="OUT.json + OUT.png")
@@ -408,9 +429,10 @@ def finish(args: argparse.Namespace, runs: list[dict[str, Any]], train_s: float)
     for run in runs:
         for s in run["snapshots"]:
             s.update(scores[s["path"]])
-    summary = summarize(runs, scores[str(args.model_dir)]["acc"], args.systems)
+    summary = summarize(runs, scores[str(args.model_dir)]["acc"], args.systems, args.fixed_targets)
     summary.update(
         benchmark="time_to_accuracy",
+        agentrl_overrides=args.agentrl_overrides,
         val_n=args.val_n,
         workload={k: v for k, v in vars(args).items() if k in SMOKE or k in ("val_temperature",)},
         smoke=args.smoke,

@@ -38,9 +38,31 @@ def test_the_ratio_is_agentrls_time_to_trls_final_accuracy_over_trls() -> None:
     assert seed0["agentrl_s"] == pytest.approx(5.0 + 5.0 * (0.2 / 0.4))  # 7.5 s
     assert seed0["ratio"] == pytest.approx(7.5 / 20.0)
     assert seed1["agentrl_s"] is None and seed1["ratio"] is None  # never reached 0.5
-    assert seed1["note"] == "agentrl never reached TRL's final accuracy"
+    assert seed1["note"] == "agentrl never reached 0.500"
     assert vs["reached"] == "1/2" and not vs["target_le_0_7x_trl"]
     assert out["systems"]["trl"]["curves"]["0"][0] == (
         0.0,
         0.1,
     )  # every curve starts at the warm start
+
+
+def test_fixed_targets_time_every_seed_to_the_same_accuracy() -> None:
+    def run(system: str, seed: int, points: list[tuple[float, float]]) -> dict:
+        return {
+            "system": system,
+            "seed": seed,
+            "snapshots": [{"wall_s": t, "acc": a} for t, a in points],
+        }
+
+    runs = [
+        run("agentrl_sync", 0, [(10.0, 0.5), (20.0, 0.7)]),
+        run("trl", 0, [(10.0, 0.3), (20.0, 0.9)]),  # TRL's final (0.9) is out of reach
+    ]
+    out = summarize(runs, warm=0.1, systems=["agentrl_sync", "trl"], fixed_targets=[0.5, 0.8])
+    vs = out["systems"]["agentrl_sync"]["vs_trl"]
+    assert vs["reached"] == "0/1"  # to TRL's final: never
+    half = vs["fixed_targets"]["0.5"]["per_seed"][0]
+    assert half["agentrl_s"] == pytest.approx(10.0)
+    assert half["trl_s"] == pytest.approx(10.0 + 10.0 * (0.2 / 0.6))
+    assert half["ratio"] == pytest.approx(10.0 / (10.0 + 10.0 / 3))
+    assert vs["fixed_targets"]["0.8"]["reached"] == "0/1"
