@@ -212,8 +212,11 @@ class BackgroundTracker(Tracker):
     """A tracker built and driven on its own thread, so that neither MLflow's set-up (importing
     it, creating and migrating the store: seconds) nor a slow store holds up the run.
 
-    ``build`` (a function returning the real :class:`Tracker`) runs at once on a single worker
-    thread; every later call is queued on that same thread, in order (MLflow's active run is
+    ``build`` (a function returning the real :class:`Tracker`) runs on a single worker thread,
+    at once, or once :meth:`start` is called when ``deferred`` (the trainer starts it when the
+    first rollout is answered: on a 2-core machine its CPU would otherwise delay that); every
+    call that needs the tracker now (``run_id``, ``location``, ``history``, ``finish``) starts
+    it too, and it starts by itself after ``DEFER_LIMIT_S``. Every later call is queued on that same thread, in order (MLflow's active run is
     per thread, so one thread must start, log to and end it). ``log_*`` return at once (their
     arguments copied); ``run_id``, ``location`` and ``history`` wait for the calls before them.
     An error of ``build`` or of a queued call is raised by the next call (``finish`` included),
@@ -222,18 +225,34 @@ class BackgroundTracker(Tracker):
     built.
     """
 
+    DEFER_LIMIT_S = 30.0
+    """The longest a deferred build waits for :meth:`start`."""
+
     def __init__(
-        self, build: Callable[[], Tracker], on_ready: Callable[[Tracker], None] | None = None
+        self,
+        build: Callable[[], Tracker],
+        on_ready: Callable[[Tracker], None] | None = None,
+        *,
+        deferred: bool = False,
     ) -> None:
+        import threading
         from concurrent.futures import ThreadPoolExecutor
 
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="agentrl-tracking")
         self._error: BaseException | None = None
         self._finished = False
+        self._go = threading.Event()
+        if not deferred:
+            self._go.set()
         self.ready = self._pool.submit(self._build, build, on_ready)
+
+    def start(self) -> None:
+        """Let a deferred build begin (idempotent; thread-safe)."""
+        self._go.set()
 
     def _build(self, build: Callable[[], Tracker], on_ready: Any) -> Tracker | None:
         """The worker's first task: the tracker, or None with the build's error kept."""
+        self._go.wait(self.DEFER_LIMIT_S)
         try:
             tracker = build()
         except BaseException as exc:  # kept, and raised by the next call
@@ -272,6 +291,7 @@ class BackgroundTracker(Tracker):
 
     def _wait(self, name: str) -> Any:
         """An attribute of the built tracker, after every call queued before this one."""
+        self.start()
         if self._finished:  # the queue is drained and the thread stopped
             return getattr(self._tracker(), name, None)
         value = self._pool.submit(lambda: getattr(self._tracker(), name, None)).result()
@@ -306,6 +326,7 @@ class BackgroundTracker(Tracker):
         if self._finished:
             return
         self._finished = True
+        self.start()
         self._pool.submit(self._run, "finish", status).result()
         self._pool.shutdown(wait=True)
         if status == "FAILED" and self._error is not None:

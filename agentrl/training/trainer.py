@@ -162,8 +162,8 @@ class Trainer:
         if saved is not None:
             dataset.load_state_dict(saved.dataset)
         t1 = time.perf_counter()
-        # The tracker (MLflow's import, store and run) is built on its own thread while the
-        # servers start, and the run does not wait for it: its calls queue until it is ready.
+        # The tracker (MLflow's import, store and run) is built on its own thread once the first
+        # rollout is answered, and the run does not wait for it: its calls queue until it is ready.
         tracker = self._tracker(saved, lambda _: phases.done("tracking ready", t1))
         try:
             result = await self._serve_and_train(resolved, saved, dataset, tracker, phases)
@@ -191,7 +191,7 @@ class Trainer:
             workers=self.workers,
         ) as run:
             phases.done(f"{len(run.server_urls)} server(s) up and models loaded", t1)
-            first = asyncio.ensure_future(_first_rollout(run.pool, phases))
+            first = asyncio.ensure_future(_first_rollout(run.pool, phases, tracker))
             try:
                 self.run_obj = run
                 if self.on_built is not None:
@@ -223,12 +223,14 @@ class Trainer:
             kl.controller.value = saved.kl_coef
 
     def _tracker(self, saved: RunState | None, on_ready: Callable[[Tracker], None]) -> Tracker:
-        """The run's tracker, built in the background (:class:`BackgroundTracker`), with the
-        config's params queued; ``config.yaml`` is written now."""
+        """The run's tracker, built in the background once started (:class:`BackgroundTracker`,
+        ``deferred``), with the config's params queued; ``config.yaml`` is written now."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(self.cfg.to_yaml())
         run_id = saved.mlflow_run_id if saved else None
-        tracker = BackgroundTracker(lambda: tracker_for(self.cfg, run_id=run_id), on_ready)
+        tracker = BackgroundTracker(
+            lambda: tracker_for(self.cfg, run_id=run_id), on_ready, deferred=True
+        )
         tracker.log_params(self.cfg.flatten())
         return tracker
 
@@ -285,13 +287,18 @@ def check_colocate(cfg: ExperimentConfig) -> None:
             raise ValueError(VLLM_CPU_COLOCATE)
 
 
-async def _first_rollout(pool: Any, phases: PhaseTimer) -> None:
+async def _first_rollout(pool: Any, phases: PhaseTimer, tracker: Tracker) -> None:
     """Log ``start-up: first rollout answered N s after launch`` when a server first answers
-    a generation request of this run (a rollout's or validation's)."""
+    a generation request of this run (a rollout's or validation's); then the tracker's build
+    may start (a deferred :class:`BackgroundTracker`)."""
     event = getattr(pool, "first_answer", None)
-    if event is not None:
-        await event.wait()
-        phases.reached("first rollout answered")
+    try:
+        if event is not None:
+            await event.wait()
+            phases.reached("first rollout answered")
+    finally:
+        if isinstance(tracker, BackgroundTracker):
+            tracker.start()
 
 
 async def evaluate_checkpoint(

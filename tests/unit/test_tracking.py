@@ -139,3 +139,20 @@ def test_a_background_mlflow_run_gets_the_metrics_logged_from_another_thread(
     assert [(m.step, m.value) for m in history] == [(1, 0.1), (2, 0.2), (3, 0.3)]
     experiment = client.get_experiment_by_name("bg")
     assert len(client.search_runs([experiment.experiment_id])) == 1  # no stray run
+
+
+def test_a_deferred_build_waits_for_start_or_for_a_call_that_needs_the_tracker() -> None:
+    calls: list[tuple[int, str, Any]] = []
+    tracker = BackgroundTracker(lambda: _Recording(calls), deferred=True)
+    tracker.log_metrics({"a": 1.0}, step=1)
+    time.sleep(0.3)
+    assert calls == [] and not tracker.ready.done()  # held: the first rollout comes first
+    tracker.start()
+    tracker.ready.result(timeout=10)
+    tracker.finish()
+    assert [c[1] for c in calls] == ["built", "metrics", "finish"]
+
+    calls.clear()
+    held = BackgroundTracker(lambda: _Recording(calls), deferred=True)
+    assert held.run_id == "run-1"  # needed now: it starts the build itself
+    held.finish()
