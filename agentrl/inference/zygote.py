@@ -56,6 +56,7 @@ __all__ = [
     "ZygoteError",
     "enabled",
     "prestart",
+    "running",
     "shutdown",
     "spawn",
 ]
@@ -135,6 +136,12 @@ class ForkedProcess:
 def enabled() -> bool:
     """Whether embedded servers are forked from a zygote (``AGENTRL_ZYGOTE`` is not ``0``)."""
     return os.environ.get(ENV_ZYGOTE, "1") != "0" and hasattr(os, "fork")
+
+
+def running() -> bool:
+    """Whether this process has a live zygote already."""
+    z = _current
+    return z is not None and _owner_pid == os.getpid() and z.process.poll() is None
 
 
 def prestart() -> None:

@@ -152,7 +152,7 @@ class Trainer:
         phases = PhaseTimer()
         check_colocate(cfg)
         seed_everything(cfg.trainer.seed)
-        resolved = ensure_resolved(cfg, self.resolved)
+        resolved = self._resolve()
         if self.resolved is None:
             phases.done("config resolved", t0)
         else:  # the caller resolved (the CLI): its time, not this call's
@@ -203,6 +203,28 @@ class Trainer:
                     return await self._train(run, tracker, dataset)
             finally:
                 first.cancel()
+
+    def _resolve(self) -> Resolved:
+        """The caller's resolution, else one made now, with the embedded servers' zygote
+        importing alongside it (as ``agentrl train`` does: an SDK run starts as soon), and
+        stopped again when the resolution fails."""
+        from agentrl.inference import zygote
+
+        cfg = self.cfg
+        early = (
+            self.resolved is None
+            and self.server_urls is None
+            and cfg.inference.backend == "embedded"
+            and not zygote.running()  # one this process uses already is left alone
+        )
+        if early:
+            zygote.prestart()
+        try:
+            return ensure_resolved(cfg, self.resolved)
+        except BaseException:
+            if early:
+                zygote.shutdown()
+            raise
 
     def _load_state(self) -> RunState | None:
         """The saved state when resuming (logged: which step, which checkpoint), else None;

@@ -25,6 +25,7 @@ from agentrl.inference.handle import ServerStartError
 from agentrl.inference.server import launch_embedded_server
 from tests.integration.test_lifetime import _alive, children_of
 
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
@@ -160,3 +161,40 @@ def zygote_processes(tmp: Path) -> list[int]:
         except (OSError, ValueError):
             continue
     return found
+
+
+def test_an_sdk_run_starts_the_zygote_before_resolving_and_stops_it_when_that_fails(
+    tmp_path: Path,
+) -> None:
+    """``Trainer(cfg).run_sync()`` overlaps the servers' imports with its resolution, as
+    ``agentrl train`` does; a config that does not resolve leaves no zygote behind."""
+    code = textwrap.dedent(
+        f"""
+        from agentrl.config import load_config
+        from agentrl.inference import zygote
+        from agentrl.training.resolve import ResolutionError
+        from agentrl.training.trainer import Trainer
+
+        cfg = load_config("{ROOT / "configs" / "quickstart.yaml"}", [
+            "data.generator=null", "data.train_files=[/nonexistent/train.jsonl]",
+            "trainer.output_dir={tmp_path / "out"}"])
+        started = []
+        prestart = zygote.prestart
+        zygote.prestart = lambda: (started.append(zygote.running()), prestart())
+        try:
+            Trainer(cfg).run_sync()
+        except ResolutionError as exc:
+            assert "data.train_files[0]" in str(exc), exc
+        else:
+            raise AssertionError("the run resolved a missing file")
+        assert started == [False], started  # started once, before the resolution failed
+        assert not zygote.running()
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert zygote_processes(tmp_path) == []
