@@ -85,12 +85,18 @@ def agentrl_overrides(args: argparse.Namespace, system: str, seed: int, out: Pat
 
 
 def run_agentrl_child(args: argparse.Namespace) -> dict[str, Any]:
-    """In the child: train with snapshots after the pushes of every ``--eval-every`` steps."""
-    from agentrl.config import load_config
-    from agentrl.training.trainer import Trainer
+    """In the child: train with snapshots after the pushes of every ``--eval-every`` steps,
+    started as ``agentrl train`` starts (its ``load_and_resolve``: the servers' zygote begins
+    importing as soon as the config has loaded, before the trainer is imported)."""
+    from agentrl.training.train_cli import load_and_resolve
 
     out = Path(args.run_dir)
-    cfg = load_config(CONFIG, agentrl_overrides(args, args.child, args.seed, out))
+    loaded = load_and_resolve(str(CONFIG), agentrl_overrides(args, args.child, args.seed, out))
+    if loaded is None:
+        raise SystemExit(2)  # the config error is printed already
+    cfg, resolved = loaded
+    from agentrl.training.trainer import Trainer
+
     snapshots: list[dict[str, Any]] = []
 
     class SnapshotTrainer(Trainer):
@@ -108,7 +114,7 @@ def run_agentrl_child(args: argparse.Namespace) -> dict[str, Any]:
                 )
             return report
 
-    result = SnapshotTrainer(cfg, progress=False).run_sync()
+    result = SnapshotTrainer(cfg, resolved=resolved, progress=False).run_sync()
     return {"steps": result.steps, "snapshots": snapshots}
 
 
