@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from agentrl.types import Task
 
@@ -62,11 +61,15 @@ def model_file(ckpt: Path, name: str, rank: int, world_size: int) -> Path:
 
 def save_model_state(model: Any, rank: int, world_size: int, ckpt: Path, name: str) -> None:
     """Save ``model.state_dict()`` (this rank's shard under FSDP2) as :func:`model_file`."""
+    import torch  # here, not at import: a run imports torch after its servers' zygote starts
+
     torch.save(model.state_dict(), model_file(ckpt, name, rank, world_size))
 
 
 def load_model_state(model: Any, rank: int, world_size: int, ckpt: Path, name: str) -> None:
     """Load what :func:`save_model_state` saved into ``model``."""
+    import torch
+
     model.load_state_dict(torch.load(model_file(ckpt, name, rank, world_size), weights_only=False))
 
 
@@ -86,6 +89,8 @@ def _on_every_rank(model: Any, fn: Any, ckpt: Path, name: str) -> None:
 
 def seed_everything(seed: int) -> None:
     """Seed Python, NumPy and torch."""
+    import torch
+
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -169,6 +174,8 @@ class RunState:
         mlflow_run_id: str | None,
     ) -> None:
         """Write the checkpoint atomically (``<ckpt>.tmp`` then rename)."""
+        import torch
+
         tmp = ckpt.with_name(ckpt.name + ".tmp")
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -224,6 +231,8 @@ class RunState:
             _check_world_size(ckpt, int(saved.get("world_size", 1)), world_size)
         rng_path = ckpt / "rng.pt"
         if rng_path.exists():
+            import torch
+
             rng = torch.load(rng_path, weights_only=False)
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])

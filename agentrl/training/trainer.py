@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agentrl.config import ExperimentConfig
 from agentrl.tracking import (
@@ -39,7 +39,6 @@ from agentrl.tracking import (
     tracker_for,
 )
 from agentrl.training.build import Run, build_run, build_serving
-from agentrl.training.loop import TrainResult, push_weights, train
 from agentrl.training.masking import MaskingWatch
 from agentrl.training.resolve import (
     Resolved,
@@ -48,8 +47,10 @@ from agentrl.training.resolve import (
     ensure_resolved,
 )
 from agentrl.training.run_log import PhaseTimer, StepLog
-from agentrl.training.run_servers import watch_servers
 from agentrl.training.state import RunState, seed_everything
+
+if TYPE_CHECKING:
+    from agentrl.training.loop import TrainResult
 
 __all__ = [
     "TrainResult",
@@ -60,6 +61,16 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+
+def __getattr__(name: str) -> Any:
+    """``TrainResult`` is re-exported lazily: the training loop (torch, tensordict: seconds of
+    imports) is imported when a run starts, after the servers' zygote (``Trainer._resolve``)."""
+    if name == "TrainResult":
+        from agentrl.training.loop import TrainResult
+
+        return TrainResult
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Trainer:
@@ -140,6 +151,8 @@ class Trainer:
     async def _push(self, version: int) -> Any:
         """Push the actor's weights as ``version`` (a hook: subclasses may observe pushes)."""
         assert self.run_obj is not None
+        from agentrl.training.loop import push_weights
+
         return await push_weights(self.run_obj, version)
 
     async def run(self) -> TrainResult:
@@ -150,8 +163,6 @@ class Trainer:
         cfg = self.cfg
         t0 = time.perf_counter()
         phases = PhaseTimer()
-        check_colocate(cfg)
-        seed_everything(cfg.trainer.seed)
         resolved = self._resolve()
         if self.resolved is None:
             phases.done("config resolved", t0)
@@ -182,6 +193,8 @@ class Trainer:
         phases: PhaseTimer,
     ) -> TrainResult:
         """Start the servers (or attach), restore a resumed run, train; servers stopped after."""
+        from agentrl.training.run_servers import watch_servers
+
         t1 = time.perf_counter()
         async with build_run(
             self.cfg,
@@ -205,9 +218,9 @@ class Trainer:
                 first.cancel()
 
     def _resolve(self) -> Resolved:
-        """The caller's resolution, else one made now, with the embedded servers' zygote
-        importing alongside it (as ``agentrl train`` does: an SDK run starts as soon), and
-        stopped again when the resolution fails."""
+        """Check, seed and resolve (unless the caller resolved), with the embedded servers'
+        zygote importing alongside from the start (as under ``agentrl train``: an SDK run
+        starts as soon), and stopped again when this fails."""
         from agentrl.inference import zygote
 
         cfg = self.cfg
@@ -220,6 +233,8 @@ class Trainer:
         if early:
             zygote.prestart()
         try:
+            check_colocate(cfg)
+            seed_everything(cfg.trainer.seed)
             return ensure_resolved(cfg, self.resolved)
         except BaseException:
             if early:
@@ -245,18 +260,25 @@ class Trainer:
             kl.controller.value = saved.kl_coef
 
     def _tracker(self, saved: RunState | None, on_ready: Callable[[Tracker], None]) -> Tracker:
-        """The run's tracker, built in the background once started (:class:`BackgroundTracker`,
-        ``deferred``), with the config's params queued; ``config.yaml`` is written now."""
+        """The run's tracker with the config's params: MLflow's is built in the background once
+        started (:class:`BackgroundTracker`, ``deferred``), tracking off is the in-memory one
+        at once; ``config.yaml`` is written now."""
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(self.cfg.to_yaml())
         run_id = saved.mlflow_run_id if saved else None
-        tracker = BackgroundTracker(
-            lambda: tracker_for(self.cfg, run_id=run_id), on_ready, deferred=True
-        )
+        t = self.cfg.tracking
+        if not t.enabled or t.backend == "none":
+            tracker = tracker_for(self.cfg, run_id=run_id)
+        else:
+            tracker = BackgroundTracker(
+                lambda: tracker_for(self.cfg, run_id=run_id), on_ready, deferred=True
+            )
         tracker.log_params(self.cfg.flatten())
         return tracker
 
     async def _train(self, run: Run, tracker: Tracker, dataset: Any) -> TrainResult:
+        from agentrl.training.loop import train
+
         cfg = self.cfg
         tty = sys.stderr.isatty()  # a terminal gets the live line, a log file a line per step
         reporters = [
