@@ -1,6 +1,7 @@
 """Shared pytest configuration. Scripted fakes live in ``tests/fakes.py`` (one place); how
 ``make test`` runs two tests at a time, in lanes, is ``tests/lanes.py``."""
 
+import os
 import resource
 import shutil
 import tempfile
@@ -18,16 +19,42 @@ def _xdist_controller(config: pytest.Config) -> bool:
     return bool(getattr(config.option, "numprocesses", None)) and not hasattr(config, "workerinput")
 
 
+_TMP_DIR = pytest.StashKey[Path]()
+"""The session's own temp folder (``TMPDIR`` of every test and every process they start)."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Under xdist, the controller names the file its workers write their lanes to."""
+    """The session's temp folder (see :func:`_own_tmpdir`); under xdist, the controller names
+    the file its workers write their lanes to."""
+    _own_tmpdir(config)
     if _xdist_controller(config):
         config.stash[_LANES_DIR] = Path(tempfile.mkdtemp(prefix="agentrl-lanes-"))
+
+
+def _own_tmpdir(config: pytest.Config) -> None:
+    """Point ``TMPDIR`` at a folder of this session's, removed when it ends: what the tests'
+    processes leave in the temp folder (a killed server's log, a benchmark smoke's work
+    folder, vLLM's and multiprocessing's scratch) goes with it, not into the machine's /tmp.
+    xdist workers inherit it from the controller; a run inside another keeps the outer's."""
+    if hasattr(config, "workerinput") or os.environ.get(_TMP_ENV):
+        return
+    tmp = Path(tempfile.mkdtemp(prefix="agentrl-tests-"))
+    os.environ["TMPDIR"] = os.environ[_TMP_ENV] = str(tmp)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    config.stash[_TMP_DIR] = tmp
+
+
+_TMP_ENV = "AGENTRL_TEST_TMPDIR"
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     lanes_dir = config.stash.get(_LANES_DIR, None)
     if lanes_dir is not None:
         shutil.rmtree(lanes_dir, ignore_errors=True)
+    own = config.stash.get(_TMP_DIR, None)
+    if own is not None:
+        shutil.rmtree(own, ignore_errors=True)
+        os.environ.pop(_TMP_ENV, None)
 
 
 @pytest.hookimpl(optionalhook=True)
