@@ -231,7 +231,7 @@ class BackgroundTracker(Tracker):
     def __init__(
         self,
         build: Callable[[], Tracker],
-        on_ready: Callable[[Tracker], None] | None = None,
+        on_ready: Callable[[Tracker], object] | None = None,
         *,
         deferred: bool = False,
     ) -> None:

@@ -259,7 +259,7 @@ class Trainer:
         if kl is not None and saved.kl_coef is not None:
             kl.controller.value = saved.kl_coef
 
-    def _tracker(self, saved: RunState | None, on_ready: Callable[[Tracker], None]) -> Tracker:
+    def _tracker(self, saved: RunState | None, on_ready: Callable[[Tracker], object]) -> Tracker:
         """The run's tracker with the config's params: MLflow's is built in the background once
         started (:class:`BackgroundTracker`, ``deferred``), tracking off is the in-memory one
         at once; ``config.yaml`` is written now."""
