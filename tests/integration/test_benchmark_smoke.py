@@ -111,7 +111,12 @@ def test_time_to_accuracy_smoke(tmp_path: Path) -> None:
         if seed["ratio"] is not None:
             assert seed["ratio"] == pytest.approx(seed["agentrl_s"] / seed["trl_s"])
         else:
+            target = f"{seed['target_acc']:.3f}"
             assert seed["note"] in (
-                "TRL did not improve on the warm start: no time to compare",
-                "agentrl never reached TRL's final accuracy",
+                f"TRL did not reach {target} after the warm start: no time to compare",
+                f"agentrl never reached {target}",
             )
+        # the fixed targets are timed for every seed, each with its own record
+        fixed = systems[name]["vs_trl"]["fixed_targets"]
+        assert set(fixed) == {"0.5", "0.6"}, fixed
+        assert all(len(f["per_seed"]) == 1 for f in fixed.values()), fixed
