@@ -5,8 +5,8 @@ without losing learning. This script measures it on a laptop: GRPO on the quicks
 task (``configs/quickstart.yaml``, from the shipped warm start ``checkpoints/calculator-sft``),
 driven through the public API (``load_config`` + ``Trainer(cfg).run_sync()``), under:
 
-- ``sync``: ``trainer.max_staleness=0`` with ``decoupled_token_is`` (the quickstart's preset
-  until stop 36; on-policy its weights are 1 up to rounding); on-policy, the baseline;
+- ``sync``: ``trainer.max_staleness=0`` with ``decoupled_token_is`` (on-policy its weights are 1
+  up to rounding, so the preset does not matter here); on-policy, the baseline;
 - ``stale/<preset>``: ``trainer.max_staleness=ETA`` (default 8) with
   ``checkpoint.push_every=ETA``, so the servers get new weights only every ETA steps and rollouts
   really lag the trainer by up to ETA - 1 .. ETA versions (checked: ``async/staleness_mean/max``
