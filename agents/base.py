@@ -95,6 +95,23 @@ INVALID_TOOL = "<invalid>"
 """Key of ``Trajectory.tool_calls`` that counts malformed calls and calls to unknown tools."""
 
 
+def _no_calls() -> dict[str, float]:
+    """One tool's ``tool_stats`` entry before its first call."""
+    return {"calls": 0.0, "errors": 0.0, "timeouts": 0.0, "latency_s": 0.0, "latency_max_s": 0.0}
+
+
+def _schema_names(schemas: Sequence[dict[str, Any]]) -> list[str]:
+    """The tool names of OpenAI function schemas (``{"function": {"name": ...}}``, or a bare
+    ``{"name": ...}``); a schema without a name is skipped."""
+    names = []
+    for schema in schemas:
+        fn = schema.get("function")
+        name = (fn if isinstance(fn, dict) else schema).get("name")
+        if isinstance(name, str):
+            names.append(name)
+    return names
+
+
 _DEFAULTS = AgentConfig()
 _DATA_DEFAULTS = DataConfig()
 
@@ -202,6 +219,9 @@ class AgentContext:
             raise ValueError(f"agent.history={self.history!r}; use 'concat' or 'per_turn'")
         self.messages = [dict(m) for m in messages]
         self.tool_schemas = list(tools) if tools else None
+        for name in _schema_names(self.tool_schemas or ()):
+            # every offered tool is counted, so a tool the model never calls logs 0 calls
+            self.tool_stats.setdefault(name, _no_calls())
         self.recorder = EpisodeRecorder.from_messages(
             self.messages,
             self.tokenizer,
@@ -406,10 +426,7 @@ class AgentContext:
     def _record_call(self, name: str, res: ToolResult, latency: float) -> None:
         """Count one call of a known tool in the episode's ``tool_stats`` (``calls``,
         ``errors``, ``timeouts``, ``latency_s`` summed, ``latency_max_s``)."""
-        st = self.tool_stats.setdefault(
-            name,
-            {"calls": 0.0, "errors": 0.0, "timeouts": 0.0, "latency_s": 0.0, "latency_max_s": 0.0},
-        )
+        st = self.tool_stats.setdefault(name, _no_calls())
         st["calls"] += 1
         st["errors"] += float(res.error)
         st["timeouts"] += float(res.timed_out)

@@ -65,7 +65,6 @@ CONDITIONAL = {
     "actor/reward_kl_penalty": "KL in the reward: algorithm.use_kl_in_reward",
     "actor/old_log_prob_fused": "pi_old from the update's own forward (ppo_epochs 1, one mini-batch)",
     "variance_proxy/*": "never: the page says why verl's key is not logged",
-    "tools/<name>/calls": "a tool called in the step's episodes (tests/unit/agents/test_environment.py)",
     "reward/<source>/<component>/mean": "a reward returning numbers beside score (test_environment.py)",
     "reward/secret_number/probes/mean": "examples/secret_number (test_environment_example.py)",
     "reward/<source>/terms/<term>/mean": "a reward mix (tests/unit/agents/test_environment.py)",

@@ -103,6 +103,24 @@ async def test_the_example_game_is_played_scored_and_counted(tok, game) -> None:
     assert w.tools is not None and w.tools.metrics()["tools/probe/calls"] == 5
 
 
+async def test_a_tool_the_model_never_calls_is_counted_as_zero_calls(tok, game) -> None:
+    # A user whose model never calls their tool sees tools/<name>/calls = 0, not no metric
+    w = worker(tok, ["I think it is 5."], toolset=ToolSet([], timeout_s=5, max_output_chars=100))
+    traj = await w.run_episode(task(6), "g", 0)
+    assert traj is not None and traj.tool_calls == {}
+    assert traj.tool_stats == {
+        "probe": {
+            "calls": 0.0,
+            "errors": 0.0,
+            "timeouts": 0.0,
+            "latency_s": 0.0,
+            "latency_max_s": 0.0,
+        }
+    }
+    m = compute_tool_metrics([traj])
+    assert m["tools/probe/calls"] == 0 and m["tools/probe/latency_mean_s"] == 0
+
+
 async def test_environment_tools_run_under_the_configs_limits(tok) -> None:
     @register_environment("slow_and_verbose")
     class Slow(Environment):

@@ -357,3 +357,14 @@ async def test_a_resumed_turn_keeps_the_per_token_versions_of_each_part(tok):
     traj = await create_agent("tool_agent").run(TASK, ctx)
     assert traj.policy_version[: len(ids)] == [4] * 3 + [5] * 7 + [6] * (len(ids) - 10)
     assert traj.min_version == 4
+
+
+def test_offered_tools_are_named_from_openai_or_bare_schemas():
+    from agents.base import _schema_names
+
+    schemas = [
+        {"type": "function", "function": {"name": "calculator", "parameters": {}}},
+        {"name": "search", "parameters": {}},  # a custom agent's bare schema
+        {"type": "function", "function": {"parameters": {}}},  # no name: not a tool to count
+    ]
+    assert _schema_names(schemas) == ["calculator", "search"]
