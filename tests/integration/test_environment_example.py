@@ -85,13 +85,14 @@ def test_secret_number_trains_from_another_directory_with_metrics_in_mlflow(
     assert summary["steps"] == 2 and summary["weight_pushes"]["verified"] == 2, summary
     assert summary["val_before"]["val/secret_number/num_tasks"] == 8  # the example's own file
     m = _metrics(uri)
-    # Sampling decides whether the warm start calls the calculator in these 2 steps (one CI run
-    # of three saw none); that calls are counted is tests/unit/training/test_metrics.py's.
-    tool_keys = [k for k in m if k.startswith("tools/calculator/")]
-    if tool_keys:  # the tool was called: every per-tool key is there, the count positive
-        assert m["tools/calculator/calls"] > 0, m
-        for key in ("errors", "timeouts", "latency_mean_s", "latency_max_s"):
-            assert f"tools/calculator/{key}" in m
+    # Every offered tool has its per-tool keys whether or not it was called: sampling decides
+    # whether the warm start calls the calculator in these 2 steps (one CI run of three saw
+    # none); that calls are counted is tests/unit/training/test_metrics.py's.
+    for tool in ("calculator", "probe"):
+        for key in ("calls", "errors", "timeouts", "latency_mean_s", "latency_max_s"):
+            assert f"tools/{tool}/{key}" in m, (tool, key, m)
+        calls, latency = m[f"tools/{tool}/calls"], m[f"tools/{tool}/latency_mean_s"]
+        assert calls >= 0 and (latency > 0) == (calls > 0), (tool, calls, latency)
     # the environment's reward scored every episode, and its components are logged
     assert m["reward/secret_number/scored"] > 0 and m["reward/secret_number/errors"] == 0
     assert "reward/secret_number/probes/mean" in m
