@@ -77,7 +77,8 @@ logger = logging.getLogger(__name__)
 
 def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
     """The run's CPU-thread plan: the trainer and each local embedded server (policy, and the
-    model rewards' reward models and judges) get a share."""
+    model rewards' reward models and judges) get a share. A synchronous or colocated run's
+    trainer and servers take turns, so the trainer's share is every CPU."""
     from agentrl.rollout.model_rewards import local_model_servers
     from agentrl.rollout.teacher import local_teacher_servers
 
@@ -92,6 +93,7 @@ def thread_plan(cfg: ExperimentConfig) -> ThreadPlan:
         # vLLM binds its own threads; external servers are not ours to size.
         external_servers=inf.backend != "embedded",
         reward_servers=local_model_servers(cfg) + local_teacher_servers(cfg),
+        turns=cfg.trainer.max_staleness == 0 or d.colocate,
     )
 
 

@@ -64,6 +64,24 @@ def test_external_servers_leave_every_cpu_to_the_trainer() -> None:
     assert plan.servers == ()
 
 
+def test_taking_turns_gives_the_trainer_every_core() -> None:
+    """Synchronous or colocated: the servers idle while the trainer updates, and vice versa."""
+    plan = make_plan(2, cpus=[0, 1], turns=True)
+    assert plan.trainer.threads == 2
+    assert [s.threads for s in plan.servers] == [1, 1]
+    plan = make_plan(1, cpus=8, reward_servers=1, turns=True)
+    assert (plan.trainer.threads, plan.servers[0].threads, plan.reward_servers[0].threads) == (
+        8,
+        4,
+        4,
+    )
+    assert make_plan(0, cpus=4, turns=True).trainer.threads == 4
+    assert make_plan(2, cpus=4, trainer_threads=1, turns=True).trainer.threads == 1
+    pinned = make_plan(2, cpus=[4, 5, 6, 7], pin=True, turns=True)
+    assert pinned.trainer.cpus == (4, 5, 6, 7)
+    assert [s.cpus for s in pinned.servers] == [(4, 5), (6, 7)]
+
+
 def test_explicit_shares_win() -> None:
     plan = make_plan(1, cpus=4, trainer_threads=3, server_threads=2)
     assert (plan.trainer.threads, plan.servers[0].threads) == (3, 2)
@@ -99,3 +117,16 @@ def test_plan_pickles() -> None:
     plan = make_plan(2)
     assert pickle.loads(pickle.dumps(plan)) == plan
     assert threads.available_cpus()
+
+
+def test_a_synchronous_or_colocated_run_plans_turns() -> None:
+    from agentrl.config import load_config
+    from agentrl.training.build import thread_plan
+
+    def trainer_threads(*overrides: str) -> int:
+        return thread_plan(load_config(None, ["distributed.cpus=2", *overrides])).trainer.threads
+
+    assert trainer_threads("trainer.max_staleness=0") == 2
+    assert trainer_threads("trainer.max_staleness=0", "distributed.trainer_threads=1") == 1
+    assert trainer_threads("trainer.max_staleness=2", "distributed.colocate=true") == 2
+    assert trainer_threads("trainer.max_staleness=2") == 1
