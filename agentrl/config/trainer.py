@@ -61,6 +61,8 @@ class TrainerConfig(OptimizerFields):
     """Save a checkpoint every N steps (0 = only at the end)."""
     max_staleness: int = Field(default=1, ge=0)
     """η: rollouts may run this many versions ahead of the trainer (0 = synchronous on-policy)."""
+    staleness_warmup_steps: int = Field(default=0, ge=0)
+    """Ramp η up from 0 over the first N steps (bound at version v: min(η, ⌊v·η/N⌋)); 0 = η from the start."""
     ppo_epochs: int = Field(default=1, ge=1)
     """Passes over each batch."""
     mini_batch_size: int | None = Field(default=None, ge=1)

@@ -98,16 +98,23 @@ class StalenessAdmission:
     ``accepted`` counts finished ones. The trainer calls ``set_version(v)`` after each weight
     push, and ``reject(n)`` for finished episodes it threw away (e.g. too stale) so that they are
     replaced. With η = 0 this is synchronous training: at most one batch per version.
+
+    ``warmup`` > 0 ramps η up over the first ``warmup`` versions: the bound at version ``v`` is
+    ``min(η, ⌊v · η / warmup⌋)``, so the first updates, which move the policy most, train on
+    fresher samples.
     """
 
-    def __init__(self, batch_size: int, max_staleness: int = 0, version: int = 0) -> None:
-        if batch_size < 1 or max_staleness < 0:
+    def __init__(
+        self, batch_size: int, max_staleness: int = 0, version: int = 0, warmup: int = 0
+    ) -> None:
+        if batch_size < 1 or max_staleness < 0 or warmup < 0:
             raise ValueError(
-                f"StalenessAdmission(batch_size={batch_size}, max_staleness={max_staleness}): "
-                "batch_size must be >= 1 and max_staleness >= 0"
+                f"StalenessAdmission(batch_size={batch_size}, max_staleness={max_staleness}, "
+                f"warmup={warmup}): batch_size must be >= 1, max_staleness and warmup >= 0"
             )
         self.batch_size = batch_size
         self.max_staleness = max_staleness
+        self.warmup = warmup
         self.version = version
         self.accepted = 0
         self.running = 0
@@ -116,9 +123,16 @@ class StalenessAdmission:
         self._changed = asyncio.Event()
 
     @property
+    def staleness_bound(self) -> int:
+        """η at the current version (``max_staleness`` once the warmup is over)."""
+        if self.warmup and self.version < self.warmup:
+            return self.version * self.max_staleness // self.warmup
+        return self.max_staleness
+
+    @property
     def capacity(self) -> int:
         """Episodes that may still start now."""
-        limit = (self.max_staleness + self.version + 1) * self.batch_size
+        limit = (self.staleness_bound + self.version + 1) * self.batch_size
         return limit - (self.accepted + self.running)
 
     def may_start(self) -> bool:

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from agentrl.config.trainer import TrainerConfig
 from agentrl.rollout.manager import EpisodeKey, StalenessAdmission
 from agentrl.training.buffer import TrajectoryBuffer
 from agentrl.training.build import Run
@@ -99,9 +100,14 @@ class _Admission(StalenessAdmission):
     """AReaL's admission rule, plus what the loop must hear about each finished episode."""
 
     def __init__(
-        self, feed: RolloutFeed, batch_size: int, max_staleness: int, version: int
+        self, feed: RolloutFeed, batch_size: int, trainer: TrainerConfig, version: int
     ) -> None:
-        super().__init__(batch_size, max_staleness, version=version)
+        super().__init__(
+            batch_size,
+            trainer.max_staleness,
+            version=version,
+            warmup=trainer.staleness_warmup_steps,
+        )
         self.feed = feed
 
     def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
@@ -125,7 +131,7 @@ class RolloutFeed:
         if state.buffer:
             self.buffer.load_state_dict(state.buffer)
         self.admission = _Admission(
-            self, self.batch_groups * self.group, cfg.trainer.max_staleness, state.version
+            self, self.batch_groups * self.group, cfg.trainer, state.version
         )
         self.admission.accepted = self.buffer.consumed
         self.manager = run.make_manager(admission=self.admission, greedy_baseline=self.greedy)
@@ -416,6 +422,7 @@ async def _one_step(
         {
             "perf/tokens_per_s": counts.total / max(elapsed, 1e-9),
             "async/admission_capacity": float(feed.admission.capacity),
+            "async/staleness_bound": float(feed.admission.staleness_bound),
             "async/running": float(feed.admission.running),
             "trainer/version": float(state.version),
         }

@@ -79,22 +79,28 @@ async def _server_state(urls: list[str]) -> list[tuple[int, bool]]:
     return out
 
 
-_RUNS: dict[int, tuple[TrainResult, list[tuple[int, bool]]]] = {}
+_RUNS: dict[tuple[int, int], tuple[TrainResult, list[tuple[int, bool]]]] = {}
 
 
 @pytest.fixture(scope="module")
 def staleness_run(
     servers: list[str], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ):
-    """``run(η)``: one cached 4-step run at max_staleness η and the servers' state right after."""
+    """``run(η, warmup=0)``: one cached 4-step run at max_staleness η (ramped up over ``warmup``
+    steps) and the servers' state right after."""
 
-    def run(eta: int) -> tuple[TrainResult, list[tuple[int, bool]]]:
-        if eta not in _RUNS:
-            out = tmp_path_factory.mktemp(f"eta{eta}")
-            cfg = _cfg(tiny_model_dir, out, f"trainer.max_staleness={eta}")
+    def run(eta: int, warmup: int = 0) -> tuple[TrainResult, list[tuple[int, bool]]]:
+        if (eta, warmup) not in _RUNS:
+            out = tmp_path_factory.mktemp(f"eta{eta}-warmup{warmup}")
+            cfg = _cfg(
+                tiny_model_dir,
+                out,
+                f"trainer.max_staleness={eta}",
+                f"trainer.staleness_warmup_steps={warmup}",
+            )
             result = Trainer(cfg, server_urls=servers).run_sync()
-            _RUNS[eta] = (result, asyncio.run(_server_state(servers)))
-        return _RUNS[eta]
+            _RUNS[eta, warmup] = (result, asyncio.run(_server_state(servers)))
+        return _RUNS[eta, warmup]
 
     return run
 
@@ -129,6 +135,17 @@ def test_staleness_never_exceeds_the_bound(staleness_run, eta: int) -> None:
         assert all(v == 0 for _, v in history)
     for family in FAMILIES:
         assert any(k.startswith(family) for k in result.history), family
+
+
+def test_a_staleness_warmup_ramps_the_bound_and_the_samples_follow_it(staleness_run) -> None:
+    """η = 2 ramped over 3 steps: the bound at version v is min(2, ⌊2v/3⌋) (logged after step
+    v), and step s, which trains at version s - 1, gets nothing staler than the bound there."""
+    result, _ = staleness_run(2, warmup=3)
+    assert result.steps == STEPS == 3
+    bounds = [v for _, v in _values(result, "async/staleness_bound")]
+    assert bounds == [0.0, 1.0, 2.0]
+    stale = [v for _, v in _values(result, "async/staleness_max")]
+    assert all(v <= b for v, b in zip(stale, [0.0, *bounds[:-1]], strict=True)), stale
 
 
 # ---- resume ----------------------------------------------------------------------------------
