@@ -9,8 +9,9 @@ Steps (each printed as it happens):
    printed), so its torch threads, seeds and MLflow run never leak into the RL stage.
    ``--shipped-warm-start`` skips them and uses the committed output of the same two commands,
    ``checkpoints/calculator-sft`` (see its ``sft_manifest.json``).
-2. Async GRPO (``configs/quickstart.yaml``: max_staleness 2, decoupled token-level IS) against two
-   embedded inference servers, with a verified weight push after every step.
+2. Async GRPO (``configs/quickstart.yaml``: max_staleness 2 after a 6-step staleness warmup,
+   bypass-mode PPO clip) against two embedded inference servers, with a verified weight push
+   after every step.
 3. Held-out accuracy before and after, and where the MLflow run is.
 """
 

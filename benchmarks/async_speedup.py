@@ -99,6 +99,7 @@ def run_mode(
             f"trainer.output_dir={out}",
             f"trainer.total_steps={args.steps}",
             f"trainer.max_staleness={eta}",
+            "trainer.staleness_warmup_steps=0",  # η from the first step: the mode compared
             f"data.batch_size={args.batch_size}",
             f"data.n_samples={args.n_samples}",
             f"trainer.mini_batch_size={args.batch_size}",

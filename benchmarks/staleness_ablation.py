@@ -134,6 +134,7 @@ class Condition:
     def overrides(self) -> list[str]:
         return [
             f"trainer.max_staleness={self.eta}",
+            "trainer.staleness_warmup_steps=0",  # the lag from the first step, as measured
             f"checkpoint.push_every={self.push_every}",
             f"algorithm.correction.preset={self.preset}",
         ]

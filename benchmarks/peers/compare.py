@@ -91,6 +91,7 @@ def run_agentrl(args: argparse.Namespace, setting: str, tasks: Path, out: Path) 
         f"inference.max_tokens_per_turn={args.max_tokens}",
         f"agent.max_turns={turns}",
         f"agent.max_response_tokens={args.max_tokens * turns}",
+        "trainer.staleness_warmup_steps=0",  # speed per step at η = 2 from the first step
         *(["tools.enabled=[]"] if setting == "single" else []),
         *args.agentrl_overrides,
     ]

@@ -6,8 +6,9 @@ model, training tasks, batch (``--batch-tasks`` x ``--n-samples``), token budget
 steps, interleaved per seed (A, B, C, A, B, C, ...):
 
 - ``agentrl_sync``: agentrl with ``trainer.max_staleness=0`` (on-policy);
-- ``agentrl_async``: agentrl's defaults (``configs/quickstart.yaml``: max_staleness 2, two
-  embedded servers, its thread plan);
+- ``agentrl_async``: agentrl's defaults (``configs/quickstart.yaml``: max_staleness 2 reached
+  after a staleness warmup of 6 steps, two embedded servers, its thread plan);
+- ``agentrl_async_no_warmup`` (on request): the same with max_staleness 2 from the first step;
 - ``trl``: TRL's ``GRPOTrainer`` with its tool-calling loop (``benchmarks/peers/trl_grpo.py`` in
   ``.venv-trl``, ``make setup-peers``), one process with every CPU.
 
@@ -52,15 +53,19 @@ from compare import write_tasks  # noqa: E402
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 CHECKPOINT = ROOT / "checkpoints" / "calculator-sft"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "time_to_accuracy"
-SYSTEMS = ("agentrl_sync", "agentrl_async", "trl")
-AGENTRL_STALENESS = {"agentrl_sync": 0, "agentrl_async": None}
-"""max_staleness per agentrl system (None: the quickstart's own default)."""
+SYSTEMS = ("agentrl_sync", "agentrl_async", "agentrl_async_no_warmup", "trl")
+AGENTRL_SYSTEMS = {
+    "agentrl_sync": ["trainer.max_staleness=0"],
+    "agentrl_async": [],
+    "agentrl_async_no_warmup": ["trainer.staleness_warmup_steps=0"],
+}
+"""What each agentrl system overrides in the quickstart (nothing: its own defaults)."""
 
 
 # ---- the runs (child processes) ---------------------------------------------------------------
 def agentrl_overrides(args: argparse.Namespace, system: str, seed: int, out: Path) -> list[str]:
-    """The quickstart plus the shared workload; only max_staleness differs between the two."""
-    eta = AGENTRL_STALENESS[system]
+    """The quickstart plus the shared workload; only :data:`AGENTRL_SYSTEMS` differs between
+    the agentrl systems."""
     return [
         f"model.path={args.model_dir}",
         f"trainer.output_dir={out}",
@@ -79,7 +84,7 @@ def agentrl_overrides(args: argparse.Namespace, system: str, seed: int, out: Pat
         "trainer.val_at_end=false",
         "tracking.enabled=false",  # TRL runs without a tracker too
         f"checkpoint.shared_dir={out / 'weights'}",
-        *([f"trainer.max_staleness={eta}"] if eta is not None else []),
+        *AGENTRL_SYSTEMS[system],
         *args.agentrl_overrides,
     ]
 
@@ -336,7 +341,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run (same for all)")
     p.add_argument("--eval-every", type=int, default=5, help="snapshot every K steps (+ the end)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument(
+        "--systems",
+        nargs="+",
+        default=["agentrl_sync", "agentrl_async", "trl"],
+        choices=SYSTEMS,
+    )
     p.add_argument("--batch-tasks", type=int, default=8)
     p.add_argument("--n-samples", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per model turn")
