@@ -54,7 +54,6 @@ from typing import Any
 
 import torch
 
-from agentrl.config.trainer import TrainerConfig
 from agentrl.rollout.manager import EpisodeKey, StalenessAdmission
 from agentrl.training.buffer import TrajectoryBuffer
 from agentrl.training.build import Run
@@ -100,14 +99,9 @@ class _Admission(StalenessAdmission):
     """AReaL's admission rule, plus what the loop must hear about each finished episode."""
 
     def __init__(
-        self, feed: RolloutFeed, batch_size: int, trainer: TrainerConfig, version: int
+        self, feed: RolloutFeed, batch_size: int, max_staleness: int, version: int, warmup: int
     ) -> None:
-        super().__init__(
-            batch_size,
-            trainer.max_staleness,
-            version=version,
-            warmup=trainer.staleness_warmup_steps,
-        )
+        super().__init__(batch_size, max_staleness, version=version, warmup=warmup)
         self.feed = feed
 
     def on_finished(self, key: EpisodeKey, traj: Trajectory | None) -> None:
@@ -131,7 +125,11 @@ class RolloutFeed:
         if state.buffer:
             self.buffer.load_state_dict(state.buffer)
         self.admission = _Admission(
-            self, self.batch_groups * self.group, cfg.trainer, state.version
+            self,
+            self.batch_groups * self.group,
+            cfg.trainer.max_staleness,
+            state.version,
+            cfg.trainer.staleness_warmup_steps,
         )
         self.admission.accepted = self.buffer.consumed
         self.manager = run.make_manager(admission=self.admission, greedy_baseline=self.greedy)
