@@ -28,8 +28,10 @@ Guarantees:
   ``{"request_id", "session_id", "prompt_ids", "output_ids", "weight_version",
   "finish_reason", "t"}`` with the exact token ids the engine saw and produced (session id:
   ``x-session-id`` header, else the OpenAI ``user`` field);
-- there is no prefix cache, so ``/reset_prefix_cache`` is a no-op that answers ok; no response
-  contains a filesystem path of the server.
+- prompt prefixes computed before are reused (``--prefix-cache-mb``, 0 = off;
+  :mod:`~agentrl.inference.engine.prefix_cache`); a weight change empties that cache by itself
+  and ``/reset_prefix_cache`` empties it on demand; no response contains a filesystem path of
+  the server.
 
 Run it with ``agentrl serve-model MODEL_DIR`` or, from tests and the trainer, with
 :func:`launch_embedded_server` (a subprocess) or :func:`create_app` (in process).
@@ -58,6 +60,7 @@ from agentrl.inference.routes.common import RequestLog, ServerState, install_err
 from agentrl.lifetime import child_preexec, owner_env, watch_owner
 
 __all__ = [
+    "DEFAULT_PREFIX_CACHE_MB",
     "ENV_API_KEY",
     "RequestLog",
     "add_arguments",
@@ -69,6 +72,8 @@ __all__ = [
 
 ENV_API_KEY = "AGENTRL_API_KEY"
 """Environment variable holding the API key (server, and ``PolicyClient`` by default)."""
+DEFAULT_PREFIX_CACHE_MB = 256.0
+"""``--prefix-cache-mb`` (and ``inference.prefix_cache_mb``) by default."""
 SHUTDOWN_GRACE_S = 3
 """How long uvicorn waits for open requests after SIGTERM (the engine aborts them at once)."""
 
@@ -163,6 +168,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="context limit (prompt + output)"
+    )
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=DEFAULT_PREFIX_CACHE_MB,
+        help="MiB of KV kept for prompt prefixes computed before (reused by later prompts "
+        "that start with them: the samples of a task, the next turn of an episode); 0 = off",
     )
     parser.add_argument(
         "--served-model-name", default=None, help="model name (default: directory name)"
@@ -281,6 +293,7 @@ def _load_engine(args: argparse.Namespace) -> Any:
         seed=args.seed,
         weight_version=args.weight_version,
         max_pause_s=args.max_pause_s,
+        prefix_cache_mb=getattr(args, "prefix_cache_mb", DEFAULT_PREFIX_CACHE_MB),
     )
 
 

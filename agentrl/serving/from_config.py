@@ -121,6 +121,7 @@ def _policy(
         host=host,
         api_key=api_key,
         max_batch_size=inf.max_batch_size,
+        prefix_cache_mb=inf.prefix_cache_mb,
         lora=lora.rank > 0,
         max_lora_rank=max(8, lora.rank),
         trust_remote_code=cfg.model.trust_remote_code,

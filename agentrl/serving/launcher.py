@@ -71,6 +71,8 @@ def _embedded_kwargs(spec: ServerSpec) -> dict[str, Any]:
         args += ["--task", _EMBEDDED_TASKS[spec.role]]
     if spec.max_batch_size is not None:
         args += ["--max-batch-size", str(spec.max_batch_size)]
+    if spec.prefix_cache_mb is not None:
+        args += ["--prefix-cache-mb", str(spec.prefix_cache_mb)]
     args += ["--seed", str(spec.seed)]
     if spec.device is not None:
         args += ["--device", spec.device]
@@ -101,6 +103,8 @@ def _vllm_kwargs(spec: ServerSpec) -> dict[str, Any]:
         args += ["--runner", "pooling"]
     if spec.max_batch_size is not None:
         args += ["--max-num-seqs", str(spec.max_batch_size)]
+    if spec.prefix_cache_mb == 0:
+        args.append("--no-enable-prefix-caching")
     if spec.trust_remote_code:
         args.append("--trust-remote-code")
     if spec.lora:  # adapter-only pushes load as a LoRA adapter (docs/inference.md)

@@ -61,6 +61,9 @@ class ServerSpec:
     max_batch_size: int | None = None
     """Most requests decoded together (embedded ``--max-batch-size``, vLLM ``--max-num-seqs``);
     None = the server's default."""
+    prefix_cache_mb: float | None = None
+    """MiB of KV kept for prompt prefixes (embedded ``--prefix-cache-mb``; vLLM: 0 turns its
+    prefix caching off, ``--no-enable-prefix-caching``); None = the server's default."""
     lora: bool = False
     """vLLM: serve LoRA adapters (``--enable-lora``, runtime adapter loading); the embedded
     server merges pushed adapters and needs no flag."""

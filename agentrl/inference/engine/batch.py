@@ -23,16 +23,22 @@ Invariants (the batch is touched by the engine thread only):
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from agentrl.inference.engine.forward import KV
+from agentrl.inference.engine.prefix_cache import PrefixCache
 from agentrl.inference.engine.request import EngineRequest
 
-__all__ = ["RunningBatch", "left_pad", "prefill_forward", "select_rows"]
+__all__ = ["Prefill", "RunningBatch", "left_pad", "prefill_forward", "select_rows"]
 
-KV = list[tuple[torch.Tensor, torch.Tensor]]
-"""Per layer ``(keys, values)``, each ``[B, H_kv, T, D]``."""
+Forward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, "KV | None"], tuple[torch.Tensor, "KV"]
+]
+"""``(ids [N, S], positions [N, S], mask [N, P + S], past) -> (logits [N, V], kv)``
+(:mod:`~agentrl.inference.engine.forward`)."""
 
 
 class RunningBatch:
@@ -43,8 +49,8 @@ class RunningBatch:
         self.rows: list[EngineRequest] = []
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)
         """``[B, T]``: 1 where a row has a token, 0 on its left padding."""
-        self.cache: Any = None
-        """The per-layer KV cache (a ``transformers`` ``DynamicCache``), None when empty."""
+        self.kv: KV = []
+        """The per-layer KV cache ``[B, H_kv, T, D]`` (empty with no rows)."""
         self.next_pos: list[int] = []
         """Per row, the position of the token the next decode step feeds."""
 
@@ -52,52 +58,43 @@ class RunningBatch:
         """Drop every row and the cache."""
         self.rows = []
         self.next_pos = []
-        self.cache = None
+        self.kv = []
         self.mask = torch.zeros(0, 0, dtype=torch.long, device=self.device)
 
     def keep(self, keep: list[int]) -> None:
         """Keep only rows ``keep`` (trimming all-padding leading columns)."""
-        from transformers import DynamicCache
-
         if not keep:
             self.reset()
             return
-        kv = [(layer.keys, layer.values) for layer in self.cache.layers]
-        kv, self.mask = select_rows(kv, self.mask, keep)
+        self.kv, self.mask = select_rows(self.kv, self.mask, keep)
         self.rows = [self.rows[i] for i in keep]
         self.next_pos = [self.next_pos[i] for i in keep]
-        self.cache = DynamicCache(ddp_cache_data=kv)
 
-    def join(
-        self,
-        reqs: list[EngineRequest],
-        out: Any,
-        mask: torch.Tensor,
-        lens: list[int],
-        keep: list[int],
-    ) -> None:
-        """Add rows ``keep`` of a prefill of ``reqs`` (:func:`prefill_forward`: its output, mask
-        ``[N, T]`` and row lengths) to the batch, their cache left-padded to the batch's width."""
-        from transformers import DynamicCache
-
-        pad = (mask == 0)[:, None, :, None]
-        new_kv = [
-            (layer.keys.masked_fill(pad, 0.0), layer.values.masked_fill(pad, 0.0))
-            for layer in out.past_key_values.layers
-        ]  # padded positions hold zeros, as the running batch's left padding does
+    def join(self, reqs: list[EngineRequest], pre: Prefill, keep: list[int]) -> None:
+        """Add rows ``keep`` of the prefill ``pre`` of ``reqs`` to the batch, their cache
+        left-padded to the batch's width."""
+        new_kv, mask = pre.kv, pre.mask
         if len(keep) < len(reqs):
             new_kv, mask = select_rows(new_kv, mask, keep)
         if self.rows:
             new_kv, mask = self._widen_with(new_kv, mask)
-        self.cache = DynamicCache(ddp_cache_data=new_kv)
+        self.kv = new_kv
         self.mask = mask
         self.rows.extend(reqs[i] for i in keep)
-        self.next_pos.extend(lens[i] for i in keep)
+        self.next_pos.extend(pre.lens[i] for i in keep)
+
+    def row_kv(self, i: int) -> KV | None:
+        """Row ``i``'s KV per layer ``(keys, values)`` ``[H_kv, n, D]``, ``n`` = the tokens fed
+        so far (prompt + output but the last token); None if the row's mask disagrees."""
+        n = int(self.mask[i].sum().item())
+        if n != self.next_pos[i] or n == 0:
+            return None
+        return [(k[i, :, -n:], v[i, :, -n:]) for k, v in self.kv]
 
     def _widen_with(self, new_kv: KV, mask: torch.Tensor) -> tuple[KV, torch.Tensor]:
         """The batch's cache and mask with ``new_kv``/``mask`` appended below, both left-padded
         to the wider of the two."""
-        old_kv = [(layer.keys, layer.values) for layer in self.cache.layers]
+        old_kv = self.kv
         width = max(self.mask.shape[1], mask.shape[1])
         kv = [
             (
@@ -110,7 +107,7 @@ class RunningBatch:
         return kv, both
 
     @torch.no_grad()
-    def decode(self, model: Any) -> torch.Tensor:
+    def decode(self, forward: Forward) -> torch.Tensor:
         """One decode step over every row (each feeds its last output token): the raw logits of
         the next token ``[B, V]``. Commits the cache, mask and positions only on success."""
         b = len(self.rows)
@@ -119,29 +116,50 @@ class RunningBatch:
         )
         mask = torch.cat([self.mask, torch.ones(b, 1, dtype=torch.long, device=self.device)], 1)
         pos = torch.tensor(self.next_pos, dtype=torch.long, device=self.device)[:, None]
-        out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            past_key_values=self.cache,
-            use_cache=True,
-        )
+        logits, kv = forward(ids, pos, mask, self.kv)
         self.mask = mask
-        self.cache = out.past_key_values
+        self.kv = kv
         self.next_pos = [p + 1 for p in self.next_pos]
-        return out.logits[:, -1]
+        return logits
+
+
+@dataclass
+class Prefill:
+    """A prefill forward over N requests, its cache left-padded to one width ``T``."""
+
+    logits: torch.Tensor
+    """``[N, V]``: the raw logits after each row's last token."""
+    kv: KV
+    """Per layer ``(keys, values)`` ``[N, H_kv, T, D]``; padded positions hold zeros."""
+    mask: torch.Tensor
+    """``[N, T]``: 1 where a row has a token (left padding 0)."""
+    lens: list[int]
+    """Tokens per row (all of them have KV)."""
+    cached: list[int]
+    """Per row, the leading tokens whose KV came from the prefix cache (not recomputed)."""
+
+    def row_kv(self, i: int) -> KV:
+        """Row ``i``'s KV per layer, ``[H_kv, lens[i], D]``."""
+        n = self.lens[i]
+        return [(k[i, :, -n:], v[i, :, -n:]) for k, v in self.kv]
 
 
 @torch.no_grad()
 def prefill_forward(
-    model: Any, device: torch.device, reqs: list[EngineRequest]
-) -> tuple[Any, torch.Tensor, list[int]]:
-    """The forward over ``reqs`` left-padded to one width: (output, mask ``[N, T]``, the length
-    of each row). A recomputed row (its batch's forward failed) re-prefills prompt + output so
-    far, without the last output token, which the next decode step feeds."""
-    from transformers import DynamicCache
-
+    forward: Forward,
+    device: torch.device,
+    reqs: list[EngineRequest],
+    cache: PrefixCache | None = None,
+    generation: int = 0,
+) -> Prefill:
+    """The forward over ``reqs`` left-padded to one width. A recomputed row (its batch's
+    forward failed) re-prefills prompt + output so far, without the last output token, which
+    the next decode step feeds. With a ``cache`` (of the weights' ``generation``), each row
+    starts from its longest cached prefix and only the rest is computed."""
     seqs = [req.prompt_ids + req.output_ids[:-1] for req in reqs]
+    hits = [cache.match(x, generation) for x in seqs] if cache is not None else []
+    if any(n for n, _ in hits):
+        return _prefill_after_prefixes(forward, device, seqs, hits)
     lens = [len(x) for x in seqs]
     width = max(lens)
     ids = torch.zeros(len(seqs), width, dtype=torch.long)
@@ -150,15 +168,60 @@ def prefill_forward(
         ids[i, width - len(x) :] = torch.tensor(x, dtype=torch.long)
         mask[i, width - len(x) :] = 1
     ids, mask = ids.to(device), mask.to(device)
-    out = model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(-1) - 1).clamp_(min=0),
-        past_key_values=DynamicCache(),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return out, mask, lens
+    logits, kv = forward(ids, (mask.cumsum(-1) - 1).clamp_(min=0), mask, None)
+    return Prefill(logits, _zero_padding(kv, mask), mask, lens, [0] * len(seqs))
+
+
+def _prefill_after_prefixes(
+    forward: Forward, device: torch.device, seqs: list[list[int]], hits: list[tuple[int, KV | None]]
+) -> Prefill:
+    """The prefill of ``seqs`` whose first ``hits[i][0]`` tokens have cached KV: one forward
+    over the uncached suffixes on top of the cached prefixes, then each row's columns moved
+    together (left-padded again)."""
+    n = len(seqs)
+    cached = [h for h, _ in hits]
+    lens = [len(x) for x in seqs]
+    p, s = max(cached), max(ln - c for ln, c in zip(lens, cached, strict=True))
+    sample = next(kv for _, kv in hits if kv is not None)
+    past: KV = []
+    for k0, v0 in sample:
+        shape = (n, k0.shape[0], p, k0.shape[-1])
+        past.append((k0.new_zeros(shape), v0.new_zeros(shape)))
+    ids = torch.zeros(n, s, dtype=torch.long)
+    pos = torch.zeros(n, s, dtype=torch.long)
+    mask = torch.zeros(n, p + s, dtype=torch.long)
+    for i, (x, c, (_, kv)) in enumerate(zip(seqs, cached, hits, strict=True)):
+        for (k, v), (pk, pv) in zip(kv or [], past, strict=False):
+            pk[i, :, p - c :] = k
+            pv[i, :, p - c :] = v
+        suffix = len(x) - c
+        ids[i, s - suffix :] = torch.tensor(x[c:], dtype=torch.long)
+        pos[i, s - suffix :] = torch.arange(c, len(x))
+        mask[i, p - c : p] = 1
+        mask[i, p + s - suffix :] = 1
+    past = [(k.to(device), v.to(device)) for k, v in past]
+    mask = mask.to(device)
+    logits, kv = forward(ids.to(device), pos.to(device), mask, past)
+    kv, mask = _left_align(kv, mask, max(lens))
+    return Prefill(logits, _zero_padding(kv, mask), mask, lens, cached)
+
+
+def _left_align(kv: KV, mask: torch.Tensor, width: int) -> tuple[KV, torch.Tensor]:
+    """Move each row's real columns (``mask`` 1, in order) to the right end, keeping the last
+    ``width`` columns: a cache with holes becomes a left-padded one."""
+    order = torch.sort(mask, dim=1, stable=True).indices[:, -width:]  # 0s first, order kept
+    mask = mask.gather(1, order)
+    out = []
+    for k, v in kv:
+        idx = order[:, None, :, None].expand(k.shape[0], k.shape[1], width, k.shape[3])
+        out.append((k.gather(2, idx), v.gather(2, idx)))
+    return out, mask
+
+
+def _zero_padding(kv: KV, mask: torch.Tensor) -> KV:
+    """``kv`` with zeros where ``mask`` ``[N, T]`` is 0 (as the running batch's padding)."""
+    pad = (mask == 0)[:, None, :, None]
+    return [(k.masked_fill(pad, 0.0), v.masked_fill(pad, 0.0)) for k, v in kv]
 
 
 def select_rows(kv: KV, mask: torch.Tensor, keep: list[int]) -> tuple[KV, torch.Tensor]:

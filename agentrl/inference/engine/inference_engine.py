@@ -73,6 +73,9 @@ class InferenceEngine:
         seed: seeds the per-request generators of requests that carry no ``seed``.
         weight_version: the version number of the weights loaded from ``model_dir``.
         max_pause_s: the longest any pause lasts; then the engine resumes by itself.
+        prefix_cache_mb: most MiB of KV kept for prompt prefixes computed before
+            (:mod:`~agentrl.inference.engine.prefix_cache`); 0 (the default here; the server
+            and a run's config turn it on) keeps none.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class InferenceEngine:
         seed: int = 0,
         weight_version: int = 0,
         max_pause_s: float = 300.0,
+        prefix_cache_mb: float = 0.0,
     ) -> None:
         from transformers import AutoModelForCausalLM
 
@@ -93,6 +97,8 @@ class InferenceEngine:
             raise ValueError(f"max_batch_size={max_batch_size}; it must be >= 1")
         if not max_pause_s > 0:
             raise ValueError(f"max_pause_s={max_pause_s}; it must be > 0")
+        if not prefix_cache_mb >= 0:
+            raise ValueError(f"prefix_cache_mb={prefix_cache_mb}; it must be >= 0 (0 = off)")
         self.model_dir = Path(model_dir)
         self.device = torch.device(device)
         self.dtype = dtype
@@ -114,6 +120,7 @@ class InferenceEngine:
             self.weights,
             max_batch_size=max_batch_size,
             max_pause_s=float(max_pause_s),
+            prefix_cache_bytes=int(prefix_cache_mb * 2**20),
         )
         self._loader = WeightLoader(self.weights, self.device, self._apply_weights)
         self.weights.before_check = lambda: self._sched.control(self.weights.restore)
@@ -133,6 +140,7 @@ class InferenceEngine:
     @model.setter
     def model(self, model: Any) -> None:
         self._sched.model = model
+        self.weights.generation += 1  # the prefix cache's KV came from the old model
 
     @property
     def max_batch_size(self) -> int:
@@ -325,6 +333,19 @@ class InferenceEngine:
         """Resume only if no resume happened since ``epoch`` (a pause whose requester left)."""
         return self._sched.pause.cancel(epoch)
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix (a weight change drops them by itself); True when the
+        engine has a prefix cache."""
+        cache = self._sched.prefix_cache
+        self._sched.control(cache.clear)
+        return cache.enabled
+
+    @property
+    def prefix_cache_stats(self) -> dict[str, int]:
+        """The prefix cache's counters, plus ``tokens`` and ``bytes`` held."""
+        cache = self._sched.prefix_cache
+        return {**cache.stats, "tokens": cache.num_tokens, "bytes": cache.nbytes}
+
     def abort_all(self) -> int:
         """Finish every running and waiting request now (finish reason ``abort``); returns how many."""
         return self._sched.control(self._sched.abort_all_now)
@@ -354,6 +375,7 @@ class InferenceEngine:
         def _sleep() -> dict[str, Any]:
             freed = self.weights.release() if level == 2 else 0
             parked = self._sched.park_running()
+            self._sched.prefix_cache.clear()
             freed += self.weights.release_staging()
             self._sched.sleep_level = max(self._sched.sleep_level, level)
             self.stats["sleeps"] += 1

@@ -105,6 +105,10 @@ class EngineRequest:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     finished: bool = False
+    failed: bool = False
+    """Ended with an error (its KV is not worth keeping)."""
+    kv_generation: int = -1
+    """The weight generation its KV was computed with (its last prefill; -1: none yet)."""
     suspect: bool = False
     """Was in a batch whose forward failed: decodes alone until one step succeeds."""
 

@@ -48,8 +48,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from agentrl.inference.engine.batch import RunningBatch, prefill_forward
+from agentrl.inference.engine.batch import Prefill, RunningBatch, prefill_forward
+from agentrl.inference.engine.forward import make_forward
 from agentrl.inference.engine.pause import PauseState
+from agentrl.inference.engine.prefix_cache import BLOCK, PrefixCache
 from agentrl.inference.engine.request import (
     EngineOutput,
     EngineRequest,
@@ -75,6 +77,7 @@ class Scheduler:
         weights: the served weights; their version labels every sampled token.
         max_batch_size: most requests decoded together; the rest wait in FIFO order.
         max_pause_s: the longest any pause lasts.
+        prefix_cache_bytes: most bytes of KV the prefix cache keeps (0: no prefix cache).
     """
 
     def __init__(
@@ -85,8 +88,9 @@ class Scheduler:
         *,
         max_batch_size: int,
         max_pause_s: float,
+        prefix_cache_bytes: int = 0,
     ) -> None:
-        self.model = model
+        self.model = model  # also picks the forward (the setter)
         self.device = device
         self.weights = weights
         self.max_batch_size = max_batch_size
@@ -94,6 +98,8 @@ class Scheduler:
         """The one lock: guards the queues, ``closing`` and pause transitions."""
         self.pause = PauseState(self.cond, max_pause_s)
         self.batch = RunningBatch(device)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        """KV of prompt prefixes computed before (:mod:`~agentrl.inference.engine.prefix_cache`)."""
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.controls: collections.deque[Control] = collections.deque()
         self.closing = False
@@ -102,6 +108,17 @@ class Scheduler:
         self.stats: dict[str, int] = collections.defaultdict(int)
         """Counters (read by ``/metrics``)."""
         self._thread = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
+
+    @property
+    def model(self) -> Any:
+        """The served model (used by this thread only)."""
+        return self._model
+
+    @model.setter
+    def model(self, model: Any) -> None:
+        self._model = model
+        self.forward = make_forward(model)
+        """The forward pass over ``model`` (:mod:`~agentrl.inference.engine.forward`)."""
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -191,6 +208,7 @@ class Scheduler:
         if req.finished:
             return
         req.finished = True
+        req.failed = True
         self.stats["requests_failed"] += 1
         if not req.future.done():
             req.future.set_exception(error)
@@ -306,7 +324,8 @@ class Scheduler:
     def _prefill(self, reqs: list[EngineRequest]) -> None:
         """Prefill ``reqs`` in one left-padded forward and join them to the running batch. If
         that forward raises, each request is prefilled alone, so a failure fails only the
-        request that causes it."""
+        request that causes it. Requests that share a prefix the cache lacks wait for the first
+        of them to put it there (:meth:`_lead`)."""
         live: list[EngineRequest] = []
         now = time.monotonic()
         for req in reqs:
@@ -315,6 +334,9 @@ class Scheduler:
                 self.finish(req, "length")
             else:
                 live.append(req)
+        if self._lead(live):
+            self._prefill_alone(live[0])
+            live = live[1:]
         if len(live) > 1:
             try:
                 together = self._prefill_forward(live)
@@ -322,40 +344,62 @@ class Scheduler:
                 log.warning("prefill of %d requests together failed (%s); one by one", len(live), e)
                 self.stats["prefill_batch_failures"] += 1
             else:  # outside the try: the join samples tokens, a retry would sample them again
-                self._join_prefilled(live, *together)
+                self._join_prefilled(live, together)
                 return
         for req in live:
-            try:
-                self._join_prefilled([req], *self._prefill_forward([req]))
-            except Exception as e:  # this request's prefill failed: it alone fails
-                log.exception("prefill of %s failed", req.request_id)
-                self.fail(req, EngineStepError(f"prefill failed: {type(e).__name__}: {e}"))
+            self._prefill_alone(req)
 
-    def _prefill_forward(self, reqs: list[EngineRequest]) -> tuple[Any, torch.Tensor, list[int]]:
-        out, mask, lens = prefill_forward(self.model, self.device, reqs)
-        self.stats["prompt_tokens"] += sum(lens)
+    def _prefill_alone(self, req: EngineRequest) -> None:
+        try:
+            self._join_prefilled([req], self._prefill_forward([req]))
+        except Exception as e:  # this request's prefill failed: it alone fails
+            log.exception("prefill of %s failed", req.request_id)
+            self.fail(req, EngineStepError(f"prefill failed: {type(e).__name__}: {e}"))
+
+    def _lead(self, live: list[EngineRequest]) -> bool:
+        """True when the first request should be prefilled alone first: another one shares at
+        least two full blocks of its prompt that the cache does not hold yet, so it reuses
+        that KV instead of computing the same prefix again (the samples of one task, the tasks
+        of one system prompt)."""
+        if len(live) < 2 or not self.prefix_cache.enabled:
+            return False
+        head = live[0].prompt_ids
+        shared = max(_common_prefix(head, r.prompt_ids) for r in live[1:])
+        have = self.prefix_cache.peek(head, self.weights.generation)
+        return shared - have >= 2 * BLOCK
+
+    def _prefill_forward(self, reqs: list[EngineRequest]) -> Prefill:
+        generation = self.weights.generation
+        cache = self.prefix_cache if self.prefix_cache.enabled else None
+        pre = prefill_forward(self.forward, self.device, reqs, cache, generation)
+        computed = sum(pre.lens) - sum(pre.cached)
+        self.stats["prompt_tokens"] += computed
+        self.stats["prefix_cache_hit_tokens"] += sum(pre.cached)
         self.stats["prefill_forwards"] += 1
-        return out, mask, lens
+        for i, req in enumerate(reqs):
+            req.kv_generation = generation
+            if cache is not None:
+                seq = req.prompt_ids + req.output_ids[:-1]
+                cache.insert(seq, pre.row_kv(i), generation)
+        return pre
 
-    def _join_prefilled(
-        self, reqs: list[EngineRequest], out: Any, mask: torch.Tensor, lens: list[int]
-    ) -> None:
+    def _join_prefilled(self, reqs: list[EngineRequest], pre: Prefill) -> None:
         """Sample the first token of each new request and add the unfinished ones to the
         running batch (a recomputed row already has its tokens: it only rejoins)."""
         done = [False] * len(reqs)
         fresh = [i for i, req in enumerate(reqs) if not req.output_ids]
         if fresh:
-            accepted = self._accept([reqs[i] for i in fresh], out.logits[fresh, -1])
+            accepted = self._accept([reqs[i] for i in fresh], pre.logits[fresh])
             for i, d in zip(fresh, accepted, strict=True):
                 done[i] = d
         keep = [i for i, d in enumerate(done) if not d]
         if keep:
-            self.batch.join(reqs, out, mask, lens, keep)
+            self.batch.join(reqs, pre, keep)
 
     # ---- decoding -----------------------------------------------------------------------------
     def _decode_step(self) -> None:
         try:
-            logits = self.batch.decode(self.model)
+            logits = self.batch.decode(self.forward)
         except Exception as e:  # recompute each row alone: the failure finds its request
             self._recompute_rows(e)
             return
@@ -365,7 +409,24 @@ class Scheduler:
             r.suspect = False
         done = self._accept(rows, logits)
         if any(done):
+            self._cache_finished([i for i, d in enumerate(done) if d])
             self.batch.keep([i for i, d in enumerate(done) if not d])
+
+    def _cache_finished(self, idx: list[int]) -> None:
+        """Put the KV of the rows ``idx`` that finished well (prompt + output) in the prefix
+        cache: the next turn of an episode starts with them. Rows whose KV saw a weight change
+        (a ``keep`` pause across a load) are left out."""
+        cache, generation = self.prefix_cache, self.weights.generation
+        if not cache.enabled:
+            return
+        for i in idx:
+            req = self.batch.rows[i]
+            if req.failed or req.kv_generation != generation:
+                continue
+            kv = self.batch.row_kv(i)
+            if kv is not None:
+                n = kv[0][0].shape[1]
+                cache.insert((req.prompt_ids + req.output_ids)[:n], kv, generation)
 
     def _recompute_rows(self, error: Exception) -> None:
         """The batched forward raised. A batch of one: that request is the cause, it fails.
@@ -416,3 +477,12 @@ class Scheduler:
             self.finish(req, "length")
             return True
         return False
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n

@@ -213,6 +213,9 @@ class WeightStore:
         """The model's state dict: the tensors a load copies into."""
         self.version = check_version(version, "weight_version")
         """The version of the weights held now (written by the engine thread only)."""
+        self.generation = 0
+        """Counts every change of the weights' values (load, rollback, restore): KV computed
+        under another generation is stale (the prefix cache checks it)."""
         self.loaded = False
         """True once a push has loaded weights (until then the launch weights may be replaced
         at the launch version)."""
@@ -344,6 +347,7 @@ class WeightStore:
                     self.params[k].copy_(v)
             self.lora.forget()  # the full weights are the new base
         self.version = new
+        self.generation += 1
         self.loaded = True
         self.lease.new_writer = False
         self._checksum = None
@@ -398,6 +402,7 @@ class WeightStore:
             for k, v in self._verified.items():
                 self.params[k].copy_(v)
         self.lora.forget()
+        self.generation += 1
         self.version = self.verified_version
         self._checksum = self.verified_digest
         self.last_load_casts = {}

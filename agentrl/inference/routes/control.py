@@ -167,8 +167,11 @@ def register(app: FastAPI, st: ServerState) -> None:
 
     @app.post("/reset_prefix_cache")
     async def _reset_prefix_cache() -> JSONResponse:
-        # The embedded engine has no prefix cache: nothing to reset.
-        return JSONResponse({"status": "ok", "prefix_cache": False})
+        try:
+            enabled = await asyncio.to_thread(engine.reset_prefix_cache)
+        except RuntimeError as e:
+            raise APIError(503, str(e)) from e
+        return JSONResponse({"status": "ok", "prefix_cache": enabled})
 
     @app.post("/probe")
     async def _probe(req: P.ProbeRequest) -> JSONResponse:

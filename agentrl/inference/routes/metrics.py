@@ -74,6 +74,14 @@ def make_metrics(st: ServerState) -> CollectorRegistry:
             "Prefill forwards run so far (waiting requests are prefilled together)",
             lambda: engine.stats["prefill_forwards"],
         ),
+        "agentrl_prefix_cache_hit_tokens": (
+            "Prompt tokens whose KV came from the prefix cache (not computed again)",
+            lambda: engine.stats["prefix_cache_hit_tokens"],
+        ),
+        "agentrl_prefix_cache_tokens": (
+            "Tokens of KV the prefix cache holds now",
+            lambda: getattr(engine, "prefix_cache_stats", {}).get("tokens", 0),
+        ),
         "agentrl_is_paused": ("1 while generation is paused", lambda: engine.is_paused),
         "agentrl_sleep_level": (
             "0 awake; 1 or 2 while asleep (colocated mode: KV cache, and at 2 the weights, released)",

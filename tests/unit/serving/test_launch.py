@@ -139,7 +139,7 @@ def test_policy_reward_model_judge_and_ray_servers_launch_from_one_spec(
     assert on_ray["log_path"].name == "embedded-0.log" and policy["log_path"].name == "server-0.log"
     # A model reward's server is the policy server with its task and its own model and share.
     base = ["--max-batch-size", "32", "--seed", "7", "--device", "cpu", "--dtype", "float32"]
-    assert policy["extra_args"] == base
+    assert policy["extra_args"] == [*base[:2], "--prefix-cache-mb", "256.0", *base[2:]]
     assert rm["extra_args"] == ["--task", "score", *base]
     assert judge["extra_args"] == ["--task", "generate", *base]
     assert (rm["model_dir"], judge["model_dir"]) == (tmp_path / "rm", tmp_path / "judge")
@@ -177,6 +177,37 @@ def test_lora_on_vllm_reaches_the_ray_server_as_it_reaches_the_local_one(
     assert on_ray["env"] == {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
     assert on_ray["threads"] is None  # vLLM sizes itself, on Ray as locally
     assert served_model(cfg) == "agentrl-lora"  # rollouts (Ray workers too) ask for the adapter
+
+
+def test_prefix_cache_mb_reaches_both_backends(tmp_path: Path, launched: list) -> None:
+    """The knob is not ignored on vLLM: 0 turns vLLM's own prefix caching off."""
+    for backend, mb, expect in (
+        ("embedded", 0, ["--prefix-cache-mb", "0.0"]),
+        ("embedded", 64, ["--prefix-cache-mb", "64.0"]),
+        ("vllm", 0, ["--no-enable-prefix-caching"]),
+    ):
+        launched.clear()
+        cfg = _config(tmp_path, f"inference.backend={backend}", f"inference.prefix_cache_mb={mb}")
+        plan = make_plan(1, external_servers=backend == "vllm")
+
+        async def local(cfg: Any = cfg, plan: Any = plan) -> None:
+            async with contextlib.AsyncExitStack() as stack:
+                await start_servers(cfg, tmp_path / "policy", plan, stack, "key")
+
+        asyncio.run(local())
+        args = launched[0][1]["extra_args"]
+        assert all(a in args for a in expect), (backend, mb, args)
+    cfg = _config(tmp_path, "inference.backend=vllm")  # vLLM keeps its default otherwise
+    launched.clear()
+
+    async def vllm_default() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            await start_servers(
+                cfg, tmp_path / "policy", make_plan(1, external_servers=True), stack, "key"
+            )
+
+    asyncio.run(vllm_default())
+    assert not any("prefix-caching" in a for a in launched[0][1]["extra_args"])
 
 
 def test_lora_with_vllm_on_ray_is_no_longer_refused() -> None:
