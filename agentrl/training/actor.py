@@ -299,6 +299,8 @@ class FrozenPolicy:
             self.device = dist.device
         # Dropout off: the recomputed π_old must equal the π_θ of the first update step.
         self.model.eval()
+        self._keep_all_logits = False
+        """True once the model refused ``logits_to_keep`` (a custom model)."""
 
     # ---- forward ------------------------------------------------------------------------
     def _forward(
@@ -310,16 +312,10 @@ class FrozenPolicy:
         attention_mask = mb["attention_mask"].to(self.device)
         position_ids = mb["position_ids"].to(self.device)
         responses = mb["responses"].to(self.device)
-        prompt_len = mb["prompts"].shape[1]
-        resp_len = responses.shape[1]
+        resp_len = responses.shape[1]  # input_ids = cat(prompts, responses)
         with self._compute():
-            logits = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).logits
-        logits = logits[:, prompt_len - 1 : prompt_len - 1 + resp_len].float()
+            logits = self._response_logits(input_ids, attention_mask, position_ids, resp_len)
+        logits = logits[:, -(resp_len + 1) : -1].float()
         logp = logprobs_from_logits(logits, responses, temperature=self.temperature)
         extra = None
         if with_sum_pi_squared:
@@ -328,6 +324,28 @@ class FrozenPolicy:
         elif with_entropy:
             extra = entropy_from_logits(logits / self.temperature)
         return logp, extra
+
+    def _response_logits(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, resp_len: int
+    ) -> torch.Tensor:
+        """Logits ``[b, >= R + 1, V]`` of the last ``R + 1`` columns at least (those predicting
+        the responses, and the last): the ``lm_head`` skips the prompt's columns
+        (``logits_to_keep``) unless the model does not take it (then every column, as
+        before)."""
+        kwargs: dict[str, Any] = {} if self._keep_all_logits else {"logits_to_keep": resp_len + 1}
+        try:
+            return self.model(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=positions,
+                use_cache=False,
+                **kwargs,
+            ).logits
+        except TypeError as e:
+            if "logits_to_keep" not in str(e) or self._keep_all_logits:
+                raise
+            self._keep_all_logits = True  # a custom model without it: all columns from now on
+            return self._response_logits(input_ids, mask, positions, resp_len)
 
     def _micro_batches(self, batch: TensorDict) -> tuple[list[TensorDict], list[list[int]]]:
         return split_by_token_budget(batch, max(1, self.micro_batch_max_tokens))
