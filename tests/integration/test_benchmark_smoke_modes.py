@@ -150,6 +150,23 @@ def test_inference_smoke_embedded() -> None:
     assert "vllm_c32" not in report
 
 
+def test_engine_paths_smoke() -> None:
+    """The engine-level A/B the docs quote (docs/inference.md, "Prefix cache"): four engines,
+    the same requests, the same tokens."""
+    report = _smoke("engine_paths.py")
+    res = report["results"]
+    assert set(res) == {"old", "lean", "prefix_cache", "new"}
+    assert res["old"]["forward"] == "HFForward" and res["new"]["forward"] == "LeanForward"
+    for name, r in res.items():
+        assert _positive(r["s_per_round_median"], r["speedup_vs_old_median"]), name
+        assert r["same_sequences_as_old"] == 1.0, name
+        assert r["max_abs_logprob_diff_vs_old"] < 1e-4, name
+    assert res["old"]["prompt_tokens_cached"] == 0
+    assert res["new"]["prompt_tokens_cached"] > 0
+    total = res["old"]["prompt_tokens_computed"]
+    assert res["new"]["prompt_tokens_computed"] + res["new"]["prompt_tokens_cached"] == total
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_inference_smoke_with_vllm() -> None:
