@@ -92,11 +92,11 @@ class LeanForward:
         """Logits after each row's last column ``[N, V]`` and the KV cache ``[N, H, P + S, D]``."""
         x = self.embed(ids)
         cos, sin = self.rotary(x, positions)
-        bias = _attention_bias(mask, ids.shape[1], x.dtype)
+        allowed = _allowed(mask, ids.shape[1], past is None)
         kv: KV = []
         for i, layer in enumerate(self.layers):
             h, pair = self._attend(
-                layer.self_attn, layer.input_layernorm(x), cos, sin, bias, past, i
+                layer.self_attn, layer.input_layernorm(x), cos, sin, allowed, past, i
             )
             kv.append(pair)
             x = x + h
@@ -109,7 +109,7 @@ class LeanForward:
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        bias: torch.Tensor,
+        allowed: torch.Tensor | None,
         past: KV | None,
         i: int,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
@@ -124,25 +124,33 @@ class LeanForward:
             k = torch.cat([past[i][0], k], dim=2)
             v = torch.cat([past[i][1], v], dim=2)
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias, scale=attn.scaling, enable_gqa=k.shape[1] != q.shape[1]
+            q,
+            k,
+            v,
+            attn_mask=allowed,
+            is_causal=allowed is None and s > 1,
+            scale=attn.scaling,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
         return attn.o_proj(out.transpose(1, 2).reshape(n, s, -1)), (k, v)
 
 
-def _attention_bias(mask: torch.Tensor, s: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[N, 1, S, T]``: 0 where query ``j`` (column ``T - S + j``) may attend to column ``c``
-    (``c`` real and not after it, or ``c`` is the query's own column), ``-inf`` elsewhere."""
+def _allowed(mask: torch.Tensor, s: int, fresh: bool) -> torch.Tensor | None:
+    """``[N, 1, S, T]`` bool: True where query ``j`` (column ``T - S + j``) may attend to column
+    ``c`` (``c`` real and not after it, or ``c`` is the query's own column). None when no row
+    has padding and plain causal attention says the same (``fresh``: no cache before these
+    columns; a single query attends to every column)."""
+    if (fresh or s == 1) and bool(mask.all()):
+        return None
     t = mask.shape[1]
     real = mask[:, None, None, :].bool()
     if s == 1:
         allowed = real.clone()
         allowed[..., -1] = True
-    else:
-        cols = torch.arange(t, device=mask.device)
-        rows = torch.arange(t - s, t, device=mask.device)[:, None]
-        allowed = (real & (cols <= rows)) | (cols == rows)
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=mask.device)
-    return bias.masked_fill_(~allowed, float("-inf"))
+        return allowed
+    cols = torch.arange(t, device=mask.device)
+    rows = torch.arange(t - s, t, device=mask.device)[:, None]
+    return (real & (cols <= rows)) | (cols == rows)
 
 
 def make_forward(model: Any) -> HFForward | LeanForward:

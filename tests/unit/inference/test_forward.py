@@ -12,7 +12,7 @@ import torch
 from agentrl.inference.engine.forward import (
     HFForward,
     LeanForward,
-    _attention_bias,
+    _allowed,
     make_forward,
 )
 
@@ -115,13 +115,18 @@ def test_lean_handles_a_cache_with_holes_as_the_models_own_call(tiny_model_dir: 
 
 def test_padded_queries_attend_to_themselves_so_nothing_is_nan() -> None:
     mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    bias = _attention_bias(mask, 4, torch.float32)
-    assert bias.shape == (2, 1, 4, 4)
-    assert (bias[0, 0, 0] == torch.tensor([0.0, float("-inf"), float("-inf"), float("-inf")])).all()
-    assert (bias[0, 0, 3] == torch.tensor([float("-inf"), float("-inf"), 0.0, 0.0])).all()
-    assert (bias[1, 0].isfinite() == torch.ones(4, 4).tril().bool()).all()
-    step = _attention_bias(torch.tensor([[0, 1, 0, 1]]), 1, torch.float32)
-    assert step[0, 0, 0].isfinite().tolist() == [False, True, False, True]
+    allowed = _allowed(mask, 4, fresh=True)
+    assert allowed is not None and allowed.shape == (2, 1, 4, 4)
+    assert allowed[0, 0, 0].tolist() == [True, False, False, False]  # a padded query: itself
+    assert allowed[0, 0, 3].tolist() == [False, False, True, True]
+    assert (allowed[1, 0] == torch.ones(4, 4).tril().bool()).all()
+    step = _allowed(torch.tensor([[0, 1, 0, 1]]), 1, fresh=False)
+    assert step is not None and step[0, 0, 0].tolist() == [False, True, False, True]
+    # no padding: plain causal attention (None), unless new columns follow a cache
+    full = torch.ones(2, 4, dtype=torch.long)
+    assert _allowed(full, 4, fresh=True) is None and _allowed(full, 1, fresh=False) is None
+    after_cache = _allowed(full, 2, fresh=False)
+    assert after_cache is not None and after_cache[0, 0, 0].tolist() == [True, True, True, False]
 
 
 def test_anything_else_gets_the_models_own_call(monkeypatch, caplog) -> None:
