@@ -34,7 +34,7 @@ class InferenceConfig(Section):
     """Retries of a failed request on another healthy server."""
     max_batch_size: int = Field(default=32, ge=1)
     """Most sequences a server decodes at once (embedded: batch slots; vLLM: --max-num-seqs)."""
-    prefix_cache_mb: float = Field(default=256.0, ge=0)
+    prefix_cache_mb: float = Field(default=256.0, ge=0, allow_inf_nan=False)
     """MiB of KV an embedded server keeps for prompt prefixes it computed before (the system prompt and tools every sample shares, the earlier turns of an episode), so they are not prefilled again; emptied at every weight change; 0 = off. vLLM sizes its own cache: 0 passes `--no-enable-prefix-caching`, any other value leaves vLLM's prefix caching on."""
     startup_timeout_s: float = Field(default=300.0, gt=0)
     """Seconds a launched server may take to answer `/health` (raise it on a loaded machine)."""

@@ -171,7 +171,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--prefix-cache-mb",
-        type=float,
+        type=_mebibytes,
         default=DEFAULT_PREFIX_CACHE_MB,
         help="MiB of KV kept for prompt prefixes computed before (reused by later prompts "
         "that start with them: the samples of a task, the next turn of an episode); 0 = off",
@@ -215,6 +215,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accept a chat_template in requests (rendered off the event loop, time-limited)",
     )
+
+
+def _mebibytes(text: str) -> float:
+    """``--prefix-cache-mb``'s value: a finite number >= 0 (argparse names the option on error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use a number of MiB >= 0 (0 turns it off)")
+    return value
 
 
 def _warn_if_exposed(host: str, api_key: str | None) -> None:

@@ -158,3 +158,19 @@ def test_a_weight_load_never_serves_kv_of_the_old_weights(tiny_model_dir: Path) 
         assert engine.prefix_cache_stats["tokens"] == 0
     finally:
         engine.close()
+
+
+def test_serve_model_takes_the_cache_size_and_refuses_a_bad_one(capsys) -> None:
+    import argparse
+
+    from agentrl.inference.server import DEFAULT_PREFIX_CACHE_MB, add_arguments
+
+    parser = argparse.ArgumentParser(prog="agentrl serve-model")
+    add_arguments(parser)
+    assert parser.parse_args(["m"]).prefix_cache_mb == DEFAULT_PREFIX_CACHE_MB
+    assert parser.parse_args(["m", "--prefix-cache-mb", "0"]).prefix_cache_mb == 0.0
+    for bad in ("-1", "inf", "lots"):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args(["m", "--prefix-cache-mb", bad])
+        assert exc.value.code == 2
+        assert "--prefix-cache-mb" in capsys.readouterr().err

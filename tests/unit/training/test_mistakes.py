@@ -67,6 +67,7 @@ CASES = [
         "agent.kwargs={units_agent: {hint: true}}",
         ["agent.kwargs.units_agent", "takes no arguments"],
     ),
+    ("inference.prefix_cache_mb=-64", ["inference.prefix_cache_mb", "-64"]),
 ]
 
 
