@@ -9,6 +9,9 @@ steps, interleaved per seed (A, B, C, A, B, C, ...):
 - ``agentrl_async``: agentrl's defaults (``configs/quickstart.yaml``: max_staleness 2 reached
   after a staleness warmup of 6 steps, two embedded servers, its thread plan);
 - ``agentrl_async_no_warmup`` (on request): the same with max_staleness 2 from the first step;
+- ``agentrl_sync_old_engine`` (on request): ``agentrl_sync`` with the embedded engine as it was
+  before its prefix cache and lean forward (``inference.prefix_cache_mb=0``,
+  ``AGENTRL_LEAN_FORWARD=0``);
 - ``trl``: TRL's ``GRPOTrainer`` with its tool-calling loop (``benchmarks/peers/trl_grpo.py`` in
   ``.venv-trl``, ``make setup-peers``), one process with every CPU.
 
@@ -53,13 +56,23 @@ from compare import write_tasks  # noqa: E402
 CONFIG = ROOT / "configs" / "quickstart.yaml"
 CHECKPOINT = ROOT / "checkpoints" / "calculator-sft"
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "time_to_accuracy"
-SYSTEMS = ("agentrl_sync", "agentrl_async", "agentrl_async_no_warmup", "trl")
+SYSTEMS = (
+    "agentrl_sync",
+    "agentrl_async",
+    "agentrl_async_no_warmup",
+    "agentrl_sync_old_engine",
+    "trl",
+)
 AGENTRL_SYSTEMS = {
     "agentrl_sync": ["trainer.max_staleness=0"],
     "agentrl_async": [],
     "agentrl_async_no_warmup": ["trainer.staleness_warmup_steps=0"],
+    "agentrl_sync_old_engine": ["trainer.max_staleness=0", "inference.prefix_cache_mb=0"],
 }
 """What each agentrl system overrides in the quickstart (nothing: its own defaults)."""
+AGENTRL_SYSTEM_ENV = {"agentrl_sync_old_engine": {"AGENTRL_LEAN_FORWARD": "0"}}
+"""Environment a system adds: ``agentrl_sync_old_engine`` is the synchronous run with the
+embedded engine as it was before its prefix cache and lean forward (docs/inference.md)."""
 
 
 # ---- the runs (child processes) ---------------------------------------------------------------
@@ -158,7 +171,7 @@ def run_system(args: argparse.Namespace, system: str, seed: int) -> dict[str, An
             sys.executable, __file__, "--child", system, "--seed", str(seed),
             "--run-dir", str(out), "--record", str(record), *args.shared_argv,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "PYTHONPATH": str(ROOT), **AGENTRL_SYSTEM_ENV.get(system, {})}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             raise RuntimeError(f"{system} seed {seed} failed:\n{proc.stderr[-3000:]}")
