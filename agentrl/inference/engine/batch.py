@@ -17,6 +17,9 @@ Invariants (the batch is touched by the engine thread only):
   leading columns are trimmed whenever rows leave);
 - a prefilled request joins with its prompt's cache left-padded to the batch's width (or the
   batch is left-padded to its width), so each row's numbers equal a forward of that row alone;
+  a prefill that starts from cached prefixes (:mod:`~agentrl.inference.engine.prefix_cache`)
+  runs with a gap between each row's prefix and its suffix, then moves each row's columns
+  together before it joins (:func:`prefill_forward`), so the batch never sees a gap;
 - :meth:`RunningBatch.decode` commits the new mask, cache and positions only when the forward
   returned; when it raises, the cache may be half-updated and the caller resets the batch.
 """
