@@ -9,7 +9,15 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "peers"))
 
-from time_to_accuracy import CONFIG, SYSTEMS, agentrl_overrides, first_crossing, parse, summarize
+from time_to_accuracy import (
+    AGENTRL_SYSTEM_ENV,
+    CONFIG,
+    SYSTEMS,
+    agentrl_overrides,
+    first_crossing,
+    parse,
+    summarize,
+)
 
 
 def test_first_crossing_interpolates_and_says_never() -> None:
@@ -69,18 +77,22 @@ def test_fixed_targets_time_every_seed_to_the_same_accuracy() -> None:
 
 
 def test_each_agentrl_system_loads_and_differs_only_in_its_own_overrides(tmp_path: Path) -> None:
-    """The systems compared are the quickstart's defaults, sync, and async without the warmup;
-    each config loads, and their staleness settings are the ones the docs name."""
+    """The systems compared are the quickstart's defaults, sync, async without the warmup, and
+    sync on the engine before its prefix cache and lean forward; each config loads, and their
+    staleness and engine settings are the ones the docs name."""
     from agentrl.config import load_config
 
     args = parse([])
     args.paths = {"tool": tmp_path / "t.jsonl", "heldout": tmp_path / "h.jsonl"}
     seen = {}
     for system in (s for s in SYSTEMS if s != "trl"):
-        t = load_config(CONFIG, agentrl_overrides(args, system, 0, tmp_path)).trainer
-        seen[system] = (t.max_staleness, t.staleness_warmup_steps)
+        cfg = load_config(CONFIG, agentrl_overrides(args, system, 0, tmp_path))
+        t = cfg.trainer
+        seen[system] = (t.max_staleness, t.staleness_warmup_steps, cfg.inference.prefix_cache_mb)
     assert seen == {
-        "agentrl_sync": (0, 6),  # the warmup of η = 0 is a no-op: its bound stays 0
-        "agentrl_async": (2, 6),
-        "agentrl_async_no_warmup": (2, 0),
+        "agentrl_sync": (0, 6, 256.0),  # the warmup of η = 0 is a no-op: its bound stays 0
+        "agentrl_async": (2, 6, 256.0),
+        "agentrl_async_no_warmup": (2, 0, 256.0),
+        "agentrl_sync_old_engine": (0, 6, 0.0),
     }
+    assert AGENTRL_SYSTEM_ENV == {"agentrl_sync_old_engine": {"AGENTRL_LEAN_FORWARD": "0"}}
