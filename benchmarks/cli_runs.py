@@ -83,6 +83,13 @@ def run_train(
     }
 
 
+def rotated(names: Sequence[str], r: int) -> list[str]:
+    """Round ``r``'s order of ``names``: each round starts one later, so load drifts hit every
+    variant alike."""
+    k = r % len(names)
+    return [*names[k:], *names[:k]]
+
+
 def median_after_first(series: Mapping[int, float]) -> float:
     """Median over the steps after the first (step 1 fills the pipeline from empty)."""
     steps = sorted(series)

@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from cli_runs import rotated  # noqa: E402
+
 ENGINE_VARIANTS = {
     "old": (False, 0.0),
     "lean": (True, 0.0),
@@ -130,7 +132,7 @@ def run_engine_level(args: argparse.Namespace) -> dict[str, Any]:
         for n in names:  # warm-up (first-call costs), not timed
             one_round(engines[n], prompts[:2], args)
         for r in range(args.rounds):
-            for n in names[r % len(names) :] + names[: r % len(names)]:
+            for n in rotated(names, r):
                 rounds[n].append(one_round(engines[n], prompts, args))
                 print(f"round {r} {n}: {rounds[n][-1]['wall_s']:.3f} s", file=sys.stderr)
         forwards = {n: type(e._sched.forward).__name__ for n, e in engines.items()}
@@ -170,7 +172,7 @@ def run_train_level(args: argparse.Namespace) -> dict[str, Any]:
     names = list(TRAIN_VARIANTS)
     steps: dict[str, list[float]] = {n: [] for n in names}
     for r in range(args.rounds):
-        for n in names[r % len(names) :] + names[: r % len(names)]:
+        for n in rotated(names, r):
             env, overrides = TRAIN_VARIANTS[n]
             res = run_train(
                 ROOT / "configs" / "quickstart.yaml",

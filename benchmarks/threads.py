@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cli_runs import median_after_first, run_train  # noqa: E402
+from cli_runs import median_after_first, rotated, run_train  # noqa: E402
 
 # Variables a user's shell may carry that would change the default: cleared for every variant
 # ("" removes), then each variant sets its own.
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_avg_1m_at_start": os.getloadavg()[0],
     }
     for r in range(args.rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]
-        for name in order:
+        for name in rotated(names, r):
             env, overrides = VARIANTS[name]
             res = run_train(
                 ROOT / "configs" / "quickstart.yaml",

@@ -84,7 +84,7 @@ class RunningBatch:
         self.kv = new_kv
         self.mask = mask
         self.rows.extend(reqs[i] for i in keep)
-        self.next_pos.extend(pre.lens[i] for i in keep)
+        self.next_pos.extend(len(pre.seqs[i]) for i in keep)
 
     def row_kv(self, i: int) -> KV | None:
         """Row ``i``'s KV per layer ``(keys, values)`` ``[H_kv, n, D]``, ``n`` = the tokens fed
@@ -136,14 +136,19 @@ class Prefill:
     """Per layer ``(keys, values)`` ``[N, H_kv, T, D]``; padded positions hold zeros."""
     mask: torch.Tensor
     """``[N, T]``: 1 where a row has a token (left padding 0)."""
-    lens: list[int]
-    """Tokens per row (all of them have KV)."""
+    seqs: list[list[int]]
+    """Each row's tokens (prompt + output but its last token), all of them with KV."""
     cached: list[int]
     """Per row, the leading tokens whose KV came from the prefix cache (not recomputed)."""
 
+    @property
+    def lens(self) -> list[int]:
+        """Tokens per row."""
+        return [len(x) for x in self.seqs]
+
     def row_kv(self, i: int) -> KV:
         """Row ``i``'s KV per layer, ``[H_kv, lens[i], D]``."""
-        n = self.lens[i]
+        n = len(self.seqs[i])
         return [(k[i, :, -n:], v[i, :, -n:]) for k, v in self.kv]
 
 
@@ -172,7 +177,7 @@ def prefill_forward(
         mask[i, width - len(x) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     logits, kv = forward(ids, (mask.cumsum(-1) - 1).clamp_(min=0), mask, None)
-    return Prefill(logits, _zero_padding(kv, mask), mask, lens, [0] * len(seqs))
+    return Prefill(logits, _zero_padding(kv, mask), mask, seqs, [0] * len(seqs))
 
 
 def _prefill_after_prefixes(
@@ -206,7 +211,7 @@ def _prefill_after_prefixes(
     mask = mask.to(device)
     logits, kv = forward(ids.to(device), pos.to(device), mask, past)
     kv, mask = _left_align(kv, mask, max(lens))
-    return Prefill(logits, _zero_padding(kv, mask), mask, lens, cached)
+    return Prefill(logits, _zero_padding(kv, mask), mask, seqs, cached)
 
 
 def _left_align(kv: KV, mask: torch.Tensor, width: int) -> tuple[KV, torch.Tensor]:

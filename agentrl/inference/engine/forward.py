@@ -47,8 +47,6 @@ ENV_LEAN = "AGENTRL_LEAN_FORWARD"
 class HFForward:
     """The model's own ``forward`` (any causal LM, and any stand-in that takes its keywords)."""
 
-    name = "transformers"
-
     def __init__(self, model: Any) -> None:
         self.model = model
 
@@ -75,8 +73,6 @@ class HFForward:
 class LeanForward:
     """The model's modules driven directly: embed, per layer (norm, attention with rotary
     embeddings and the cache, norm, MLP), final norm, ``lm_head`` on the last column only."""
-
-    name = "lean"
 
     def __init__(self, model: Any) -> None:
         self.model = model

@@ -340,12 +340,6 @@ class InferenceEngine:
         self._sched.control(cache.clear)
         return cache.enabled
 
-    @property
-    def prefix_cache_stats(self) -> dict[str, int]:
-        """The prefix cache's counters, plus ``tokens`` and ``bytes`` held."""
-        cache = self._sched.prefix_cache
-        return {**cache.stats, "tokens": cache.num_tokens, "bytes": cache.nbytes}
-
     def abort_all(self) -> int:
         """Finish every running and waiting request now (finish reason ``abort``); returns how many."""
         return self._sched.control(self._sched.abort_all_now)

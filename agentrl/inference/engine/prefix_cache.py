@@ -21,13 +21,17 @@ Invariants:
   prefill always runs at least one token;
 - it holds at most ``max_bytes`` of KV; the least recently used block goes first, and a match
   touches its blocks from the last to the first, so a prefix outlives the blocks that extend it;
-- only the engine thread uses it (no lock).
+- only the engine thread uses it (no lock);
+- its numbers live in the engine's one counter mapping (``/metrics`` reads it):
+  ``prefix_cache_hit_tokens``, ``prefix_cache_tokens`` (held now), ``prefix_cache_bytes`` (held
+  now), ``prefix_cache_inserted_blocks``, ``prefix_cache_evicted_blocks``,
+  ``prefix_cache_resets``.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Sequence
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,9 +60,10 @@ class PrefixCache:
 
     Args:
         max_bytes: most bytes of KV held (``0`` holds nothing: every match is empty).
+        stats: the counters it adds to (the engine's); a fresh mapping when None.
     """
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, stats: MutableMapping[str, int] | None = None) -> None:
         if max_bytes < 0:
             raise ValueError(f"prefix cache max_bytes={max_bytes}; it must be >= 0")
         self.max_bytes = int(max_bytes)
@@ -68,9 +73,8 @@ class PrefixCache:
         self.generation = 0
         """The weight store's generation the blocks were computed with."""
         self._ids = 1
-        self.stats: collections.Counter[str] = collections.Counter()
-        """``queries``, ``query_tokens``, ``hit_tokens``, ``inserted_blocks``, ``evicted_blocks``,
-        ``resets``."""
+        self.stats: MutableMapping[str, int] = stats if stats is not None else collections.Counter()
+        """The ``prefix_cache_*`` counters (see the module's invariants)."""
 
     @property
     def enabled(self) -> bool:
@@ -85,9 +89,17 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every block."""
         if self.blocks:
-            self.stats["resets"] += 1
+            self._count("prefix_cache_resets")
         self.blocks.clear()
         self.nbytes = 0
+        self._held()
+
+    def _count(self, key: str, n: int = 1) -> None:
+        self.stats[key] = self.stats.get(key, 0) + n
+
+    def _held(self) -> None:
+        self.stats["prefix_cache_tokens"] = self.num_tokens
+        self.stats["prefix_cache_bytes"] = self.nbytes
 
     def sync(self, generation: int) -> None:
         """Empty the cache if the weights changed since its blocks were computed."""
@@ -123,13 +135,11 @@ class PrefixCache:
                 break
             found.append((key, block))
             parent = block.id
-        self.stats["queries"] += 1
-        self.stats["query_tokens"] += len(tokens)
         if not found:
             return 0, None
         self._touch([key for key, _ in found])
         n = len(found) * BLOCK
-        self.stats["hit_tokens"] += n
+        self._count("prefix_cache_hit_tokens", n)
         layers = len(found[0][1].kv)
         kv = [
             (
@@ -160,6 +170,7 @@ class PrefixCache:
             path.append(key)
             parent = block.id
         self._touch(path)
+        self._held()
         return added
 
     def _touch(self, path: list[Key]) -> None:
@@ -175,12 +186,12 @@ class PrefixCache:
         while self.nbytes + nbytes > self.max_bytes:
             _, old = self.blocks.popitem(last=False)
             self.nbytes -= old.nbytes
-            self.stats["evicted_blocks"] += 1
+            self._count("prefix_cache_evicted_blocks")
         block = _Block(self._ids, kv, nbytes)
         self._ids += 1
         self.blocks[key] = block
         self.nbytes += nbytes
-        self.stats["inserted_blocks"] += 1
+        self._count("prefix_cache_inserted_blocks")
         return block
 
 

@@ -98,8 +98,6 @@ class Scheduler:
         """The one lock: guards the queues, ``closing`` and pause transitions."""
         self.pause = PauseState(self.cond, max_pause_s)
         self.batch = RunningBatch(device)
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
-        """KV of prompt prefixes computed before (:mod:`~agentrl.inference.engine.prefix_cache`)."""
         self.waiting: collections.deque[EngineRequest] = collections.deque()
         self.controls: collections.deque[Control] = collections.deque()
         self.closing = False
@@ -107,6 +105,8 @@ class Scheduler:
         """0 awake; 1 or 2 asleep (no prefill, no decode; requests are held in the queue)."""
         self.stats: dict[str, int] = collections.defaultdict(int)
         """Counters (read by ``/metrics``)."""
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, self.stats)
+        """KV of prompt prefixes computed before (:mod:`~agentrl.inference.engine.prefix_cache`)."""
         self._thread = threading.Thread(target=self._loop, name="agentrl-engine", daemon=True)
 
     @property
@@ -372,15 +372,12 @@ class Scheduler:
         generation = self.weights.generation
         cache = self.prefix_cache if self.prefix_cache.enabled else None
         pre = prefill_forward(self.forward, self.device, reqs, cache, generation)
-        computed = sum(pre.lens) - sum(pre.cached)
-        self.stats["prompt_tokens"] += computed
-        self.stats["prefix_cache_hit_tokens"] += sum(pre.cached)
+        self.stats["prompt_tokens"] += sum(pre.lens) - sum(pre.cached)  # computed, not cached
         self.stats["prefill_forwards"] += 1
         for i, req in enumerate(reqs):
             req.kv_generation = generation
             if cache is not None:
-                seq = req.prompt_ids + req.output_ids[:-1]
-                cache.insert(seq, pre.row_kv(i), generation)
+                cache.insert(pre.seqs[i], pre.row_kv(i), generation)
         return pre
 
     def _join_prefilled(self, reqs: list[EngineRequest], pre: Prefill) -> None:

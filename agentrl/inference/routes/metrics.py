@@ -80,7 +80,7 @@ def make_metrics(st: ServerState) -> CollectorRegistry:
         ),
         "agentrl_prefix_cache_tokens": (
             "Tokens of KV the prefix cache holds now",
-            lambda: getattr(engine, "prefix_cache_stats", {}).get("tokens", 0),
+            lambda: engine.stats["prefix_cache_tokens"],
         ),
         "agentrl_is_paused": ("1 while generation is paused", lambda: engine.is_paused),
         "agentrl_sleep_level": (

@@ -51,7 +51,7 @@ def test_a_new_weight_generation_empties_it_and_stale_kv_is_not_stored() -> None
     tokens = list(range(2 * BLOCK + 1))
     cache.insert(tokens, _kv(len(tokens)), 0)
     assert cache.match(tokens, 1) == (0, None)  # the weights changed: nothing is served
-    assert cache.num_tokens == 0 and cache.stats["resets"] == 1
+    assert cache.num_tokens == 0 and cache.stats["prefix_cache_resets"] == 1
     assert cache.insert(tokens, _kv(len(tokens)), 0) == 0  # KV of the old weights
     assert cache.insert(tokens, _kv(len(tokens)), 1) == 2
 
@@ -64,7 +64,7 @@ def test_it_stays_within_its_bytes_and_evicts_extensions_before_their_prefix() -
         tokens = shared + [1000 + i] * (2 * BLOCK) + [5]
         cache.insert(tokens, _kv(len(tokens)), 0)
         assert cache.nbytes <= cache.max_bytes
-    assert len(cache.blocks) == 3 and cache.stats["evicted_blocks"] > 0
+    assert len(cache.blocks) == 3 and cache.stats["prefix_cache_evicted_blocks"] > 0
     assert cache.peek([*shared, 1], 0) == BLOCK  # the shared prefix outlived the rest
     assert cache.peek(shared + [1003] * (2 * BLOCK) + [5], 0) == 3 * BLOCK
 
@@ -118,7 +118,7 @@ def test_cached_prefixes_change_no_token_and_no_logprob(engines) -> None:
     computed_on = on.stats["prompt_tokens"] - computed_on
     assert computed_on + hits == computed_off
     assert computed_on < computed_off / 2
-    assert on.prefix_cache_stats["tokens"] > 0
+    assert on.stats["prefix_cache_tokens"] > 0
 
 
 def test_requests_that_arrive_together_share_the_first_ones_prefix(engines) -> None:
@@ -143,7 +143,7 @@ def test_a_weight_load_never_serves_kv_of_the_old_weights(tiny_model_dir: Path) 
         prompt = _episode_prompts()[0]
         greedy = SamplingParams(max_tokens=6, temperature=0.0)
         engine.submit(prompt, greedy).result(60)
-        assert engine.prefix_cache_stats["tokens"] > 0
+        assert engine.stats["prefix_cache_tokens"] > 0
         new = {k: v.detach().clone() + 0.05 for k, v in engine.model.state_dict().items()}
         engine.load_state_dict(new)
         out = engine.submit(prompt, greedy).result(60)
@@ -153,9 +153,9 @@ def test_a_weight_load_never_serves_kv_of_the_old_weights(tiny_model_dir: Path) 
             logits = ref(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1]
         expect = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out.token_ids)[:, None])
         assert out.logprobs == pytest.approx(expect[:, 0].tolist(), abs=1e-5)
-        assert engine.prefix_cache_stats["resets"] >= 1
+        assert engine.stats["prefix_cache_resets"] >= 1
         assert engine.reset_prefix_cache() is True
-        assert engine.prefix_cache_stats["tokens"] == 0
+        assert engine.stats["prefix_cache_tokens"] == 0
     finally:
         engine.close()
 
