@@ -28,9 +28,11 @@ from agentrl.batch.schema import (
 from agentrl.batch.split import (
     balance_across_ranks,
     merge_micro_batches,
+    prompt_groups,
     select_rows,
     shard_for_ranks,
     split_by_count,
+    split_by_prompt_groups,
     split_by_token_budget,
     trim_padding,
 )
@@ -48,9 +50,11 @@ __all__ = [
     "check_batch",
     "merge_micro_batches",
     "non_tensor_list",
+    "prompt_groups",
     "select_rows",
     "shard_for_ranks",
     "split_by_count",
+    "split_by_prompt_groups",
     "split_by_token_budget",
     "trajectories_to_batch",
     "trim_padding",

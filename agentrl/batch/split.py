@@ -9,6 +9,8 @@ prompt-aligned keys lose leading padding columns, response-aligned ones trailing
 
 Guarantees: :func:`split_by_token_budget` never puts more than ``max_tokens`` padded tokens in a
 micro-batch unless a single row alone is over budget (that row gets its own micro-batch);
+:func:`split_by_prompt_groups` keeps the rows of one prompt together for a forward that runs the
+prompt once, within the same budget counted that way;
 :func:`balance_across_ranks` assigns every index exactly once.
 """
 
@@ -26,9 +28,11 @@ from agentrl.batch.schema import BATCH_SCHEMA, BatchError
 __all__ = [
     "balance_across_ranks",
     "merge_micro_batches",
+    "prompt_groups",
     "select_rows",
     "shard_for_ranks",
     "split_by_count",
+    "split_by_prompt_groups",
     "split_by_token_budget",
     "trim_padding",
 ]
@@ -136,6 +140,75 @@ def split_by_token_budget(
         b.sort()
     bins.sort(key=lambda b: b[0])
     return [select_rows(batch, b, trim) for b in bins], bins
+
+
+def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor | None:
+    """For left-padded prompts ``[b, P]``, the group of each row ``[b]`` (rows whose prompt
+    tokens and padding are identical share a group, numbered 0..g-1), or None when every row's
+    prompt is distinct (nothing to share)."""
+    key = prompts.masked_fill(prompt_mask == 0, -1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    if inverse.numel() == 0 or int(inverse.max()) + 1 == prompts.shape[0]:
+        return None
+    return inverse
+
+
+def split_by_prompt_groups(
+    batch: TensorDict, max_tokens: int, trim: bool = True
+) -> tuple[list[TensorDict], list[list[int]]]:
+    """:func:`split_by_token_budget` for a forward that runs each distinct prompt once
+    (``trainer.share_prompts``): the rows of one prompt stay in one micro-batch (split into
+    chunks only when they are over budget together), and a micro-batch costs its distinct
+    prompts x the longest prompt + its rows x the longest response. Same return value."""
+    if max_tokens < 1:
+        raise BatchError(f"split_by_prompt_groups: max_tokens must be >= 1, got {max_tokens}")
+    p_width = batch["prompts"].shape[1]
+    groups = prompt_groups(batch["prompts"], batch["attention_mask"][:, :p_width])
+    if groups is None:
+        return split_by_token_budget(batch, max_tokens, trim)
+    prompt_lens, resp_lens = _prompt_and_response_lengths(batch)
+    p_list = [max(1, int(x)) for x in prompt_lens.tolist()]
+    r_list = [max(1, int(x)) for x in resp_lens.tolist()]
+    units = _group_units(groups.tolist(), p_list, r_list, max_tokens)
+    units.sort(key=lambda u: (-(p_list[u[0]] + max(r_list[i] for i in u)), u[0]))
+    bins: list[list[int]] = []
+    shapes: list[tuple[int, int, int]] = []  # (max prompt, max response, prompts) per bin
+    for unit in units:
+        up, ur = p_list[unit[0]], max(r_list[i] for i in unit)
+        for b, (bp, br, bg) in enumerate(shapes):
+            p, r = max(bp, up), max(br, ur)
+            if (bg + 1) * p + (len(bins[b]) + len(unit)) * r <= max_tokens:
+                bins[b].extend(unit)
+                shapes[b] = (p, r, bg + 1)
+                break
+        else:
+            bins.append(list(unit))
+            shapes.append((up, ur, 1))
+    for b in bins:
+        b.sort()
+    bins.sort(key=lambda b: b[0])
+    return [select_rows(batch, b, trim) for b in bins], bins
+
+
+def _group_units(
+    groups: list[int], p_list: list[int], r_list: list[int], max_tokens: int
+) -> list[list[int]]:
+    """The rows of each prompt group, in chunks whose shared forward (the prompt once, every
+    row's response) fits ``max_tokens``; a row over budget alone is a chunk of its own."""
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(groups):
+        members.setdefault(g, []).append(row)
+    units: list[list[int]] = []
+    for rows in members.values():
+        chunk: list[int] = []
+        for row in sorted(rows, key=lambda i: (-r_list[i], i)):
+            r = max([r_list[i] for i in chunk] + [r_list[row]])
+            if chunk and p_list[row] + (len(chunk) + 1) * r > max_tokens:
+                units.append(chunk)
+                chunk = []
+            chunk.append(row)
+        units.append(chunk)
+    return units
 
 
 def merge_micro_batches(

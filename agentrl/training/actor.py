@@ -32,6 +32,7 @@ Guarantees:
 from __future__ import annotations
 
 import copy
+import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,12 +43,25 @@ import torch
 from tensordict import TensorDict
 
 from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
-from agentrl.batch import check_batch, merge_micro_batches, split_by_token_budget
+from agentrl.batch import (
+    check_batch,
+    merge_micro_batches,
+    prompt_groups,
+    split_by_prompt_groups,
+    split_by_token_budget,
+)
 from agentrl.training.memory import checkpoint_decoder_layers
+from agentrl.training.shared_prompts import (
+    group_leaders,
+    shared_prompt_logits,
+    sharing_blocker,
+)
 from correction import CorrectionConfig, ProximalMethod, apply_correction, loglinear_proximal
 
 if TYPE_CHECKING:
     from agentrl.training.fsdp import DistContext
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "Actor",
@@ -119,6 +133,8 @@ class ActorConfig(OptimizerSettings):
     """The ``model.lora`` section when LoRA is on (rank > 0), else None: full fine-tuning."""
     grad_noise: bool = False
     """Log ``grad_noise/*`` from each mini-batch's micro-batch gradients (one rank only)."""
+    share_prompts: bool = False
+    """Run each distinct prompt of a micro-batch once (:mod:`agentrl.training.shared_prompts`)."""
 
     @classmethod
     def from_config(cls, cfg: Any, plan: Any) -> ActorConfig:
@@ -133,6 +149,7 @@ class ActorConfig(OptimizerSettings):
             kl_loss_type=plan.kl_loss_type,
             lora=cfg.model.lora if cfg.model.lora.rank > 0 else None,
             grad_noise=t.log_grad_noise,
+            share_prompts=t.share_prompts,
         )
 
 
@@ -223,14 +240,15 @@ def load_causal_lm(
 
 
 def rank_micro_batches(
-    batch: TensorDict, max_tokens: int, dist: DistContext | None
+    batch: TensorDict, max_tokens: int, dist: DistContext | None, share_prompts: bool = False
 ) -> tuple[list[TensorDict], list[list[int]]]:
     """The micro-batches this process runs for a forward-only pass over ``batch``, and the batch
-    rows of each: all rows packed by ``max_tokens`` (one process), or this rank's token-balanced
-    share (``dist``; an empty row list marks a padding micro-batch that only keeps the ranks'
-    collectives in step)."""
+    rows of each: all rows packed by ``max_tokens`` (one process; a prompt's rows together with
+    ``share_prompts``), or this rank's token-balanced share (``dist``; an empty row list marks a
+    padding micro-batch that only keeps the ranks' collectives in step)."""
     if dist is None:
-        return split_by_token_budget(batch, max(1, max_tokens))
+        split = split_by_prompt_groups if share_prompts else split_by_token_budget
+        return split(batch, max(1, max_tokens))
     plan = dist.plan_mini_batch(batch, max(1, max_tokens))
     return plan.micro, plan.rows
 
@@ -249,6 +267,32 @@ def merge_rank_rows(
     if not outputs:
         return torch.zeros(n_rows, width)
     return merge_micro_batches([o.cpu() for o in outputs], rows, width=width)
+
+
+def _disagreement(shared: torch.Tensor, plain: torch.Tensor, resp_mask: torch.Tensor) -> str | None:
+    """None when two ``[b, R, V]`` logit tensors agree on the valid response columns within
+    float rounding of their dtype (relative to the largest logit), else by how much they differ."""
+    keep = resp_mask.bool()
+    x, y = shared[keep].float(), plain[keep].float()
+    if x.numel() == 0:
+        return None
+    tol = 1e-4 if plain.dtype == torch.float32 else 5e-2
+    scale = max(1.0, float(y.abs().max()))
+    diff = float((x - y).abs().max())
+    return None if diff <= tol * scale else f"logits differ by {diff:.3g}"
+
+
+def _prompt_reuse(mb: TensorDict, shared: bool) -> tuple[str, float, float]:
+    """``actor/prompt_tokens_reused`` of a micro-batch, as a :class:`_Stats` entry weighted by
+    its prompt tokens: the share of them that a shared forward did not recompute."""
+    p_len = mb["prompts"].shape[1]
+    mask = mb["attention_mask"][:, :p_len]
+    total = float(mask.sum())
+    groups = prompt_groups(mb["prompts"], mask) if shared else None
+    if groups is None or total == 0:
+        return "actor/prompt_tokens_reused", 0.0, total
+    computed = float(mask[group_leaders(groups)].sum())
+    return "actor/prompt_tokens_reused", (total - computed) / total, total
 
 
 class FrozenPolicy:
@@ -273,6 +317,7 @@ class FrozenPolicy:
         dist: DistContext | None = None,
         gradient_checkpointing: bool = False,
         float32_master: bool = False,
+        share_prompts: bool = False,
     ) -> None:
         self.dist = dist
         self.push_dtype = resolve_dtype(dtype, dist.device if dist else resolve_device(device))
@@ -301,6 +346,19 @@ class FrozenPolicy:
         self.model.eval()
         self._keep_all_logits = False
         """True once the model refused ``logits_to_keep`` (a custom model)."""
+        self.share_prompts = share_prompts and self._can_share(gradient_checkpointing)
+        """Each distinct prompt of a micro-batch runs once (:mod:`.shared_prompts`)."""
+        self._share_checked = False
+        """True once a shared micro-batch was compared with the plain forward."""
+
+    def _can_share(self, checkpointed: bool) -> bool:
+        """Whether this model and setup can run shared prompts (says why not, once)."""
+        why = sharing_blocker(
+            self.model, distributed=self.dist is not None, checkpointed=checkpointed
+        )
+        if why is not None and (self.dist is None or self.dist.is_main):
+            logger.info("trainer.share_prompts: every row runs its whole prompt: %s", why)
+        return why is None
 
     # ---- forward ------------------------------------------------------------------------
     def _forward(
@@ -314,8 +372,8 @@ class FrozenPolicy:
         responses = mb["responses"].to(self.device)
         resp_len = responses.shape[1]  # input_ids = cat(prompts, responses)
         with self._compute():
-            logits = self._response_logits(input_ids, attention_mask, position_ids, resp_len)
-        logits = logits[:, -(resp_len + 1) : -1].float()
+            logits = self._predict_logits(input_ids, attention_mask, position_ids, resp_len)
+        logits = logits.float()
         logp = logprobs_from_logits(logits, responses, temperature=self.temperature)
         extra = None
         if with_sum_pi_squared:
@@ -324,6 +382,52 @@ class FrozenPolicy:
         elif with_entropy:
             extra = entropy_from_logits(logits / self.temperature)
         return logp, extra
+
+    def _predict_logits(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, resp_len: int
+    ) -> torch.Tensor:
+        """Logits ``[b, R, V]`` predicting each response token: each distinct prompt run once
+        when prompts are shared and the micro-batch repeats one, else each row whole."""
+        p_len = input_ids.shape[1] - resp_len
+        groups = (
+            prompt_groups(input_ids[:, :p_len], mask[:, :p_len]) if self.share_prompts else None
+        )
+        if groups is None:
+            return self._response_logits(input_ids, mask, positions, resp_len)[
+                :, -(resp_len + 1) : -1
+            ]
+        if self._share_checked:
+            return shared_prompt_logits(self.model, input_ids, mask, positions, resp_len, groups)
+        return self._checked_shared_logits(input_ids, mask, positions, resp_len, groups)
+
+    def _checked_shared_logits(
+        self,
+        input_ids: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        resp_len: int,
+        groups: torch.Tensor,
+    ) -> torch.Tensor:
+        """The first shared micro-batch: its logits, compared with the plain forward's (no
+        gradient); on a difference beyond float rounding, or an error, sharing turns off with a
+        warning and the plain forward's logits (with gradient) are returned."""
+        self._share_checked = True
+        try:
+            shared = shared_prompt_logits(self.model, input_ids, mask, positions, resp_len, groups)
+            with torch.no_grad():
+                plain = self._response_logits(input_ids, mask, positions, resp_len)
+            error = _disagreement(
+                shared.detach(), plain[:, -(resp_len + 1) : -1], mask[:, -resp_len:]
+            )
+        except Exception as e:  # a model that takes no cache this way: the plain forward is right
+            error = f"{type(e).__name__}: {e}"
+        if error is None:
+            return shared
+        logger.warning(
+            "trainer.share_prompts: turned off (%s); every row runs its whole prompt", error
+        )
+        self.share_prompts = False
+        return self._response_logits(input_ids, mask, positions, resp_len)[:, -(resp_len + 1) : -1]
 
     def _response_logits(
         self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, resp_len: int
@@ -348,7 +452,8 @@ class FrozenPolicy:
             return self._response_logits(input_ids, mask, positions, resp_len)
 
     def _micro_batches(self, batch: TensorDict) -> tuple[list[TensorDict], list[list[int]]]:
-        return split_by_token_budget(batch, max(1, self.micro_batch_max_tokens))
+        split = split_by_prompt_groups if self.share_prompts else split_by_token_budget
+        return split(batch, max(1, self.micro_batch_max_tokens))
 
     def _compute(self) -> Any:
         """bf16/fp16 autocast over float32 master weights (``self.autocast``), else a no-op."""
@@ -364,7 +469,9 @@ class FrozenPolicy:
         was_training = self.model.training
         self.model.eval()
         n, resp_len = batch.batch_size[0], batch["responses"].shape[1]
-        micro, rows = rank_micro_batches(batch, self.micro_batch_max_tokens, self.dist)
+        micro, rows = rank_micro_batches(
+            batch, self.micro_batch_max_tokens, self.dist, self.share_prompts
+        )
         logps, extras, kept = [], [], []
         for mb, ix in zip(micro, rows, strict=True):
             lp, extra = self._forward(
@@ -475,6 +582,7 @@ class Actor(FrozenPolicy):
             # full fine-tuning: AdamW updates float32 weights (a bf16 weight would round a
             # small step away); LoRA keeps the frozen base in the serving dtype
             float32_master=config.lora is None,
+            share_prompts=config.share_prompts,
         )
         self.config = config
         if config.lora is not None:
@@ -600,6 +708,8 @@ class Actor(FrozenPolicy):
             # its loss counts 0 and it records nothing
             padding = not rows
             logp, entropy = self._forward(mb, with_entropy=True)
+            if not padding:
+                stats.add(*_prompt_reuse(mb, self.share_prompts))
             if epoch == 0 and not padding:
                 first[0].append(logp.detach().cpu())
                 first[1].append([start + r for r in rows])

@@ -42,6 +42,7 @@ def load_policies(cfg: ExperimentConfig, path: Path, plan: Any, *, dist: Any = N
             path,
             temperature=actor.temperature,
             micro_batch_max_tokens=t.micro_batch_max_tokens,
+            share_prompts=t.share_prompts,
             **common,
         )
         if plan.needs_reference

@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from agentrl.kv_cache import cache_kwargs, output_cache
+
 __all__ = ["SFTExample", "SFTSettings", "load_conversations", "tokenize_conversation", "train_sft"]
 
 
@@ -213,9 +215,9 @@ def _batch_nll_sum(
     if prefix_len > 0:
         with torch.no_grad():
             out = model(input_ids=ids[:1, :prefix_len], use_cache=True)
-        cache = out.past_key_values
+        cache = output_cache(out)
         cache.batch_repeat_interleave(ids.shape[0])
-        kwargs["past_key_values"] = cache
+        kwargs.update(cache_kwargs(model, cache))
         ids, mask = ids[:, prefix_len:], mask[:, prefix_len:]
     logits = model(input_ids=ids, attention_mask=attn, **kwargs).logits
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)

@@ -167,6 +167,17 @@ def test_engine_paths_smoke() -> None:
     assert res["new"]["prompt_tokens_computed"] + res["new"]["prompt_tokens_cached"] == total
 
 
+def test_shared_prompts_smoke() -> None:
+    """The update-level A/B the docs quote (docs/training.md, "Shared prompts"): the same
+    updates with prompts shared and not, the shared actor reusing the repeated prompts."""
+    report = _smoke("shared_prompts.py")
+    res = report["results"]
+    assert _positive(res["on"]["s_per_update_median"], res["off"]["s_per_update_median"])
+    assert res["off"]["prompt_tokens_reused"] == 0.0
+    assert res["on"]["prompt_tokens_reused"] == pytest.approx(0.5)  # 2 samples of each prompt
+    assert res["max_abs_weight_diff_after_all_rounds"] < 1e-4
+
+
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_inference_smoke_with_vllm() -> None:

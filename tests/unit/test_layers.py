@@ -28,6 +28,7 @@ LAYERS: list[tuple[str, ...]] = [
         "agentrl.jsonsafe",
         "agentrl.http_limits",
         "agentrl.lifetime",
+        "agentrl.kv_cache",
     ),
     # 1: the tool contract, the episode recorder, batches, the RL math
     ("tools", "agentrl.episode", "agentrl.batch", "agentrl.algos"),

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agentrl.kv_cache import cache_kwargs, output_cache
+
 __all__ = ["KV", "HFForward", "LeanForward", "make_forward"]
 
 log = logging.getLogger(__name__)
@@ -61,13 +63,13 @@ class HFForward:
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=DynamicCache(ddp_cache_data=past) if past else DynamicCache(),
             use_cache=True,
             logits_to_keep=1,
+            **cache_kwargs(
+                self.model, DynamicCache(ddp_cache_data=past) if past else DynamicCache()
+            ),
         )
-        return out.logits[:, -1], [
-            (layer.keys, layer.values) for layer in out.past_key_values.layers
-        ]
+        return out.logits[:, -1], [(layer.keys, layer.values) for layer in output_cache(out).layers]
 
 
 class LeanForward:

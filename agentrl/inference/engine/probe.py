@@ -35,6 +35,7 @@ from agentrl.inference.engine.request import (
     normalize_sampling,
 )
 from agentrl.inference.engine.sampling import process_logits, sample_token
+from agentrl.kv_cache import cache_kwargs, output_cache
 from agentrl.types import SamplingParams
 
 __all__ = ["PROBE_MAX_TOKENS", "Probe", "run_probe"]
@@ -96,7 +97,7 @@ def run_probe(
     logprobs: list[float] = []
     x = torch.tensor([ids], dtype=torch.long, device=device)
     out = model(input_ids=x, use_cache=forced is None)
-    cache = out.past_key_values if forced is None else None
+    cache = output_cache(out) if forced is None else None
     rows = out.logits[0, len(prompt) - 1 :].float().cpu()
     for i in range(sampling.max_tokens):
         lp = process_logits(
@@ -114,10 +115,10 @@ def run_probe(
         if forced is None and i + 1 < sampling.max_tokens:
             step = model(
                 input_ids=torch.tensor([[tok]], device=device),
-                past_key_values=cache,
                 use_cache=True,
+                **cache_kwargs(model, cache),
             )
-            cache, rows = step.past_key_values, step.logits[0].float().cpu()
+            cache, rows = output_cache(step), step.logits[0].float().cpu()
     return EngineOutput(
         request_id=request_id(),
         prompt_ids=prompt,
