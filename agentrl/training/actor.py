@@ -27,6 +27,10 @@ Guarantees:
   single-process full-batch gradient. Without ``dist`` nothing changes.
 - ``gradient_checkpointing`` (``trainer.gradient_checkpointing``) gives the same log-probs,
   loss and gradients with less activation memory (:mod:`agentrl.training.memory`).
+- ``share_prompts`` (``trainer.share_prompts``) runs each distinct prompt of a micro-batch once
+  and gives the same log-probs, loss and gradients up to float rounding
+  (:mod:`agentrl.training.shared_prompts`); the first shared micro-batch is checked against
+  the plain forward, and sharing turns off, with a warning, if they differ.
 """
 
 from __future__ import annotations
