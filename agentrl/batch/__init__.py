@@ -28,6 +28,7 @@ from agentrl.batch.schema import (
 from agentrl.batch.split import (
     balance_across_ranks,
     merge_micro_batches,
+    prompt_group_rows,
     prompt_groups,
     select_rows,
     shard_for_ranks,
@@ -50,6 +51,7 @@ __all__ = [
     "check_batch",
     "merge_micro_batches",
     "non_tensor_list",
+    "prompt_group_rows",
     "prompt_groups",
     "select_rows",
     "shard_for_ranks",

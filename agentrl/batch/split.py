@@ -28,6 +28,7 @@ from agentrl.batch.schema import BATCH_SCHEMA, BatchError
 __all__ = [
     "balance_across_ranks",
     "merge_micro_batches",
+    "prompt_group_rows",
     "prompt_groups",
     "select_rows",
     "shard_for_ranks",
@@ -153,6 +154,19 @@ def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Ten
     return inverse
 
 
+def prompt_group_rows(batch: TensorDict) -> list[list[int]] | None:
+    """The rows of each distinct prompt of ``batch`` (:func:`prompt_groups`), each list in row
+    order, the lists in order of their first row; None when every prompt is distinct."""
+    p_width = batch["prompts"].shape[1]
+    groups = prompt_groups(batch["prompts"], batch["attention_mask"][:, :p_width])
+    if groups is None:
+        return None
+    members: dict[int, list[int]] = {}
+    for row, g in enumerate(groups.tolist()):
+        members.setdefault(g, []).append(row)
+    return list(members.values())
+
+
 def split_by_prompt_groups(
     batch: TensorDict, max_tokens: int, trim: bool = True
 ) -> tuple[list[TensorDict], list[list[int]]]:
@@ -162,14 +176,13 @@ def split_by_prompt_groups(
     prompts x the longest prompt + its rows x the longest response. Same return value."""
     if max_tokens < 1:
         raise BatchError(f"split_by_prompt_groups: max_tokens must be >= 1, got {max_tokens}")
-    p_width = batch["prompts"].shape[1]
-    groups = prompt_groups(batch["prompts"], batch["attention_mask"][:, :p_width])
-    if groups is None:
+    members = prompt_group_rows(batch)
+    if members is None:
         return split_by_token_budget(batch, max_tokens, trim)
     prompt_lens, resp_lens = _prompt_and_response_lengths(batch)
     p_list = [max(1, int(x)) for x in prompt_lens.tolist()]
     r_list = [max(1, int(x)) for x in resp_lens.tolist()]
-    units = _group_units(groups.tolist(), p_list, r_list, max_tokens)
+    units = _group_units(members, p_list, r_list, max_tokens)
     units.sort(key=lambda u: (-(p_list[u[0]] + max(r_list[i] for i in u)), u[0]))
     bins: list[list[int]] = []
     shapes: list[tuple[int, int, int]] = []  # (max prompt, max response, prompts) per bin
@@ -191,15 +204,12 @@ def split_by_prompt_groups(
 
 
 def _group_units(
-    groups: list[int], p_list: list[int], r_list: list[int], max_tokens: int
+    members: list[list[int]], p_list: list[int], r_list: list[int], max_tokens: int
 ) -> list[list[int]]:
     """The rows of each prompt group, in chunks whose shared forward (the prompt once, every
     row's response) fits ``max_tokens``; a row over budget alone is a chunk of its own."""
-    members: dict[int, list[int]] = {}
-    for row, g in enumerate(groups):
-        members.setdefault(g, []).append(row)
     units: list[list[int]] = []
-    for rows in members.values():
+    for rows in members:
         chunk: list[int] = []
         for row in sorted(rows, key=lambda i: (-r_list[i], i)):
             r = max([r_list[i] for i in chunk] + [r_list[row]])

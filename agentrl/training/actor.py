@@ -253,7 +253,7 @@ def rank_micro_batches(
     if dist is None:
         split = split_by_prompt_groups if share_prompts else split_by_token_budget
         return split(batch, max(1, max_tokens))
-    plan = dist.plan_mini_batch(batch, max(1, max_tokens))
+    plan = dist.plan_mini_batch(batch, max(1, max_tokens), share_prompts)
     return plan.micro, plan.rows
 
 
@@ -357,9 +357,7 @@ class FrozenPolicy:
 
     def _can_share(self, checkpointed: bool) -> bool:
         """Whether this model and setup can run shared prompts (says why not, once)."""
-        why = sharing_blocker(
-            self.model, distributed=self.dist is not None, checkpointed=checkpointed
-        )
+        why = sharing_blocker(self.model, checkpointed=checkpointed)
         if why is not None and (self.dist is None or self.dist.is_main):
             logger.info("trainer.share_prompts: every row runs its whole prompt: %s", why)
         return why is None
@@ -396,6 +394,10 @@ class FrozenPolicy:
         groups = (
             prompt_groups(input_ids[:, :p_len], mask[:, :p_len]) if self.share_prompts else None
         )
+        if groups is None and self.share_prompts and self.dist is not None:
+            # FSDP2: every forward is a collective, so every rank runs the same two per
+            # micro-batch, whether its rows repeat a prompt or not
+            groups = torch.arange(input_ids.shape[0], device=input_ids.device)
         if groups is None:
             return self._response_logits(input_ids, mask, positions, resp_len)[
                 :, -(resp_len + 1) : -1
@@ -414,7 +416,9 @@ class FrozenPolicy:
     ) -> torch.Tensor:
         """The first shared micro-batch: its logits, compared with the plain forward's (no
         gradient); on a difference beyond float rounding, or an error, sharing turns off with a
-        warning and the plain forward's logits (with gradient) are returned."""
+        warning and the plain forward's logits (with gradient) are returned. Under FSDP2 every
+        rank checks its first micro-batch and they decide together (a collective); an error
+        there is raised (a rank that left the forward mid-way would leave the others waiting)."""
         self._share_checked = True
         try:
             shared = shared_prompt_logits(self.model, input_ids, mask, positions, resp_len, groups)
@@ -424,7 +428,13 @@ class FrozenPolicy:
                 shared.detach(), plain[:, -(resp_len + 1) : -1], mask[:, -resp_len:]
             )
         except Exception as e:  # a model that takes no cache this way: the plain forward is right
+            if self.dist is not None:
+                raise
             error = f"{type(e).__name__}: {e}"
+        if self.dist is not None:  # every rank calls this: the ranks decide together
+            failed_anywhere = self.dist.any_rank(error is not None)
+            if failed_anywhere and error is None:
+                error = "another rank's check failed"
         if error is None:
             return shared
         logger.warning(
@@ -703,7 +713,9 @@ class Actor(FrozenPolicy):
             loss_scale = 1.0
         else:
             # this rank's rows; global normalizers; loss x world size (FSDP averages)
-            plan = self.dist.plan_mini_batch(mb_full, max(1, self.micro_batch_max_tokens))
+            plan = self.dist.plan_mini_batch(
+                mb_full, max(1, self.micro_batch_max_tokens), self.share_prompts
+            )
             norm = (plan.global_tokens, plan.global_seqs)
             micro, indices, loss_scale = plan.micro, plan.rows, plan.loss_scale
         probe = _noise_probe(self.model, self.config, self.dist is None, norm)

@@ -50,7 +50,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from agentrl.batch import balance_across_ranks, select_rows, split_by_token_budget
+from agentrl.batch import (
+    balance_across_ranks,
+    prompt_group_rows,
+    select_rows,
+    split_by_prompt_groups,
+    split_by_token_budget,
+)
 
 __all__ = [
     "DistContext",
@@ -329,6 +335,10 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.mesh.get_group())
         return [float(x) for x in t.cpu()]
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when ``flag`` is True on any rank (a collective)."""
+        return bool(self._gather_ints([int(flag)]).max())
+
     def reduce_metric_sums(
         self, sums: dict[str, float], counts: dict[str, float]
     ) -> tuple[dict[str, float], dict[str, float]]:
@@ -345,23 +355,26 @@ class DistContext:
         return total_s, total_c
 
     # ---- planning -----------------------------------------------------------------------
-    def plan_mini_batch(self, mini_batch: TensorDict, max_tokens: int) -> MiniBatchPlan:
+    def plan_mini_batch(
+        self, mini_batch: TensorDict, max_tokens: int, share_prompts: bool = False
+    ) -> MiniBatchPlan:
         """This rank's share of ``mini_batch`` (identical on every rank), micro-batched.
 
         Rows are assigned by :func:`balance_across_ranks` on valid lengths (prompt + response,
-        the forward cost); this rank's rows are packed by :func:`split_by_token_budget`; the
-        micro-batch count is padded to the maximum over ranks with copies of the mini-batch's
-        first row (``rows == []``).
+        the forward cost; with ``share_prompts`` the rows of one prompt go to one rank together,
+        costed as the prompt once plus their responses); this rank's rows are packed by
+        :func:`split_by_token_budget` (:func:`split_by_prompt_groups`); the micro-batch count
+        is padded to the maximum over ranks with copies of the mini-batch's first row
+        (``rows == []``).
         """
-        lengths = [int(x) for x in mini_batch["attention_mask"].sum(dim=1).tolist()]
-        assignment, _ = balance_across_ranks(lengths, self.world_size)
-        mine = assignment[self.rank]
+        mine = self._my_rows(mini_batch, share_prompts)
         micro: list[TensorDict] = []
         rows: list[list[int]] = []
         tokens = seqs = 0
         if mine:
             local = select_rows(mini_batch, mine)
-            micro, local_rows = split_by_token_budget(local, max_tokens)
+            split = split_by_prompt_groups if share_prompts else split_by_token_budget
+            micro, local_rows = split(local, max_tokens)
             rows = [[mine[i] for i in ix] for ix in local_rows]
             mask = local["response_mask"].float()
             tokens = int(mask.sum().item())
@@ -379,6 +392,18 @@ class DistContext:
             global_seqs=int(everyone[:, 1].sum()),
             loss_scale=float(self.world_size),
         )
+
+    def _my_rows(self, mini_batch: TensorDict, share_prompts: bool) -> list[int]:
+        """The mini-batch rows this rank runs (see :meth:`plan_mini_batch`)."""
+        attn = mini_batch["attention_mask"]
+        lengths = [int(x) for x in attn.sum(dim=1).tolist()]
+        units = prompt_group_rows(mini_batch) if share_prompts else None
+        if units is None:
+            return balance_across_ranks(lengths, self.world_size)[0][self.rank]
+        p_lens = attn[:, : mini_batch["prompts"].shape[1]].sum(dim=1).tolist()
+        cost = [int(p_lens[u[0]]) + sum(lengths[i] - int(p_lens[i]) for i in u) for u in units]
+        assignment, _ = balance_across_ranks(cost, self.world_size)
+        return sorted(row for unit in assignment[self.rank] for row in units[unit])
 
 
 def init_distributed(

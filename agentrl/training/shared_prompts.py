@@ -18,10 +18,13 @@ Guarantees:
   equal to one forward over ``cat(prompt, response)`` per row up to float rounding (the tests
   compare log-probs and gradients on Llama and Qwen2 layouts, with LoRA, left-padded prompts of
   different lengths and rows without a partner).
-- :func:`sharing_blocker` says why a model or setup cannot share (FSDP2 ranks, activation
-  checkpointing, a sliding window, an attention kernel that takes no padding mask with a cache);
+- :func:`sharing_blocker` says why a model or setup cannot share (activation checkpointing, a
+  sliding window, an attention kernel that takes no padding mask with a cache);
   the actor then runs every row whole and says so once. The actor also checks the first shared
   micro-batch against the plain forward and turns sharing off, with a warning, if they differ.
+- Under FSDP2 a prompt's rows go to one rank together (``DistContext.plan_mini_batch``), every
+  rank runs the two forwards of every micro-batch (its forwards are collectives), and the ranks
+  decide the check together.
 """
 
 from __future__ import annotations
@@ -50,10 +53,8 @@ def group_leaders(groups: torch.Tensor) -> torch.Tensor:
     return start.scatter_reduce(0, groups, rows, "amin")
 
 
-def sharing_blocker(model: Any, *, distributed: bool, checkpointed: bool) -> str | None:
+def sharing_blocker(model: Any, *, checkpointed: bool) -> str | None:
     """Why ``model`` cannot run shared prompts here, or None when it can."""
-    if distributed:
-        return "the FSDP2 path runs every row whole (trainer.world_size > 1 or cpu_offload)"
     if checkpointed:
         return "activation checkpointing would replay the KV cache (trainer.gradient_checkpointing)"
     config = getattr(base_model(model), "config", None)

@@ -12,7 +12,9 @@ Face names and shapes. Both normalizer families are covered: ``token-mean`` (glo
 count; unclipped, so the raw gradients are compared) and ``seq-mean-token-mean`` (global
 sequence count; gradient clipping acts). The same for the critic (backbone + value head sharded
 as one module: values, two updates, gradients, gathered weights) and for a ``FrozenPolicy``
-(the reference: log-probs and Σπ²).
+(the reference: log-probs and Σπ²). Shared prompts are on (the default): rows of one prompt go
+to one rank, every rank runs two forwards per micro-batch, and the single-process update without
+sharing is the same.
 
 Mutation check (by hand, on this batch, token-mean with a 0.5 clip): with the world-size loss
 scale removed the gradient norm halved (9.5 vs 19.0; the clipped gradients and Adam's step hid
@@ -51,8 +53,9 @@ GRAD_CLIP = {"token-mean": 1e6, "seq-mean-token-mean": 0.5}
 WORKER_TIMEOUT_S = 600.0  # wall time on a heavily shared machine; the work is ~3 s CPU
 
 
-def _config(mode: str) -> ActorConfig:
+def _config(mode: str, share: bool = True) -> ActorConfig:
     return actor_config(
+        share_prompts=share,
         lr=1e-4,
         grad_clip=GRAD_CLIP[mode],
         micro_batch_max_tokens=40,
@@ -64,13 +67,16 @@ def _config(mode: str) -> ActorConfig:
 
 
 def _batch(model_dir: Path) -> TensorDict:
-    """7 rows, responses of 2..24 tokens, row 3 with no sampled token; π_old perturbed."""
+    """7 rows, responses of 2..24 tokens, row 3 with no sampled token, rows 0-2 and 4-5 with one
+    prompt each (``trainer.share_prompts``, on by default, runs it once); π_old perturbed."""
     rng = random.Random(5)
     trajs = []
     for i in range(7):
         p, r = rng.randint(3, 9), rng.choice([2, 5, 9, 14, 24])
         mask = [0] * r if i == 3 else [1 if rng.random() < 0.75 else 0 for _ in range(r)]
         trajs.append(synthetic_trajectory(rng, i, p, mask))
+    for i, j in ((1, 0), (2, 0), (5, 4)):  # GRPO groups: rows that repeat a prompt share it
+        trajs[i].prompt_ids = list(trajs[j].prompt_ids)
     batch = trajectories_to_batch(trajs, pad_token_id=PAD)
     mask = batch["response_mask"].float()
     gen = torch.Generator().manual_seed(0)
@@ -200,6 +206,16 @@ def test_fsdp2_update_matches_single_process(
 
     with safe_open(str(tiny_model_dir / "model.safetensors"), "pt") as f:
         hf_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+
+    # shared prompts on both sides (the default); the plain forward gives the same update
+    plain = _run(Actor(tiny_model_dir, _config(MODES[0], share=False), **MODEL_ARGS), batch)
+    assert ranks[0][MODES[0]]["metrics"]["actor/prompt_tokens_reused"] > 0
+    assert plain["metrics"]["actor/prompt_tokens_reused"] == 0
+    assert _max_diff(plain["first"], single[MODES[0]]["first"]) < 1e-5
+    assert (
+        max(_max_diff(plain["weights"][k], w) for k, w in single[MODES[0]]["weights"].items())
+        < 1e-5
+    )
 
     for mode in MODES:
         ref, got = single[mode], ranks[0][mode]

@@ -216,10 +216,9 @@ def test_checkpointed_or_windowed_models_run_every_row_whole(
         max_window_layers=0,
     )
     model = AutoModelForCausalLM.from_config(windowed)
-    assert "sliding-window" in sharing_blocker(model, distributed=False, checkpointed=False)
+    assert "sliding-window" in sharing_blocker(model, checkpointed=False)
     model.config._attn_implementation = "flash_attention_2"
-    assert "attention" in sharing_blocker(model, distributed=False, checkpointed=False)
-    assert "FSDP2" in sharing_blocker(model, distributed=True, checkpointed=False)
+    assert "attention" in sharing_blocker(model, checkpointed=False)
 
 
 def test_the_config_knob_reaches_the_actor_and_the_reference() -> None:
