@@ -270,6 +270,25 @@ def random_trajectories(n: int, seed: int = 0) -> list[Any]:
     return out
 
 
+def grouped_trajectories(seed: int = 0) -> list[Any]:
+    """A GRPO batch whose rows repeat prompts (``trainer.share_prompts``): prompts of 4, 9 and 6
+    tokens with 3, 2 and 3 samples each, then one with a single sample; responses of 2-12
+    tokens with ~30 % tool tokens (mask 0)."""
+    import random
+
+    rng = random.Random(seed)
+    out = []
+    for n, p_len in ((3, 4), (2, 9), (3, 6), (1, 5)):
+        prompt = [rng.randrange(256) for _ in range(p_len)]
+        for _ in range(n):
+            mask = [1 if rng.random() < 0.7 else 0 for _ in range(rng.randint(2, 12))]
+            mask[0] = 1
+            traj = synthetic_trajectory(rng, len(out), p_len, mask)
+            traj.prompt_ids = list(prompt)
+            out.append(traj)
+    return out
+
+
 def synthetic_trajectory(rng: Any, i: int, prompt_len: int, loss_mask: list[int]) -> Any:
     """Trajectory ``i`` of a GRPO batch (groups of two, reward ``i % 2``): random byte ids for a
     ``prompt_len``-token prompt and a response as long as ``loss_mask``, rollout log-prob -1 and

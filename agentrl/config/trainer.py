@@ -78,7 +78,7 @@ class TrainerConfig(OptimizerFields):
     world_size: int = Field(default=1, ge=1)
     """Data-parallel trainer ranks (FSDP2 shards actor, reference and critic; rank 0 runs the loop); see docs/distributed.md."""
     share_prompts: bool = True
-    """Run each distinct prompt of a micro-batch once and its samples' responses on its KV cache (the same log-probs and gradients up to float rounding; about half the update's tokens for GRPO on an agent prompt); needs sdpa/eager attention, no sliding window and no gradient_checkpointing, else off, logged; under FSDP2 a prompt's rows train on one rank; see docs/training.md."""
+    """Run each distinct prompt of a micro-batch once and its samples' responses on its KV cache (the same log-probs and gradients up to float rounding; about half the update's tokens for GRPO on an agent prompt); needs sdpa/eager attention and no sliding window, else off, logged; composes with gradient_checkpointing and FSDP2 (a prompt's rows train on one rank); see docs/training.md."""
     gradient_checkpointing: bool = False
     """Recompute each decoder layer's activations in backward instead of keeping them (actor and critic; less memory, about one more forward per update); see docs/training.md."""
     cpu_offload: bool = False

@@ -350,14 +350,14 @@ class FrozenPolicy:
         self.model.eval()
         self._keep_all_logits = False
         """True once the model refused ``logits_to_keep`` (a custom model)."""
-        self.share_prompts = share_prompts and self._can_share(gradient_checkpointing)
+        self.share_prompts = share_prompts and self._can_share()
         """Each distinct prompt of a micro-batch runs once (:mod:`.shared_prompts`)."""
         self._share_checked = False
         """True once a shared micro-batch was compared with the plain forward."""
 
-    def _can_share(self, checkpointed: bool) -> bool:
-        """Whether this model and setup can run shared prompts (says why not, once)."""
-        why = sharing_blocker(self.model, checkpointed=checkpointed)
+    def _can_share(self) -> bool:
+        """Whether this model can run shared prompts (says why not, once)."""
+        why = sharing_blocker(self.model)
         if why is not None and (self.dist is None or self.dist.is_main):
             logger.info("trainer.share_prompts: every row runs its whole prompt: %s", why)
         return why is None

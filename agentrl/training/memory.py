@@ -19,6 +19,8 @@ Guarantees:
   (:func:`~agentrl.training.fsdp.decoder_layers`), so it works for any Hugging Face causal LM,
   under peft LoRA (the adapters sit inside the layers) and under FSDP2 (apply it before
   sharding); without grad mode (log-prob passes) the layers run as before.
+- A layer that runs on top of a KV cache (``trainer.share_prompts``) is recomputed from the
+  cache as its forward found it, so shared prompts and checkpointing compose.
 - It does not depend on ``module.training``: the trainer keeps its models in eval mode (no
   dropout), where Hugging Face's own ``gradient_checkpointing_enable`` would do nothing.
 """
@@ -35,13 +37,33 @@ from agentrl.training.fsdp import decoder_layers
 __all__ = ["checkpoint_decoder_layers"]
 
 
+_CACHE_KWARGS = ("cache", "past_key_values")
+"""The names a decoder layer takes its KV cache under (transformers 5.25 on, and before)."""
+
+
 def _checkpointed(forward: Any) -> Any:
-    """``forward`` recomputed in backward when grad mode is on; plain otherwise."""
+    """``forward`` recomputed in backward when grad mode is on; plain otherwise.
+
+    A layer that runs on top of a KV cache (the trainer's shared prompts) appends its keys and
+    values to it; its recompute in backward starts from the cache as the forward found it, so
+    the replay attends to the same keys (not to its own twice)."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        cache = next((kwargs[k] for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        layers = getattr(cache, "layers", None)
+        if not layers:
+            return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+        found = [dict(vars(layer)) for layer in layers]  # its tensors are replaced, never edited
+
+        def replay(*a: Any, **k: Any) -> Any:
+            for layer, state in zip(layers, found, strict=True):
+                vars(layer).clear()
+                vars(layer).update(state)
+            return forward(*a, **k)
+
+        return checkpoint(replay, *args, use_reentrant=False, **kwargs)
 
     run.agentrl_checkpointed = True  # type: ignore[attr-defined]
     return run

@@ -18,10 +18,12 @@ Guarantees:
   equal to one forward over ``cat(prompt, response)`` per row up to float rounding (the tests
   compare log-probs and gradients on Llama and Qwen2 layouts, with LoRA, left-padded prompts of
   different lengths and rows without a partner).
-- :func:`sharing_blocker` says why a model or setup cannot share (activation checkpointing, a
-  sliding window, an attention kernel that takes no padding mask with a cache);
+- :func:`sharing_blocker` says why a model cannot share (a sliding window, an attention kernel
+  that takes no padding mask with a cache);
   the actor then runs every row whole and says so once. The actor also checks the first shared
   micro-batch against the plain forward and turns sharing off, with a warning, if they differ.
+- With activation checkpointing a layer's recompute starts from the cache as its forward found
+  it (:mod:`agentrl.training.memory`), so the two compose.
 - Under FSDP2 a prompt's rows go to one rank together (``DistContext.plan_mini_batch``), every
   rank runs the two forwards of every micro-batch (its forwards are collectives), and the ranks
   decide the check together.
@@ -53,10 +55,8 @@ def group_leaders(groups: torch.Tensor) -> torch.Tensor:
     return start.scatter_reduce(0, groups, rows, "amin")
 
 
-def sharing_blocker(model: Any, *, checkpointed: bool) -> str | None:
-    """Why ``model`` cannot run shared prompts here, or None when it can."""
-    if checkpointed:
-        return "activation checkpointing would replay the KV cache (trainer.gradient_checkpointing)"
+def sharing_blocker(model: Any) -> str | None:
+    """Why ``model`` cannot run shared prompts, or None when it can."""
     config = getattr(base_model(model), "config", None)
     attn = getattr(config, "_attn_implementation", None) or "eager"
     if attn not in _MASKED_ATTENTION:

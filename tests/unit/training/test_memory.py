@@ -18,7 +18,14 @@ from agentrl.training.actor import Actor
 from agentrl.training.critic import Critic
 from agentrl.training.fsdp import decoder_layers
 from agentrl.training.memory import checkpoint_decoder_layers
-from tests.fakes import MODEL_ARGS, actor_config, critic_config, experiment, random_trajectories
+from tests.fakes import (
+    MODEL_ARGS,
+    actor_config,
+    critic_config,
+    experiment,
+    grouped_trajectories,
+    random_trajectories,
+)
 
 PAD = 256
 
@@ -36,8 +43,8 @@ def _count_attention_calls(model: torch.nn.Module) -> list[int]:
     return calls
 
 
-def _actor_batch(actor: Actor):
-    trajs = random_trajectories(6, seed=3)
+def _actor_batch(actor: Actor, grouped: bool = False):
+    trajs = grouped_trajectories(seed=3) if grouped else random_trajectories(6, seed=3)
     batch = trajectories_to_batch(trajs, pad_token_id=PAD)
     logp = actor.compute_log_probs(batch)
     gen = torch.Generator().manual_seed(0)
@@ -49,8 +56,16 @@ def _actor_batch(actor: Actor):
     return batch
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_actor_checkpointing_gives_the_same_update(tiny_model_dir: Path, lora: bool) -> None:
+@pytest.mark.parametrize(
+    ("lora", "shared"),
+    [(False, False), (True, False), (False, True), (True, True)],
+    ids=["full", "lora", "full-shared-prompts", "lora-shared-prompts"],
+)
+def test_actor_checkpointing_gives_the_same_update(
+    tiny_model_dir: Path, lora: bool, shared: bool
+) -> None:
+    """With shared prompts (rows that repeat a prompt run on its KV cache) each layer's
+    recompute must start from the cache as its forward found it."""
     lora_section = experiment("model.lora.rank=4").model.lora if lora else None
     results = []
     for on in (False, True):
@@ -61,10 +76,12 @@ def test_actor_checkpointing_gives_the_same_update(tiny_model_dir: Path, lora: b
             entropy_coeff=0.01,
             gradient_checkpointing=on,
             lora=lora_section,
+            share_prompts=shared,
         )
         torch.manual_seed(0)  # the same LoRA A initialisation in both runs
         actor = Actor(tiny_model_dir, cfg, **MODEL_ARGS)
-        batch = _actor_batch(actor)
+        assert actor.share_prompts is shared
+        batch = _actor_batch(actor, grouped=shared)
         calls = _count_attention_calls(actor.model)
         metrics, first = actor.update_with_log_probs(batch)
         grads = {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}
@@ -79,6 +96,7 @@ def test_actor_checkpointing_gives_the_same_update(tiny_model_dir: Path, lora: b
     torch.testing.assert_close(f1, f0, atol=1e-6, rtol=0)
     for key, value in m0.items():
         assert m1[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+    assert (m1["actor/prompt_tokens_reused"] > 0) is shared
 
 
 def test_critic_checkpointing_gives_the_same_update(tiny_model_dir: Path) -> None:

@@ -6,7 +6,6 @@ budgets that split a group), and anything that cannot share runs every row whole
 from __future__ import annotations
 
 import logging
-import random
 from pathlib import Path
 
 import pytest
@@ -16,25 +15,9 @@ from agentrl.batch import prompt_groups, split_by_prompt_groups, trajectories_to
 from agentrl.training import actor as actor_module
 from agentrl.training.actor import Actor, FrozenPolicy
 from agentrl.training.shared_prompts import sharing_blocker
-from tests.fakes import MODEL_ARGS, actor_config, experiment, synthetic_trajectory
+from tests.fakes import MODEL_ARGS, actor_config, experiment, grouped_trajectories
 
 PAD = 256
-
-
-def _grouped_trajectories(seed: int = 0) -> list:
-    """GRPO-like: three prompts of 4, 9 and 6 tokens with 3, 2 and 3 samples each, then one
-    prompt with a single sample; responses of 2-12 tokens with ~30 % tool tokens (mask 0)."""
-    rng = random.Random(seed)
-    out = []
-    for n, p_len in ((3, 4), (2, 9), (3, 6), (1, 5)):
-        prompt = [rng.randrange(256) for _ in range(p_len)]
-        for _ in range(n):
-            mask = [1 if rng.random() < 0.7 else 0 for _ in range(rng.randint(2, 12))]
-            mask[0] = 1
-            traj = synthetic_trajectory(rng, len(out), p_len, mask)
-            traj.prompt_ids = list(prompt)
-            out.append(traj)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +58,7 @@ def test_prompt_groups_compare_tokens_and_padding() -> None:
 
 @pytest.mark.parametrize("budget", [24, 60, 100_000])
 def test_split_keeps_a_prompts_rows_together_within_budget(budget: int) -> None:
-    batch = trajectories_to_batch(_grouped_trajectories(), pad_token_id=PAD)
+    batch = trajectories_to_batch(grouped_trajectories(), pad_token_id=PAD)
     micro, rows = split_by_prompt_groups(batch, budget)
     assert sorted(r for ix in rows for r in ix) == list(range(batch.batch_size[0]))
     p_width = batch["prompts"].shape[1]
@@ -100,7 +83,7 @@ def test_split_keeps_a_prompts_rows_together_within_budget(budget: int) -> None:
 def test_log_probs_equal_the_plain_forward(
     tiny_model_dir: Path, llama_dir: Path, kind: str, budget: int
 ) -> None:
-    batch = trajectories_to_batch(_grouped_trajectories(), pad_token_id=PAD)
+    batch = trajectories_to_batch(grouped_trajectories(), pad_token_id=PAD)
     out = []
     for share in (True, False):
         policy = FrozenPolicy(
@@ -121,7 +104,7 @@ def _update(model_dir: Path, share: bool, **fields) -> tuple[dict[str, float], t
     cfg = actor_config(lr=1e-3, grad_clip=1e9, share_prompts=share, **fields)
     torch.manual_seed(0)  # LoRA's A matrices are random
     actor = Actor(model_dir, cfg, **MODEL_ARGS)
-    trajs = _grouped_trajectories(seed=3)
+    trajs = grouped_trajectories(seed=3)
     batch = trajectories_to_batch(trajs, pad_token_id=PAD)
     gen = torch.Generator().manual_seed(0)
     noise = 0.2 * torch.randn(batch["responses"].shape, generator=gen)
@@ -171,7 +154,7 @@ def test_a_disagreeing_shared_forward_turns_sharing_off(
     def skewed(*args, **kwargs):
         return real(*args, **kwargs) + 0.5 * torch.randn(1)
 
-    batch = trajectories_to_batch(_grouped_trajectories(), pad_token_id=PAD)
+    batch = trajectories_to_batch(grouped_trajectories(), pad_token_id=PAD)
     plain = FrozenPolicy(
         tiny_model_dir, temperature=1.0, micro_batch_max_tokens=4096, **MODEL_ARGS
     ).compute_log_probs(batch)
@@ -190,17 +173,7 @@ def test_a_disagreeing_shared_forward_turns_sharing_off(
     torch.testing.assert_close(got, plain, atol=1e-6, rtol=0)
 
 
-def test_checkpointed_or_windowed_models_run_every_row_whole(
-    tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.INFO, logger="agentrl.training.actor"):
-        actor = Actor(
-            tiny_model_dir,
-            actor_config(share_prompts=True, gradient_checkpointing=True),
-            **MODEL_ARGS,
-        )
-    assert actor.share_prompts is False
-    assert "trainer.gradient_checkpointing" in caplog.text
+def test_windowed_or_flash_models_run_every_row_whole() -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     windowed = AutoConfig.for_model(
@@ -216,9 +189,9 @@ def test_checkpointed_or_windowed_models_run_every_row_whole(
         max_window_layers=0,
     )
     model = AutoModelForCausalLM.from_config(windowed)
-    assert "sliding-window" in sharing_blocker(model, checkpointed=False)
+    assert "sliding-window" in sharing_blocker(model)
     model.config._attn_implementation = "flash_attention_2"
-    assert "attention" in sharing_blocker(model, checkpointed=False)
+    assert "attention" in sharing_blocker(model)
 
 
 def test_the_config_knob_reaches_the_actor_and_the_reference() -> None:
