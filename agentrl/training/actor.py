@@ -50,6 +50,7 @@ from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_fr
 from agentrl.batch import (
     check_batch,
     merge_micro_batches,
+    prompt_group_rows,
     prompt_groups,
     split_by_prompt_groups,
     split_by_token_budget,
@@ -354,6 +355,16 @@ class FrozenPolicy:
         """Each distinct prompt of a micro-batch runs once (:mod:`.shared_prompts`)."""
         self._share_checked = False
         """True once a shared micro-batch was compared with the plain forward."""
+        self._ranks_share = False
+        """Under FSDP2: the (mini-)batch being run repeats a prompt, so every rank's micro-batches
+        run the shared forward (set per pass by :meth:`_plan_sharing`, the same on every rank)."""
+
+    def _plan_sharing(self, batch: TensorDict) -> None:
+        """Before a pass over ``batch`` (which every rank holds whole under FSDP2): whether the
+        ranks run the shared forward for it."""
+        self._ranks_share = (
+            self.dist is not None and self.share_prompts and prompt_group_rows(batch) is not None
+        )
 
     def _can_share(self) -> bool:
         """Whether this model can run shared prompts (says why not, once)."""
@@ -394,9 +405,9 @@ class FrozenPolicy:
         groups = (
             prompt_groups(input_ids[:, :p_len], mask[:, :p_len]) if self.share_prompts else None
         )
-        if groups is None and self.share_prompts and self.dist is not None:
-            # FSDP2: every forward is a collective, so every rank runs the same two per
-            # micro-batch, whether its rows repeat a prompt or not
+        if groups is None and self._ranks_share:
+            # FSDP2: every forward is a collective, so while the (mini-)batch repeats a prompt
+            # every rank runs two per micro-batch, whether its own rows repeat one or not
             groups = torch.arange(input_ids.shape[0], device=input_ids.device)
         if groups is None:
             return self._response_logits(input_ids, mask, positions, resp_len)[
@@ -483,6 +494,7 @@ class FrozenPolicy:
         was_training = self.model.training
         self.model.eval()
         n, resp_len = batch.batch_size[0], batch["responses"].shape[1]
+        self._plan_sharing(batch)
         micro, rows = rank_micro_batches(
             batch, self.micro_batch_max_tokens, self.dist, self.share_prompts
         )
@@ -706,6 +718,7 @@ class Actor(FrozenPolicy):
         ``"stepped"``, or why not: ``"nonfinite"`` (gradient) or ``"empty"`` (no valid token)."""
         width = float(mb_full["responses"].shape[1])
         self.optimizer.zero_grad(set_to_none=True)
+        self._plan_sharing(mb_full)
         if self.dist is None:
             mask = mb_full["response_mask"].float()
             norm = (mask.sum().item(), (mask.sum(dim=1) > 0).sum().item())
