@@ -17,7 +17,10 @@ reports:
 Variants: ``baseline``; ``checkpointing`` (``trainer.gradient_checkpointing``); ``offload``
 (``trainer.cpu_offload``: FSDP2 ``CPUOffloadPolicy`` on a one-rank group; on CPU the host *is* the
 device, so only its time cost shows); ``small_micro`` (a quarter of the token budget) and
-``checkpointing+small_micro`` (the two composed).
+``checkpointing+small_micro`` (the two composed); ``grouped_plain`` and ``grouped_shared``: a
+batch whose rows come in groups of 4 with one prompt (GRPO samples of one task), with
+``trainer.share_prompts`` off and on (the other variants' prompts are all distinct, so sharing
+has nothing to do there).
 
 Usage: ``python benchmarks/memory_savers.py [--device cpu] [--rounds 2]``; prints JSON.
 ``--smoke`` runs ``offload`` and ``checkpointing+small_micro`` (every saver's code path; each child
@@ -52,6 +55,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "offload": {"cpu_offload": True},
     "small_micro": {"micro_divisor": 4},
     "checkpointing+small_micro": {"gradient_checkpointing": True, "micro_divisor": 4},
+    "grouped_plain": {"grouped": True, "share_prompts": False},
+    "grouped_shared": {"grouped": True, "share_prompts": True},
 }
 
 
@@ -66,8 +71,9 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
-def _batch(rows: int, prompt: int, response: int, seed: int) -> Any:
-    """A GRPO batch: ``rows`` episodes of ``prompt + response`` random byte tokens."""
+def _batch(rows: int, prompt: int, response: int, seed: int, group: int = 1) -> Any:
+    """A GRPO batch: ``rows`` episodes of ``prompt + response`` random byte tokens, each run of
+    ``group`` rows with one prompt (a task's samples)."""
     import random
 
     import torch
@@ -76,9 +82,10 @@ def _batch(rows: int, prompt: int, response: int, seed: int) -> Any:
     from agentrl.types import StopReason, Trajectory
 
     rng = random.Random(seed)
+    prompts = [[rng.randrange(256) for _ in range(prompt)] for _ in range(rows)]
     trajs = [
         Trajectory(
-            prompt_ids=[rng.randrange(256) for _ in range(prompt)],
+            prompt_ids=list(prompts[i - i % group]),
             response_ids=[rng.randrange(256) for _ in range(response)],
             loss_mask=[1] * response,
             rollout_logprobs=[-5.0] * response,
@@ -131,6 +138,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             f"trainer.micro_batch_max_tokens={budget}",
             f"trainer.gradient_checkpointing={str(v.get('gradient_checkpointing', False)).lower()}",
             f"trainer.mini_batch_size={args.rows}",
+            f"trainer.share_prompts={str(v.get('share_prompts', True)).lower()}",
             "data.n_samples=1",
         ],
     )
@@ -144,7 +152,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         trust_remote_code=False,
         dist=dist_ctx,
     )
-    batch = _batch(args.rows, args.prompt, args.response, seed=1)
+    batch = _batch(
+        args.rows, args.prompt, args.response, seed=1, group=4 if v.get("grouped") else 1
+    )
     loaded = _rss_mb()
     cuda = args.device == "cuda"
     times = []
