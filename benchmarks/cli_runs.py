@@ -20,7 +20,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["median_after_first", "mlflow_metrics", "run_train"]
+__all__ = [
+    "add_agent_workload_args",
+    "median_after_first",
+    "mlflow_metrics",
+    "report",
+    "rotated",
+    "run_train",
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,3 +102,34 @@ def median_after_first(series: Mapping[int, float]) -> float:
     steps = sorted(series)
     values = [series[s] for s in steps[1:]] or [series[s] for s in steps]
     return statistics.median(values)
+
+
+def add_agent_workload_args(p: Any) -> None:
+    """The agent-shaped workload both engine and trainer benchmarks build (an ``argparse``
+    parser's options): the model, tasks x samples, a shared system block, each task's question,
+    a model turn and a tool answer, in tokens."""
+    p.add_argument("--model-dir", type=Path, default=ROOT / "checkpoints" / "calculator-sft")
+    p.add_argument("--tasks", type=int, default=8)
+    p.add_argument("--samples", type=int, default=4)
+    p.add_argument("--system-tokens", type=int, default=150)
+    p.add_argument("--question-tokens", type=int, default=25)
+    p.add_argument("--turn-tokens", type=int, default=24)
+    p.add_argument("--tool-tokens", type=int, default=20)
+
+
+def report(name: str, args: Any, result: dict[str, Any], started: float) -> dict[str, Any]:
+    """A benchmark's JSON (printed too): its workload (``args`` but the model's path and
+    ``--smoke``), the model's name, the machine's CPUs and load, its wall since ``started``
+    (``time.perf_counter``), and ``result``."""
+    out = {
+        "benchmark": name,
+        "level": args.level,
+        "workload": {k: v for k, v in vars(args).items() if k not in ("model_dir", "smoke")},
+        "model": args.model_dir.name,
+        "cpus": len(os.sched_getaffinity(0)),
+        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+        "wall_s": round(time.perf_counter() - started, 1),
+        "results": result,
+    }
+    print(json.dumps(out, indent=2))
+    return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import json
 import os
 import statistics
 import sys
@@ -41,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from cli_runs import rotated  # noqa: E402
+from cli_runs import add_agent_workload_args, report, rotated  # noqa: E402
 
 ENGINE_VARIANTS = {
     "old": (False, 0.0),
@@ -206,31 +205,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--level", choices=["engine", "train"], default="engine")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=12, help="train level: steps per run")
-    p.add_argument("--model-dir", type=Path, default=ROOT / "checkpoints" / "calculator-sft")
-    p.add_argument("--tasks", type=int, default=8)
-    p.add_argument("--samples", type=int, default=4)
-    p.add_argument("--system-tokens", type=int, default=150)
-    p.add_argument("--question-tokens", type=int, default=25)
-    p.add_argument("--turn-tokens", type=int, default=24)
-    p.add_argument("--tool-tokens", type=int, default=20)
+    add_agent_workload_args(p)
     p.add_argument("--smoke", action="store_true", help="one engine round of 2 x 2 (CI)")
     args = p.parse_args(argv)
     if args.smoke:
         args.level, args.rounds, args.tasks, args.samples, args.turn_tokens = "engine", 1, 2, 2, 4
     t0 = time.perf_counter()
     result = run_engine_level(args) if args.level == "engine" else run_train_level(args)
-    report = {
-        "benchmark": "engine_paths",
-        "level": args.level,
-        "workload": {k: v for k, v in vars(args).items() if k not in ("model_dir", "smoke")},
-        "model": args.model_dir.name,
-        "cpus": len(os.sched_getaffinity(0)),
-        "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
-        "wall_s": round(time.perf_counter() - t0, 1),
-        "results": result,
-    }
-    print(json.dumps(report, indent=2))
-    return report
+    return report("engine_paths", args, result, t0)
 
 
 if __name__ == "__main__":
