@@ -19,14 +19,14 @@ Guarantees:
   compare log-probs and gradients on Llama and Qwen2 layouts, with LoRA, left-padded prompts of
   different lengths and rows without a partner).
 - :func:`sharing_blocker` says why a model cannot share (a sliding window, an attention kernel
-  that takes no padding mask with a cache);
-  the actor then runs every row whole and says so once. The actor also checks the first shared
-  micro-batch against the plain forward and turns sharing off, with a warning, if they differ.
+  that takes no padding mask with a cache); the actor then runs every row whole and says so
+  once. The actor also checks the first shared micro-batch against the plain forward and turns
+  sharing off, with a warning, if they differ.
 - With activation checkpointing a layer's recompute starts from the cache as its forward found
   it (:mod:`agentrl.training.memory`), so the two compose.
-- Under FSDP2 a prompt's rows go to one rank together (``DistContext.plan_mini_batch``), every
-  rank runs the two forwards of every micro-batch (its forwards are collectives), and the ranks
-  decide the check together.
+- Under FSDP2 a prompt's rows go to one rank together (``DistContext.plan_mini_batch``); while
+  a mini-batch repeats a prompt every rank runs the two forwards of every micro-batch (FSDP2's
+  forwards are collectives), and the ranks decide the check together.
 """
 
 from __future__ import annotations
