@@ -372,8 +372,16 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--fixed-targets",
         type=float,
         nargs="*",
-        default=[0.5, 0.6],
+        default=[0.5, 0.6, 0.7],
         help="also time every system to these held-out accuracies (the same for every seed)",
+    )
+    p.add_argument(
+        "--pool",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="summarize the runs of these earlier result JSONs together (no training, no "
+        "evaluation: their snapshots carry their held-out accuracy) into OUT.json + OUT.png",
     )
     p.add_argument("--model-dir", type=Path, default=CHECKPOINT)
     p.add_argument("--trl-python", type=Path, default=ROOT / ".venv-trl" / "bin" / "python")
@@ -430,6 +438,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         record = run_agentrl_child(args) if args.child else eval_child(args)
         Path(args.record).write_text(json.dumps(record))
         return None
+    if args.pool:
+        return pool(args)
     if "trl" in args.systems and not args.trl_python.is_file():
         raise SystemExit(f"no TRL python at {args.trl_python}; run `make setup-peers` first")
     prepare(args)
@@ -444,6 +454,38 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     report = finish(args, runs, time.perf_counter() - t0)
     print(json.dumps(report, indent=2))
     return report
+
+
+def pool(args: argparse.Namespace) -> dict[str, Any]:
+    """``--pool``: the runs of several result JSONs (the same workload, other seeds) summarized
+    as one, with this call's ``--fixed-targets``; the curves start from the mean of the files'
+    warm-start evaluations (each is one sampled evaluation of the same model); refuses a seed
+    run twice, or files evaluated with different ``val_n``."""
+    if args.out is None:
+        raise SystemExit("--pool needs --out OUT (it writes OUT.json and OUT.png)")
+    reports = [json.loads(path.read_text()) for path in args.pool]
+    warm = [r["warm_start_acc"] for r in reports]
+    runs = [run for r in reports for run in r["runs"]]
+    keys = [(run["system"], run["seed"]) for run in runs]
+    if len(set(keys)) != len(keys):
+        raise SystemExit("--pool: a (system, seed) appears in more than one file")
+    systems = list(dict.fromkeys(run["system"] for run in runs))
+    summary = summarize(runs, statistics.fmean(warm), systems, args.fixed_targets)
+    val_n = {r.get("val_n", args.val_n) for r in reports}
+    if len(val_n) != 1:
+        raise SystemExit(f"--pool: the files evaluated different val_n ({sorted(val_n)})")
+    summary.update(
+        benchmark="time_to_accuracy",
+        val_n=val_n.pop(),
+        pooled_from=[str(p) for p in args.pool],
+        warm_start_acc_per_file=warm,
+        runs=runs,
+    )
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2))
+    seeds = sorted({run["seed"] for run in runs})
+    plot(summary, args.out.with_suffix(".png"), f"pooled: seeds {seeds}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "runs"}, indent=2))
+    return summary
 
 
 _FILES = {"tool": "tool.jsonl", "trl": "trl_tasks.jsonl", "tools_json": "tools.json"}

@@ -15,6 +15,7 @@ from time_to_accuracy import (
     SYSTEMS,
     agentrl_overrides,
     first_crossing,
+    main,
     parse,
     summarize,
 )
@@ -74,6 +75,32 @@ def test_fixed_targets_time_every_seed_to_the_same_accuracy() -> None:
     assert half["trl_s"] == pytest.approx(10.0 + 10.0 * (0.2 / 0.6))
     assert half["ratio"] == pytest.approx(10.0 / (10.0 + 10.0 / 3))
     assert vs["fixed_targets"]["0.8"]["reached"] == "0/1"
+
+
+def test_pool_summarizes_the_runs_of_several_files_as_one(tmp_path: Path) -> None:
+    """``--pool``: two result files' runs, one summary (the warm starts averaged); a seed run in
+    both files is refused."""
+    import json
+
+    def report(seed: int, warm: float, ours: float) -> dict:
+        def run(system: str, acc: float) -> dict:
+            snaps = [{"wall_s": 10.0, "acc": acc}, {"wall_s": 20.0, "acc": acc + 0.2}]
+            return {"system": system, "seed": seed, "snapshots": snaps}
+
+        return {"warm_start_acc": warm, "runs": [run("agentrl_async", ours), run("trl", 0.3)]}
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps(report(0, 0.1, 0.5)))
+    b.write_text(json.dumps(report(1, 0.2, 0.2)))
+    out = main(["--pool", str(a), str(b), "--out", str(tmp_path / "p"), "--fixed-targets", "0.5"])
+    assert out is not None and (tmp_path / "p.json").is_file() and (tmp_path / "p.png").is_file()
+    assert out["warm_start_acc"] == pytest.approx(0.15)
+    vs = out["systems"]["agentrl_async"]["vs_trl"]
+    assert [p["seed"] for p in vs["per_seed"]] == [0, 1]
+    assert vs["fixed_targets"]["0.5"]["per_seed"][0]["agentrl_s"] == pytest.approx(10.0)
+    assert vs["fixed_targets"]["0.5"]["per_seed"][1]["agentrl_s"] is None  # 0.2 -> 0.4
+    with pytest.raises(SystemExit, match="more than one file"):
+        main(["--pool", str(a), str(a), "--out", str(tmp_path / "q")])
 
 
 def test_each_agentrl_system_loads_and_differs_only_in_its_own_overrides(tmp_path: Path) -> None:
