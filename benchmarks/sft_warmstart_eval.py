@@ -56,6 +56,8 @@ def _generate(
 
     import torch
 
+    from agentrl.kv_cache import cache_kwargs, output_cache
+
     first = prompts[0]
     limit = min(len(p) for p in prompts) - 1
     n = 0
@@ -67,7 +69,7 @@ def _generate(
     torch.manual_seed(seed)
     texts: list[str] = [""] * len(prompts)
     with torch.no_grad():
-        prefix = model(input_ids=torch.tensor([first[:n]]), use_cache=True).past_key_values
+        prefix = output_cache(model(input_ids=torch.tensor([first[:n]]), use_cache=True))
         by_len: dict[int, list[int]] = {}
         for i, p in enumerate(prompts):
             by_len.setdefault(len(p), []).append(i)
@@ -78,10 +80,10 @@ def _generate(
             out = model.generate(
                 input_ids=ids,
                 attention_mask=torch.ones_like(ids),
-                past_key_values=cache,
                 max_new_tokens=max_new_tokens,
                 eos_token_id=tokenizer.eos_token_id,
                 pad_token_id=tokenizer.pad_token_id,
+                **cache_kwargs(model, cache),
                 **kwargs,
             )
             for i, row in zip(idx, out[:, length:].tolist(), strict=True):

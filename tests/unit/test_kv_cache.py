@@ -30,11 +30,8 @@ class _Peft:  # peft: the base model's name counts
 def test_the_name_is_the_one_the_forward_declares() -> None:
     from transformers import LlamaForCausalLM
 
-    stock = (
-        "cache"
-        if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters
-        else ("past_key_values")
-    )
+    declared = inspect.signature(LlamaForCausalLM.forward).parameters
+    stock = "cache" if "cache" in declared else "past_key_values"
     assert cache_kwargs(_New(), 1) == {"cache": 1}
     assert cache_kwargs(_Old(), 2) == {"past_key_values": 2}
     assert cache_kwargs(_Peft(), 3) == {"past_key_values": 3}
