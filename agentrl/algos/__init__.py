@@ -34,7 +34,7 @@ from agentrl.algos.kl import (
     kl_estimator_names,
     kl_penalty,
 )
-from agentrl.algos.logits import entropy_from_logits, logprobs_from_logits
+from agentrl.algos.logits import entropy_from_logits, logits_disagreement, logprobs_from_logits
 from agentrl.algos.losses import POLICY_LOSSES, policy_loss, register_policy_loss, value_loss
 from agentrl.algos.registry import Registry
 from agentrl.algos.utils import masked_mean, masked_sum, masked_var, masked_whiten
@@ -55,6 +55,7 @@ __all__ = [
     "entropy_from_logits",
     "kl_estimator_names",
     "kl_penalty",
+    "logits_disagreement",
     "logprobs_from_logits",
     "loss_normalizers",
     "masked_mean",

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["entropy_from_logits", "logprobs_from_logits"]
+__all__ = ["entropy_from_logits", "logits_disagreement", "logprobs_from_logits"]
 
 # Rows per chunk for half-precision inputs: bounds the float32 working copy to chunk × V.
 _DEFAULT_CHUNK_ROWS = 1024
@@ -92,3 +92,17 @@ def logprobs_from_logits(
         outs.append(z.gather(-1, lab).squeeze(-1) - torch.logsumexp(z, dim=-1))
         start += rows
     return torch.cat(outs).reshape(lead)
+
+
+def logits_disagreement(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> str | None:
+    """None when two computations of the same logits agree within float rounding of ``dtype``
+    (1e-4 in float32, 5e-2 in a half type, relative to the largest ``want`` logit, at least 1),
+    else by how much they differ. The one rule for "the same forward, computed another way"
+    (the engine's lean forward, the trainer's shared prompts)."""
+    x, y = got.float(), want.float()
+    if x.numel() == 0:
+        return None
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    scale = max(1.0, float(y.abs().max()))
+    diff = float((x - y).abs().max())
+    return None if diff <= tol * scale else f"logits differ by {diff:.3g}"

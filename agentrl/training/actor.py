@@ -46,7 +46,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tensordict import TensorDict
 
-from agentrl.algos import agg_loss, entropy_from_logits, kl_penalty, logprobs_from_logits
+from agentrl.algos import (
+    agg_loss,
+    entropy_from_logits,
+    kl_penalty,
+    logits_disagreement,
+    logprobs_from_logits,
+)
 from agentrl.batch import (
     check_batch,
     merge_micro_batches,
@@ -274,30 +280,16 @@ def merge_rank_rows(
     return merge_micro_batches([o.cpu() for o in outputs], rows, width=width)
 
 
-def _disagreement(shared: torch.Tensor, plain: torch.Tensor, resp_mask: torch.Tensor) -> str | None:
-    """None when two ``[b, R, V]`` logit tensors agree on the valid response columns within
-    float rounding of their dtype (relative to the largest logit), else by how much they differ."""
-    keep = resp_mask.bool()
-    x, y = shared[keep].float(), plain[keep].float()
-    if x.numel() == 0:
-        return None
-    tol = 1e-4 if plain.dtype == torch.float32 else 5e-2
-    scale = max(1.0, float(y.abs().max()))
-    diff = float((x - y).abs().max())
-    return None if diff <= tol * scale else f"logits differ by {diff:.3g}"
-
-
-def _prompt_reuse(mb: TensorDict, shared: bool) -> tuple[str, float, float]:
-    """``actor/prompt_tokens_reused`` of a micro-batch, as a :class:`_Stats` entry weighted by
-    its prompt tokens: the share of them that a shared forward did not recompute."""
+def _prompt_reuse(mb: TensorDict) -> tuple[float, float]:
+    """The share of a micro-batch's prompt tokens that a shared forward does not recompute, and
+    its prompt tokens (the weight of ``actor/prompt_tokens_reused``)."""
     p_len = mb["prompts"].shape[1]
     mask = mb["attention_mask"][:, :p_len]
     total = float(mask.sum())
-    groups = prompt_groups(mb["prompts"], mask) if shared else None
+    groups = prompt_groups(mb["prompts"], mask)
     if groups is None or total == 0:
-        return "actor/prompt_tokens_reused", 0.0, total
-    computed = float(mask[group_leaders(groups)].sum())
-    return "actor/prompt_tokens_reused", (total - computed) / total, total
+        return 0.0, total
+    return (total - float(mask[group_leaders(groups)].sum())) / total, total
 
 
 class FrozenPolicy:
@@ -435,9 +427,9 @@ class FrozenPolicy:
             shared = shared_prompt_logits(self.model, input_ids, mask, positions, resp_len, groups)
             with torch.no_grad():
                 plain = self._response_logits(input_ids, mask, positions, resp_len)
-            error = _disagreement(
-                shared.detach(), plain[:, -(resp_len + 1) : -1], mask[:, -resp_len:]
-            )
+            keep = mask[:, -resp_len:].bool()  # the valid response columns
+            wanted = plain[:, -(resp_len + 1) : -1][keep]
+            error = logits_disagreement(shared.detach()[keep], wanted, plain.dtype)
         except Exception as e:  # a model that takes no cache this way: the plain forward is right
             if self.dist is not None:
                 raise
@@ -738,7 +730,8 @@ class Actor(FrozenPolicy):
             padding = not rows
             logp, entropy = self._forward(mb, with_entropy=True)
             if not padding:
-                stats.add(*_prompt_reuse(mb, self.share_prompts))
+                reused, prompt_tokens = _prompt_reuse(mb) if self.share_prompts else (0.0, 1.0)
+                stats.add("actor/prompt_tokens_reused", reused, prompt_tokens)
             if epoch == 0 and not padding:
                 first[0].append(logp.detach().cpu())
                 first[1].append([start + r for r in rows])

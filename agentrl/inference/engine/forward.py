@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from agentrl.algos import logits_disagreement
 from agentrl.kv_cache import cache_kwargs, output_cache
 
 __all__ = ["KV", "HFForward", "LeanForward", "make_forward"]
@@ -198,14 +199,12 @@ def _self_check(lean: LeanForward, hf: HFForward, model: Any) -> str | None:
     mask = torch.ones(2, 7, dtype=torch.long, device=device)
     mask[1, :3] = 0
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    tol = 1e-4 if param.dtype == torch.float32 else 5e-2
     (a, kv_a), (b, kv_b) = lean(ids, pos, mask, None), hf(ids, pos, mask, None)
     step_ids, step_pos = ids[:, -1:], pos[:, -1:] + 1
     mask2 = torch.cat([mask, torch.ones(2, 1, dtype=torch.long, device=device)], 1)
     (c, _), (d, _) = lean(step_ids, step_pos, mask2, kv_a), hf(step_ids, step_pos, mask2, kv_b)
     for what, x, y in (("prefill", a, b), ("decode", c, d)):
-        scale = max(1.0, float(y.float().abs().max()))
-        diff = float((x.float() - y.float()).abs().max())
-        if not diff <= tol * scale:
-            return f"{what} logits differ by {diff:.3g}"
+        error = logits_disagreement(x, y, param.dtype)
+        if error is not None:
+            return f"{what}: {error}"
     return None
