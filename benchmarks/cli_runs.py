@@ -15,6 +15,7 @@ import sqlite3
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,8 +23,10 @@ from typing import Any
 
 __all__ = [
     "add_agent_workload_args",
+    "interleaved_quickstart_runs",
     "median_after_first",
     "mlflow_metrics",
+    "paired_ratio",
     "report",
     "rotated",
     "run_train",
@@ -133,3 +136,44 @@ def report(name: str, args: Any, result: dict[str, Any], started: float) -> dict
     }
     print(json.dumps(out, indent=2))
     return out
+
+
+def interleaved_quickstart_runs(
+    variants: Mapping[str, tuple[Mapping[str, str], Sequence[str]]],
+    args: Any,
+    keys: Sequence[str],
+    label: str,
+) -> dict[str, dict[str, list[float]]]:
+    """``agentrl train configs/quickstart.yaml`` from ``args.model_dir`` for ``args.steps`` steps
+    (no validation), every variant (name -> (environment, overrides)) once per round of
+    ``args.rounds``, in a rotated order; per variant and metric of ``keys``, the median after the
+    first step of each round's run."""
+    work = Path(tempfile.mkdtemp(prefix=f"agentrl-{label}-"))
+    names = list(variants)
+    out: dict[str, dict[str, list[float]]] = {n: {k: [] for k in keys} for n in names}
+    for r in range(args.rounds):
+        for n in rotated(names, r):
+            env, overrides = variants[n]
+            res = run_train(
+                ROOT / "configs" / "quickstart.yaml",
+                work / f"{n}-{r}",
+                [
+                    f"model.path={args.model_dir}",
+                    f"trainer.total_steps={args.steps}",
+                    "trainer.val_before_train=false",
+                    "trainer.val_at_end=false",
+                    *overrides,
+                ],
+                env=env,
+            )
+            for key in keys:
+                out[n][key].append(median_after_first(res["metrics"][key]))
+            got = " ".join(f"{k}={out[n][k][-1]:.3f}" for k in keys)
+            print(f"round {r} {n}: {got}", file=sys.stderr)
+    return out
+
+
+def paired_ratio(before: Sequence[float], after: Sequence[float]) -> dict[str, Any]:
+    """after / before per round (the rounds pair them), with the median."""
+    pairs = [b / a for a, b in zip(before, after, strict=True)]
+    return {"median": round(statistics.median(pairs), 3), "per_round": [round(p, 3) for p in pairs]}

@@ -31,7 +31,6 @@ import concurrent.futures
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -165,38 +164,19 @@ def summarize_engine(rounds: dict[str, list[dict[str, Any]]], forwards: dict[str
 
 # ---- train level -------------------------------------------------------------------------------
 def run_train_level(args: argparse.Namespace) -> dict[str, Any]:
-    from cli_runs import median_after_first, run_train
+    from cli_runs import interleaved_quickstart_runs, paired_ratio
 
-    work = Path(tempfile.mkdtemp(prefix="agentrl-engine-paths-"))
-    names = list(TRAIN_VARIANTS)
-    steps: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for n in rotated(names, r):
-            env, overrides = TRAIN_VARIANTS[n]
-            res = run_train(
-                ROOT / "configs" / "quickstart.yaml",
-                work / f"{n}-{r}",
-                [
-                    f"model.path={args.model_dir}",
-                    f"trainer.total_steps={args.steps}",
-                    "trainer.val_before_train=false",
-                    "trainer.val_at_end=false",
-                    *overrides,
-                ],
-                env={"AGENTRL_LEAN_FORWARD": "", **env},
-            )
-            steps[n].append(median_after_first(res["metrics"]["timing_s/step"]))
-            print(f"round {r} {n}: {steps[n][-1]:.3f} s/step", file=sys.stderr)
+    variants = {
+        n: ({"AGENTRL_LEAN_FORWARD": "", **env}, o) for n, (env, o) in TRAIN_VARIANTS.items()
+    }
+    runs = interleaved_quickstart_runs(variants, args, ["timing_s/step"], "engine-paths")
+    steps = {n: r["timing_s/step"] for n, r in runs.items()}
     out: dict[str, Any] = {
         n: {"s_per_step_median": round(statistics.median(v), 4), "runs": [round(x, 4) for x in v]}
         for n, v in steps.items()
     }
     for mode in ("sync", "async"):
-        pairs = [b / a for a, b in zip(steps[f"{mode}_old"], steps[f"{mode}_new"], strict=True)]
-        out[f"{mode}_new_over_old"] = {
-            "median": round(statistics.median(pairs), 3),
-            "per_round": [round(p, 3) for p in pairs],
-        }
+        out[f"{mode}_new_over_old"] = paired_ratio(steps[f"{mode}_old"], steps[f"{mode}_new"])
     return out
 
 

@@ -186,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=448)
+    parser.add_argument(
+        "--threads", type=int, default=0, help="torch threads of each child (0 = every usable CPU)"
+    )
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--variant", help=argparse.SUPPRESS)  # child mode
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -195,12 +198,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args)))
         return 0
     shape = MODEL
-    env = None
     if args.smoke:
         shape = SMOKE_MODEL
         args.rounds, args.updates, args.rows, args.prompt, args.response = 1, 1, 2, 8, 24
         args.variants = "offload,checkpointing+small_micro"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        args.threads = 1
+    threads = str(args.threads or len(os.sched_getaffinity(0)))  # one child runs at a time
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
     from agentrl.inference.tiny_model import build_tiny_model
 
     model = build_tiny_model(Path(tempfile.mkdtemp(prefix="agentrl-mem-")) / "qwen2", **shape)

@@ -26,7 +26,6 @@ import argparse
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -142,31 +141,13 @@ def run_update_level(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- train level -------------------------------------------------------------------------------
 def run_train_level(args: argparse.Namespace) -> dict[str, Any]:
-    from cli_runs import median_after_first, run_train
+    from cli_runs import interleaved_quickstart_runs, paired_ratio
 
-    work = Path(tempfile.mkdtemp(prefix="agentrl-shared-prompts-"))
-    names = list(TRAIN_VARIANTS)
-    step: dict[str, list[float]] = {n: [] for n in names}
-    update: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(args.rounds):
-        for n in rotated(names, r):
-            res = run_train(
-                ROOT / "configs" / "quickstart.yaml",
-                work / f"{n}-{r}",
-                [
-                    f"model.path={args.model_dir}",
-                    f"trainer.total_steps={args.steps}",
-                    "trainer.val_before_train=false",
-                    "trainer.val_at_end=false",
-                    *TRAIN_VARIANTS[n],
-                ],
-            )
-            step[n].append(median_after_first(res["metrics"]["timing_s/step"]))
-            update[n].append(median_after_first(res["metrics"]["timing_s/update_actor"]))
-            print(
-                f"round {r} {n}: {step[n][-1]:.3f} s/step {update[n][-1]:.3f} s/update",
-                file=sys.stderr,
-            )
+    keys = ["timing_s/step", "timing_s/update_actor"]
+    variants = {n: ({}, overrides) for n, overrides in TRAIN_VARIANTS.items()}
+    runs = interleaved_quickstart_runs(variants, args, keys, "shared-prompts")
+    step = {n: r["timing_s/step"] for n, r in runs.items()}
+    update = {n: r["timing_s/update_actor"] for n, r in runs.items()}
     out: dict[str, Any] = {
         n: {
             "s_per_step_median": round(statistics.median(step[n]), 4),
@@ -174,17 +155,13 @@ def run_train_level(args: argparse.Namespace) -> dict[str, Any]:
             "steps": [round(x, 4) for x in step[n]],
             "updates": [round(x, 4) for x in update[n]],
         }
-        for n in names
+        for n in runs
     }
     for mode in ("sync", "async"):
         for what, series in (("step", step), ("update", update)):
-            pairs = [
-                b / a for a, b in zip(series[f"{mode}_off"], series[f"{mode}_on"], strict=True)
-            ]
-            out[f"{mode}_{what}_on_over_off"] = {
-                "median": round(statistics.median(pairs), 3),
-                "per_round": [round(p, 3) for p in pairs],
-            }
+            out[f"{mode}_{what}_on_over_off"] = paired_ratio(
+                series[f"{mode}_off"], series[f"{mode}_on"]
+            )
     return out
 
 
